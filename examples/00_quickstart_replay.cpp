@@ -142,6 +142,15 @@ int main(int argc, char** argv) {
   std::printf("replay from the reopened file: %ld expert choices differ from the recording; file size %llu bytes "
               "(%d-byte ids)\n",
               mismatches, static_cast<unsigned long long>(std::filesystem::file_size(file)), reopened.id_width());
-  std::printf("\nread it from Python: python3 examples/python/read_routes.py %s --uid 1000\n", file.string().c_str());
+#ifndef MRR_READ_ROUTES_PY
+#define MRR_READ_ROUTES_PY "examples/python/read_routes.py"
+#endif
+#ifdef MRR_PYTHON_WITH_NUMPY
+  std::printf("\nread it from Python: %s %s %s --uid 1000\n", MRR_PYTHON_WITH_NUMPY, MRR_READ_ROUTES_PY,
+              file.string().c_str());
+#else
+  std::printf("\nread it from Python (needs numpy: apt-get install python3-numpy): python3 %s %s --uid 1000\n",
+              MRR_READ_ROUTES_PY, file.string().c_str());
+#endif
   return mismatches == 0 ? 0 : 1;
 }

@@ -2,6 +2,12 @@
 # users copy is the code that is compiled and run.
 mrr_add_example(00_quickstart_replay SOURCES 00_quickstart_replay.cpp
                 ARGS ${CMAKE_CURRENT_BINARY_DIR}/quickstart_routes.mrr)
+# The hint it prints names an interpreter that has numpy (or says to install it).
+if(MRR_PYTHON_WITH_NUMPY)
+  target_compile_definitions(00_quickstart_replay PRIVATE MRR_PYTHON_WITH_NUMPY="${MRR_PYTHON_WITH_NUMPY}")
+endif()
+target_compile_definitions(00_quickstart_replay PRIVATE
+                           MRR_READ_ROUTES_PY="${PROJECT_SOURCE_DIR}/examples/python/read_routes.py")
 
 file(READ ${PROJECT_SOURCE_DIR}/README.md _readme)
 string(FIND "${_readme}" "<!-- readme-example -->" _begin)

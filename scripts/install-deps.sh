@@ -13,6 +13,8 @@ packages=(
   libcpp-httplib-dev     # reward dispatch proxy
   libbenchmark-dev       # CPU benchmarks
   python3 python3-numpy  # examples/python/read_routes.py and its test
+  clang libclang-rt-dev  # libFuzzer + ASan/UBSan for the fuzz tests (ctest -L fuzz)
+  libopenmpi-dev openmpi-bin  # MpiCommunicator and its multi-process tests (ctest -L mpi)
 )
 
 missing=()

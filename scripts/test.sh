@@ -2,7 +2,7 @@
 # Installs what is missing, configures, builds and runs every test. Exits non-zero on any failure.
 #   MRR_BUILD_DIR   build directory (default: build/ in the repository)
 #   MRR_BUILD_TYPE  CMake build type (default: Release)
-#   MRR_GOLDEN_DIR  golden vectors (default: ../shared/golden next to the repository)
+#   MRR_GOLDEN_DIR  golden vectors (default: tests/golden, vendored; point it at another set of cases)
 #   CTEST_ARGS      extra ctest arguments, e.g. "-L golden" or "-R replay"
 set -euo pipefail
 # shellcheck source=configure.sh

@@ -46,15 +46,44 @@ concept RouteStore = requires(S& s, const S& cs, int layer, const TokenLayout& l
 template <class S>
 concept RouteStoreOrNone = RouteStore<S> || std::same_as<S, NoRouteStore>;
 
-// Expert-parallel collectives (single process, in-process ranks, MPI, NCCL).
+// Expert-parallel collectives (single process, in-process ranks, MPI, NCCL). Every collective is
+// a template over the element type (float, double, std::int32_t, std::int64_t, std::uint8_t at
+// least); counts are in elements and blocks are laid out in rank order. all_reduce_sum adds the
+// ranks' contributions in rank order 0..P-1, so every rank gets bitwise the same sum whatever the
+// arrival order. A failure on one rank surfaces as an exception on every rank, never a hang.
 template <class C>
-concept Communicator = requires(const C& c, std::span<float> f, std::span<const float> cf,
+concept Communicator = requires(const C& c, std::span<float> f, std::span<const float> cf, std::span<double> d,
+                                std::span<const double> cd, std::span<std::int64_t> i, std::span<const std::int64_t> ci,
                                 std::span<const std::size_t> counts) {
   { c.rank() } -> std::convertible_to<int>;
   { c.size() } -> std::convertible_to<int>;
   c.barrier();
   c.all_reduce_sum(f);
+  c.all_reduce_sum(d);
+  c.all_reduce_sum(i);
+  c.all_gather(cf, f);
+  c.all_gather(ci, i);
+  c.broadcast(i, 0);
   c.all_to_all_v(cf, counts, f, counts);
+  c.all_to_all_v(cd, counts, d, counts);
+  c.all_to_all_v(ci, counts, i, counts);
+};
+
+// The experts one rank holds (a contiguous block [first_expert, first_expert + num_experts) of
+// the model's), consumed by MoELayer: local expert e maps its rows [n, hidden] to [n, hidden];
+// backward returns the gradient w.r.t. the rows and adds the parameter gradients into `grads`.
+template <class X>
+concept Expert = requires(const X& x, int e, MatrixRef<typename X::scalar_type> rows,
+                          typename X::gradients_type& grads) {
+  typename X::scalar_type;
+  typename X::gradients_type;
+  { x.num_experts() } -> std::convertible_to<int>;
+  { x.first_expert() } -> std::convertible_to<int>;
+  { x.hidden_size() } -> std::convertible_to<int>;
+  { x.intermediate_size() } -> std::convertible_to<int>;
+  { x.forward(e, rows) } -> std::same_as<RowMatrix<typename X::scalar_type>>;
+  { x.backward(e, rows, rows, grads) } -> std::same_as<RowMatrix<typename X::scalar_type>>;
+  { x.zero_gradients() } -> std::same_as<typename X::gradients_type>;
 };
 
 // Where tensors live and which kernels run (CPU with Eigen, CUDA with Thrust).

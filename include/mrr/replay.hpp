@@ -11,7 +11,5 @@
 #include <mrr/replay/routing_replay.hpp>
 #include <mrr/replay/shape.hpp>
 #include <mrr/replay/vllm_import.hpp>
-#if __has_include(<xxhash.h>)
-#include <mrr/replay/file_store.hpp>
+#include <mrr/replay/file_store.hpp>  // needs xxHash (a required dependency; file_format.hpp says so if absent)
 #include <mrr/replay/open_store.hpp>
-#endif

@@ -1,4 +1,4 @@
-// Reader for the golden vectors in MRR_GOLDEN_DIR (default ../shared/golden beside the repository)
+// Reader for the golden vectors in MRR_GOLDEN_DIR (default tests/golden, vendored in the repository)
 // and a tolerance check that reports the first offending element. Test-only; doctest macros inside.
 #pragma once
 
@@ -23,7 +23,7 @@ namespace mrr::test {
 
 inline std::filesystem::path golden_dir() {
   if (const char* env = std::getenv("MRR_GOLDEN_DIR"); env != nullptr && *env != '\0') return env;
-  return std::filesystem::path(MRR_SOURCE_DIR) / ".." / "shared" / "golden";
+  return std::filesystem::path(MRR_SOURCE_DIR) / "tests" / "golden";
 }
 
 // A tensor as stored: {"shape": [...], "data": [row-major values]}; a plain list is 1-D.

@@ -22,6 +22,21 @@ struct SingleProcess {
     (void)data;
   }
 
+  // Every rank's `send` (equal sizes) concatenated in rank order: here, a copy.
+  template <class T>
+  void all_gather(std::span<const T> send, std::span<T> recv) const {
+    detail::require(recv.size() == send.size(), "SingleProcess::all_gather", "'recv' has ", recv.size(),
+                    " elements for 1 rank x ", send.size());
+    std::copy(send.begin(), send.end(), recv.begin());
+  }
+
+  // Root's data on every rank: with one rank, nothing moves.
+  template <class T>
+  void broadcast(std::span<T> data, int root) const {
+    (void)data;
+    detail::require(root == 0, "SingleProcess::broadcast", "root ", root, " outside [0, 1)");
+  }
+
   // All-to-all with per-rank counts (elements): rank 0 sends its one block to itself.
   template <class T>
   void all_to_all_v(std::span<const T> send, std::span<const std::size_t> send_counts, std::span<T> recv,
