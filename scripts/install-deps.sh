@@ -15,6 +15,7 @@ packages=(
   python3 python3-numpy  # examples/python/read_routes.py and its test
   clang libclang-rt-dev  # libFuzzer + ASan/UBSan for the fuzz tests (ctest -L fuzz)
   libopenmpi-dev openmpi-bin  # MpiCommunicator and its multi-process tests (ctest -L mpi)
+  gnuplot-nox            # the flagship demo's plot (scripts/demo.sh)
 )
 
 missing=()

@@ -36,6 +36,13 @@ class RouteFileError : public RouteStoreError {
   using RouteStoreError::RouteStoreError;
 };
 
+// A collective failed: another rank failed or returned early, or the transport (MPI, NCCL)
+// reported an error. Thrown on every rank still waiting, so no rank hangs.
+class CommunicatorError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 namespace detail {
 
 // Concatenates anything streamable; <format> is not available on every supported compiler.

@@ -1,0 +1,212 @@
+// The communicator test body, written once and run against every communicator (SingleProcess,
+// InProcessGroup with P = 2, 3, 4, and MpiCommunicator under mpirun -np 2 and 4): each
+// collective against a reference computed from the known per-rank data, several element types,
+// zero-length blocks, unequal counts, repeated calls; bitwise rank-order sums; mismatched
+// arguments throwing on every rank, after which the communicator still works.
+#pragma once
+
+#include <mrr/comm/single_process.hpp>
+#include <mrr/concepts.hpp>
+#include <mrr/error.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <vector>
+
+namespace mrr::test::comm {
+
+template <class T>
+std::span<const T> cspan(const std::vector<T>& v) {
+  return std::span<const T>(v);
+}
+template <class T>
+std::span<T> mspan(std::vector<T>& v) {
+  return std::span<T>(v);
+}
+
+// Element i of the block rank `from` sends to rank `to`: distinct per (from, to, i) modulo the
+// type's range, so a block delivered to the wrong place or offset is seen.
+template <class T>
+T element(int from, int to, std::size_t i) {
+  const auto v = static_cast<long long>(from) * 1000 + static_cast<long long>(to) * 37 + static_cast<long long>(i);
+  if constexpr (std::is_floating_point_v<T>)
+    return static_cast<T>(v) + static_cast<T>(0.25);
+  else
+    return static_cast<T>(v % 113);
+}
+
+// Elements rank `from` sends `to` in round `round`: unequal, with zero-length blocks (self
+// included in some rounds).
+inline std::size_t block_count(int from, int to, int round) {
+  if ((from * 3 + to * 5 + round) % 4 == 0) return 0;
+  return static_cast<std::size_t>((from + 2 * to + round) % 7 + 1);
+}
+
+template <class T, class Comm>
+void check_all_to_all_v(const Comm& comm, int round) {
+  const int P = comm.size(), me = comm.rank();
+  std::vector<std::size_t> send_counts(static_cast<std::size_t>(P)), recv_counts(static_cast<std::size_t>(P));
+  std::vector<T> send, expected;
+  for (int p = 0; p < P; ++p) {
+    send_counts[static_cast<std::size_t>(p)] = block_count(me, p, round);
+    recv_counts[static_cast<std::size_t>(p)] = block_count(p, me, round);
+    for (std::size_t i = 0; i < block_count(me, p, round); ++i)
+      send.push_back(element<T>(me, p, i));
+    for (std::size_t i = 0; i < block_count(p, me, round); ++i)
+      expected.push_back(element<T>(p, me, i));
+  }
+  const T sentinel = static_cast<T>(99);
+  std::vector<T> recv(expected.size() + 3, sentinel);  // a larger buffer: the tail stays untouched
+  comm.all_to_all_v(cspan(send), cspan(send_counts), mspan(recv), cspan(recv_counts));
+  expected.insert(expected.end(), 3, sentinel);
+  CHECK(recv == expected);
+}
+
+template <class T, class Comm>
+void check_all_gather(const Comm& comm, int round) {
+  const int P = comm.size(), me = comm.rank();
+  const auto n = static_cast<std::size_t>(round % 4);  // round 0: empty contributions
+  std::vector<T> send, expected;
+  for (std::size_t i = 0; i < n; ++i)
+    send.push_back(element<T>(me, 0, i));
+  for (int p = 0; p < P; ++p)
+    for (std::size_t i = 0; i < n; ++i)
+      expected.push_back(element<T>(p, 0, i));
+  std::vector<T> recv(expected.size());
+  comm.all_gather(cspan(send), mspan(recv));
+  CHECK(recv == expected);
+}
+
+template <class T, class Comm>
+void check_broadcast(const Comm& comm, int round) {
+  const int root = round % comm.size();
+  const std::size_t n = 5 + static_cast<std::size_t>(round);
+  std::vector<T> data(n, static_cast<T>(7)), expected;
+  for (std::size_t i = 0; i < n; ++i)
+    expected.push_back(element<T>(root, 1, i));
+  if (comm.rank() == root) data = expected;
+  comm.broadcast(mspan(data), root);
+  CHECK(data == expected);
+}
+
+// Contributions whose float sum depends on the order they are added in (magnitudes differ by
+// rank), so a sum in any other order than 0..P-1 shows up as a bit difference.
+template <class T>
+T summand(int rank, std::size_t i) {
+  if constexpr (std::is_floating_point_v<T>) {
+    const double scale = std::pow(10.0, (rank % 3) * 4 - 4);
+    return static_cast<T>(scale *
+                          (0.1 + 0.37 * static_cast<double>((i * 7 + static_cast<std::size_t>(rank) * 3) % 11)));
+  } else {
+    return static_cast<T>(static_cast<long long>(rank) * 1000 + static_cast<long long>(i) * 13);  // uint8 wraps
+  }
+}
+
+template <class T, class Comm>
+void check_all_reduce_sum(const Comm& comm, std::size_t n) {
+  const int P = comm.size(), me = comm.rank();
+  std::vector<T> data(n), expected(n), reversed(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    data[i] = summand<T>(me, i);
+    expected[i] = summand<T>(0, i);
+    for (int p = 1; p < P; ++p)
+      expected[i] = static_cast<T>(expected[i] + summand<T>(p, i));
+    reversed[i] = summand<T>(P - 1, i);
+    for (int p = P - 2; p >= 0; --p)
+      reversed[i] = static_cast<T>(reversed[i] + summand<T>(p, i));
+  }
+  comm.all_reduce_sum(mspan(data));
+  CHECK(std::memcmp(data.data(), expected.data(), n * sizeof(T)) == 0);  // bitwise the rank-order sum
+  if constexpr (std::is_floating_point_v<T>) {
+    // The data does discriminate: for P >= 3 the reverse order gives other bits somewhere.
+    if (P >= 3 && n >= 64) CHECK(std::memcmp(expected.data(), reversed.data(), n * sizeof(T)) != 0);
+  }
+  // And every rank holds the same bits.
+  std::vector<T> everyone(n * static_cast<std::size_t>(P));
+  comm.all_gather(cspan(data), mspan(everyone));
+  for (int p = 0; p < P; ++p)
+    CHECK(std::memcmp(everyone.data() + static_cast<std::size_t>(p) * n, data.data(), n * sizeof(T)) == 0);
+}
+
+template <class T, class Comm>
+void check_collectives_of(const Comm& comm) {
+  for (int round = 0; round < 6; ++round) {
+    check_all_to_all_v<T>(comm, round);
+    check_all_gather<T>(comm, round);
+    check_broadcast<T>(comm, round);
+  }
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{257}})
+    check_all_reduce_sum<T>(comm, n);
+}
+
+template <class Comm>
+void check_collectives(const Comm& comm) {
+  static_assert(mrr::Communicator<Comm>);
+  check_collectives_of<float>(comm);
+  check_collectives_of<double>(comm);
+  check_collectives_of<std::int32_t>(comm);
+  check_collectives_of<std::int64_t>(comm);
+  check_collectives_of<std::uint8_t>(comm);
+  comm.barrier();
+}
+
+// After a collective threw on every rank, the communicator is still in step.
+template <class Comm>
+void check_still_works(const Comm& comm) {
+  check_all_to_all_v<float>(comm, 1);
+  check_all_reduce_sum<double>(comm, 17);
+}
+
+// Rank r expects one element more from its left neighbour than that neighbour sends: every rank
+// throws InvalidArgument (not only the ranks whose own counts disagree).
+template <class Comm>
+void check_mismatched_counts(const Comm& comm) {
+  const int P = comm.size(), me = comm.rank();
+  std::vector<std::size_t> send_counts(static_cast<std::size_t>(P), 1), recv_counts(static_cast<std::size_t>(P), 1);
+  if (me == 0) recv_counts[static_cast<std::size_t>(P - 1)] = 2;  // rank P-1 sends 1
+  std::vector<float> send(static_cast<std::size_t>(P), 1.f), recv(static_cast<std::size_t>(P) + 1);
+  CHECK_THROWS_AS(comm.all_to_all_v(cspan(send), cspan(send_counts), mspan(recv), cspan(recv_counts)),
+                  mrr::InvalidArgument);
+  // A send buffer smaller than its counts, on one rank only.
+  send_counts.assign(static_cast<std::size_t>(P), 1);
+  recv_counts.assign(static_cast<std::size_t>(P), 1);
+  std::vector<float> short_send(static_cast<std::size_t>(me == P - 1 ? P - 1 : P), 1.f);
+  CHECK_THROWS_AS(comm.all_to_all_v(cspan(short_send), cspan(send_counts), mspan(recv), cspan(recv_counts)),
+                  mrr::InvalidArgument);
+  // Wrong number of counts on one rank.
+  std::vector<std::size_t> too_few(static_cast<std::size_t>(P) - (me == 0 ? 1 : 0), 1);
+  CHECK_THROWS_AS(comm.all_to_all_v(cspan(send), cspan(too_few), mspan(recv), cspan(recv_counts)),
+                  mrr::InvalidArgument);
+  check_still_works(comm);
+}
+
+template <class Comm>
+void check_mismatched_sizes(const Comm& comm) {
+  const int P = comm.size(), me = comm.rank();
+  if (P == 1) return;  // nothing to disagree with
+  std::vector<double> mine(me == 0 ? 3 : 2, 1.0), all(static_cast<std::size_t>(P) * mine.size());
+  CHECK_THROWS_AS(comm.all_gather(cspan(mine), mspan(all)), mrr::InvalidArgument);
+  CHECK_THROWS_AS(comm.all_reduce_sum(mspan(mine)), mrr::InvalidArgument);
+  std::vector<double> same(4, 1.0);
+  CHECK_THROWS_AS(comm.broadcast(mspan(same), me == 1 ? 1 : 0), mrr::InvalidArgument);  // roots disagree
+  CHECK_THROWS_AS(comm.broadcast(mspan(same), P), mrr::InvalidArgument);                // root out of range
+  // Different collectives, or element types, on different ranks.
+  std::vector<float> f(4, 1.f);
+  std::vector<double> d(4, 1.0);
+  if (me == 0)
+    CHECK_THROWS_AS(comm.all_reduce_sum(mspan(f)), mrr::CommunicatorError);
+  else
+    CHECK_THROWS_AS(comm.all_reduce_sum(mspan(d)), mrr::CommunicatorError);
+  if (me == 0)
+    CHECK_THROWS_AS(comm.broadcast(mspan(d), 0), mrr::CommunicatorError);
+  else
+    CHECK_THROWS_AS(comm.all_reduce_sum(mspan(d)), mrr::CommunicatorError);
+  check_still_works(comm);
+}
+
+}  // namespace mrr::test::comm

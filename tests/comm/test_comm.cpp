@@ -1,0 +1,132 @@
+// Communicators in one process: SingleProcess and InProcessGroup (P = 2, 3, 4) run the shared
+// collective checks; InProcessGroup's failure behaviour (a throwing rank, a rank returning early)
+// ends every rank with an exception, under a watchdog that turns a deadlock into a failure.
+#include <mrr/comm/in_process.hpp>
+#include <mrr/comm/single_process.hpp>
+#include <mrr/concepts.hpp>
+
+#include <doctest/doctest.h>
+
+#include "collective_checks.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace mrr::test::comm;
+
+static_assert(mrr::Communicator<mrr::SingleProcess>);
+static_assert(mrr::Communicator<mrr::InProcessComm>);
+
+// Runs f; a hang past the limit ends the process with a message instead of blocking ctest.
+template <class F>
+void with_watchdog(F&& f, std::chrono::seconds limit = std::chrono::seconds(60)) {
+  auto done = std::async(std::launch::async, std::forward<F>(f));
+  if (done.wait_for(limit) == std::future_status::timeout) {
+    std::fprintf(stderr, "watchdog: still running after %lld s: the communicator deadlocked\n",
+                 static_cast<long long>(limit.count()));
+    std::_Exit(3);
+  }
+  done.get();
+}
+
+template <class Body>
+void on_every_communicator(Body body) {
+  with_watchdog([&] {
+    body(mrr::SingleProcess{});
+    for (int P : {2, 3, 4}) {
+      CAPTURE(P);
+      mrr::InProcessGroup group(P);
+      group.run([&](const mrr::InProcessComm& comm) {
+        CHECK(comm.size() == P);
+        body(comm);
+      });
+    }
+  });
+}
+
+struct RankFailure : std::exception {
+  const char* what() const noexcept override { return "boom"; }
+};
+
+}  // namespace
+
+TEST_CASE("every collective matches the reference, for each element type, repeatedly") {
+  on_every_communicator([](const auto& comm) { check_collectives(comm); });
+}
+
+TEST_CASE("mismatched counts or buffers throw on every rank, and the communicator stays usable") {
+  on_every_communicator([](const auto& comm) { check_mismatched_counts(comm); });
+}
+
+TEST_CASE("sizes, roots, collectives or element types that disagree between ranks throw on every rank") {
+  on_every_communicator([](const auto& comm) { check_mismatched_sizes(comm); });
+}
+
+TEST_CASE("a rank that throws wakes every rank blocked in a collective; run rethrows the original") {
+  for (int failing_after : {0, 3}) {  // before the first collective, and mid-loop
+    CAPTURE(failing_after);
+    mrr::InProcessGroup group(4);
+    std::mutex mutex;
+    std::vector<std::string> seen(4);
+    with_watchdog([&] {
+      CHECK_THROWS_AS(group.run([&](const mrr::InProcessComm& comm) {
+        try {
+          for (int step = 0;; ++step) {
+            if (comm.rank() == 2 && step == failing_after) throw RankFailure();
+            std::vector<float> x(8, 1.f);
+            comm.all_reduce_sum(mspan(x));
+          }
+        } catch (const mrr::CommunicatorError& e) {
+          std::lock_guard lock(mutex);
+          seen[static_cast<std::size_t>(comm.rank())] = e.what();
+          throw;
+        }
+      }),
+                      RankFailure);
+    });
+    for (int r : {0, 1, 3})
+      CHECK(seen[static_cast<std::size_t>(r)].find("rank 2 failed: boom") != std::string::npos);
+    CHECK(seen[2].empty());
+    // The group runs again after a failure.
+    group.run([](const mrr::InProcessComm& comm) { check_still_works(comm); });
+  }
+}
+
+TEST_CASE("a rank that returns while the others wait in a collective ends the run with an error") {
+  mrr::InProcessGroup group(3);
+  std::atomic<int> errors{0};
+  with_watchdog([&] {
+    CHECK_THROWS_AS(group.run([&](const mrr::InProcessComm& comm) {
+      if (comm.rank() == 1) return;  // never enters the barrier
+      try {
+        comm.barrier();
+      } catch (const mrr::CommunicatorError& e) {
+        CHECK(std::string(e.what()).find("rank 1 returned from run()") != std::string::npos);
+        ++errors;
+        throw;
+      }
+    }),
+                    mrr::CommunicatorError);
+  });
+  CHECK(errors == 2);
+}
+
+TEST_CASE("InProcessGroup rejects a size below one and runs a group of one") {
+  CHECK_THROWS_AS(mrr::InProcessGroup(0), mrr::InvalidArgument);
+  mrr::InProcessGroup one(1);
+  int calls = 0;
+  one.run([&](const mrr::InProcessComm& comm) {
+    ++calls;
+    check_collectives(comm);
+  });
+  CHECK(calls == 1);
+}

@@ -1,0 +1,70 @@
+// MpiCommunicator across real processes (ctest runs this under mpirun -np 2 and -np 4): the
+// shared collective checks, on MPI_COMM_WORLD and on a split communicator. Every rank runs every
+// test case; only rank 0 prints, and the exit code is the worst over all ranks.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <mrr/comm/mpi.hpp>
+
+#include <doctest/doctest.h>
+
+#include "collective_checks.hpp"
+
+#include <mpi.h>
+
+#include <memory>
+#include <sstream>
+
+namespace {
+
+using namespace mrr::test::comm;
+
+static_assert(mrr::Communicator<mrr::MpiCommunicator>);
+
+const mrr::MpiCommunicator& world() {
+  static const mrr::MpiCommunicator comm(MPI_COMM_WORLD);
+  return comm;
+}
+
+}  // namespace
+
+TEST_CASE("MPI: every collective matches the reference, for each element type, repeatedly") {
+  check_collectives(world());
+}
+
+TEST_CASE("MPI: mismatched counts or buffers throw on every rank, and the communicator stays usable") {
+  check_mismatched_counts(world());
+}
+
+TEST_CASE("MPI: sizes, roots, collectives or element types that disagree between ranks throw on every rank") {
+  check_mismatched_sizes(world());
+}
+
+TEST_CASE("MPI: a split communicator (even and odd ranks) runs the same checks") {
+  MPI_Comm half = MPI_COMM_NULL;
+  REQUIRE(MPI_Comm_split(MPI_COMM_WORLD, world().rank() % 2, world().rank(), &half) == MPI_SUCCESS);
+  {
+    const mrr::MpiCommunicator comm(half);
+    CHECK(comm.size() == (world().size() + 1 - world().rank() % 2) / 2);
+    check_collectives_of<float>(comm);
+    check_all_reduce_sum<double>(comm, 1000);
+  }
+  MPI_Comm_free(&half);
+}
+
+TEST_CASE("MPI: a large all_reduce_sum is the rank-order sum, bitwise, on every rank") {
+  check_all_reduce_sum<float>(world(), 100003);
+  check_all_reduce_sum<double>(world(), 100003);
+}
+
+int main(int argc, char** argv) {
+  mrr::MpiSession session(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  doctest::Context context(argc, argv);
+  std::ostringstream quiet;
+  if (rank != 0) context.setCout(&quiet);  // rank 0 speaks for everyone; the exit code covers all ranks
+  const int result = context.run();
+  int worst = result;
+  MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (rank != 0 && result != 0) std::fputs(quiet.str().c_str(), stderr);  // a failure seen only here
+  return worst;
+}
