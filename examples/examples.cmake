@@ -8,6 +8,7 @@ if(MRR_PYTHON_WITH_NUMPY)
 endif()
 target_compile_definitions(00_quickstart_replay PRIVATE
                            MRR_READ_ROUTES_PY="${PROJECT_SOURCE_DIR}/examples/python/read_routes.py")
+mrr_add_example(01_moe_layer SOURCES 01_moe_layer.cpp)
 
 file(READ ${PROJECT_SOURCE_DIR}/README.md _readme)
 string(FIND "${_readme}" "<!-- readme-example -->" _begin)

@@ -6,6 +6,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <exception>
 #include <string>
@@ -23,7 +24,11 @@ failures on another worker, and evicts workers that fail their health checks.
                            add them later with POST /_mrr/workers?url=URL)
   --host HOST              address to listen on (default 127.0.0.1)
   --port N                 port to listen on, 0 for any free one (default 8000)
-  --threads N              connections served at once (default 64)
+  --threads N              requests handled at once (default 64)
+  --max-connections N      connections open at once; more get 503 (default 1024)
+  --max-body-bytes N       larger request bodies get 413 (default 67108864, 64 MiB)
+  --header-timeout-ms N    a request head must arrive within this (default 10000)
+  --body-timeout-ms N      a request body must arrive within this (default 60000)
   --max-attempts N         attempts per request, each on another worker (default 3)
   --attempt-timeout-ms N   one attempt on one worker (default 30000)
   --request-timeout-ms N   a whole request, retries included (default 60000)
@@ -33,14 +38,39 @@ failures on another worker, and evicts workers that fail their health checks.
   --health-path PATH       probed with GET (default /health)
   --sticky                 requests with the same X-Request-Id go to the same worker
   --deterministic          break ties by a hash of the body instead of the lowest index
+  --admin-token TOKEN      enables the admin API; requests send "Authorization: Bearer TOKEN"
+                           (16+ characters; prefer the environment variable
+                           MRR_REWARD_ADMIN_TOKEN, which other users cannot read in ps)
+  --admin-listen HOST:PORT serve the admin API only there (e.g. 127.0.0.1:8001)
+  --allow-worker-host HOST only workers on this host may be added; repeat for more
   --help                   this text
 
-Admin API: GET /_mrr/workers, POST|DELETE /_mrr/workers?url=URL, GET /_mrr/health.
+Admin API (off without a token): GET /_mrr/workers, POST|DELETE /_mrr/workers?url=URL.
+GET /_mrr/health needs no token.
 )";
 
 [[noreturn]] void bad_usage(const std::string& message) {
   std::fprintf(stderr, "reward_router: %s\n(see reward_router --help)\n", message.c_str());
   std::exit(2);
+}
+
+// "host:port" or "[v6]:port".
+mrr::reward::ServerOptions listen_address(const std::string& text) {
+  const auto colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0) bad_usage("--admin-listen needs HOST:PORT, got '" + text + "'");
+  std::string host = text.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  char* end = nullptr;
+  const std::string port = text.substr(colon + 1);
+  const long value = std::strtol(port.c_str(), &end, 10);
+  if (port.empty() || *end != '\0' || value < 0 || value > 65535)
+    bad_usage("--admin-listen needs HOST:PORT, got '" + text + "'");
+  mrr::reward::ServerOptions out;
+  out.host = host;
+  out.port = static_cast<int>(value);
+  out.threads = 4;
+  out.max_connections = 64;
+  return out;
 }
 
 long number(const std::string& option, const char* text) {
@@ -58,6 +88,7 @@ int main(int argc, char** argv) {
   mrr::reward::RouterOptions options;
   options.proxy.server.port = 8000;
   long health_interval_ms = 1000;
+  if (const char* token = std::getenv("MRR_REWARD_ADMIN_TOKEN")) options.proxy.admin_token = token;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -82,6 +113,20 @@ int main(int argc, char** argv) {
       options.proxy.server.port = static_cast<int>(number(arg, value));
     else if (arg == "--threads")
       options.proxy.server.threads = static_cast<std::size_t>(number(arg, value));
+    else if (arg == "--max-connections")
+      options.proxy.server.max_connections = static_cast<std::size_t>(number(arg, value));
+    else if (arg == "--max-body-bytes")
+      options.proxy.server.max_body_bytes = static_cast<std::uint64_t>(number(arg, value));
+    else if (arg == "--header-timeout-ms")
+      options.proxy.server.header_timeout = milliseconds(number(arg, value));
+    else if (arg == "--body-timeout-ms")
+      options.proxy.server.body_timeout = milliseconds(number(arg, value));
+    else if (arg == "--admin-token")
+      options.proxy.admin_token = value;
+    else if (arg == "--admin-listen")
+      options.proxy.admin_server = listen_address(value);
+    else if (arg == "--allow-worker-host")
+      options.proxy.worker_policy.allowed_hosts.emplace_back(value);
     else if (arg == "--max-attempts")
       options.dispatch.max_attempts = static_cast<int>(number(arg, value));
     else if (arg == "--attempt-timeout-ms")
@@ -114,6 +159,7 @@ int main(int argc, char** argv) {
   try {
     mrr::reward::HttpRouter router(workers, options);
     std::printf("reward_router: listening on %s with %zu worker(s)\n", router.url().c_str(), workers.size());
+    if (options.proxy.admin_server) std::printf("reward_router: admin API on %s\n", router.admin_url().c_str());
     std::fflush(stdout);
     int received = 0;
     sigwait(&stop_signals, &received);

@@ -9,6 +9,7 @@
 #include <mrr/cpu/backend.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/moe.hpp>
 #include <mrr/ppo.hpp>
 #include <mrr/replay.hpp>
 #include <mrr/reward.hpp>

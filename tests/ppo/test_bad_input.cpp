@@ -219,3 +219,61 @@ TEST_CASE("KL controller arguments") {
   auto controller = ppo::KlController<double>::adaptive(0.1, 0.1, 100);
   CHECK(contains(error_of([&] { controller.update(std::numeric_limits<double>::quiet_NaN(), 1); }), "'current_kl'"));
 }
+
+TEST_CASE("mask values other than 0 and 1 are rejected, naming the argument and the index") {
+  const Matrix z = Matrix::Zero(3, 4), ones = Matrix::Ones(3, 4);
+  for (const double bad : {0.5, 2.0, -1.0, std::numeric_limits<double>::quiet_NaN()}) {
+    CAPTURE(bad);
+    Matrix mask = ones;
+    mask(1, 2) = bad;
+    const std::string at = "'response_mask' has ";
+    const auto names_index = [&](const std::string& msg, const std::string& function) {
+      CHECK(contains(msg, "mrr::" + function));
+      CHECK(contains(msg, at));
+      CHECK(contains(msg, " at [1, 2]; a mask holds 0 or 1"));
+    };
+    for (const auto name : {"vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro"}) {
+      CAPTURE(name);
+      names_index(error_of([&] { ppo::compute_policy_loss<double>(name, z, z, z, mask, "token-mean"); }),
+                  std::string("ppo::compute_policy_loss_") + name);
+    }
+    const ppo::GroupIndex index{1, 1, 1};  // one group of three: grpo_passk needs two per group
+    const Vector<double> baselines = Vector<double>::Zero(3);
+    const ppo::OptionalMatrixView<double> values(z);
+    const ppo::OptionalVectorView<double> reward_baselines(baselines);
+    for (const auto name : ppo::kAdvantageEstimatorNames) {
+      CAPTURE(name);
+      const std::string msg = error_of([&] {
+        ppo::compute_advantage<double>(name, {ones, mask, values, &index, reward_baselines});
+      });
+      CHECK(contains(msg, at));
+      CHECK(contains(msg, " at [1, 2]; a mask holds 0 or 1"));
+    }
+    names_index(error_of([&] { ppo::compute_value_loss<double>(z, z, z, mask, 0.5); }), "ppo::compute_value_loss");
+    names_index(error_of([&] { ppo::compute_entropy_loss<double>(Matrix::Zero(12, 5), mask); }),
+                "ppo::compute_entropy_loss");
+    names_index(error_of([&] { ppo::compute_rollout_correction_weights<double>(z, mask); }),
+                "ppo::compute_rollout_correction_weights");
+    const RowMatrix<std::int64_t> ids = RowMatrix<std::int64_t>::Zero(3, 4);
+    names_index(error_of([&] { ppo::compute_state_loss_mask<double>(ids, mask, ppo::StateSpanMarkers{{7}, {8}}); }),
+                "ppo::compute_state_loss_mask");
+    const auto loss_mask = [&](const std::string& msg, const std::string& function) {
+      CHECK(contains(msg, "mrr::" + function));
+      CHECK(contains(msg, "'loss_mask' has "));
+      CHECK(contains(msg, " at [1, 2]"));
+    };
+    loss_mask(error_of([&] { ppo::agg_loss<double>(z, mask, ppo::LossAggMode::token_mean); }), "ppo::agg_loss");
+    loss_mask(error_of([&] { ppo::agg_loss_grad<double>(mask, ppo::LossAggMode::seq_mean_token_mean); }),
+              "ppo::agg_loss_grad");
+    CHECK(contains(error_of([&] { ppo::masked_mean<double>(z, mask); }), "'mask' has "));
+    CHECK(contains(error_of([&] { ppo::masked_sum<double>(z, mask); }), "at [1, 2]"));
+    CHECK(contains(error_of([&] { ppo::masked_row_mean<double>(z, mask); }), "mrr::ppo::masked_row_mean"));
+    CHECK(contains(error_of([&] { ppo::masked_var<double>(z, mask); }), "mrr::ppo::masked_var"));
+    CHECK(contains(error_of([&] { ppo::masked_whiten<double>(z, mask); }), "mrr::ppo::masked_whiten"));
+  }
+  // GAE checks the mask block by block; the index is the row of the batch, not of the block.
+  Matrix tall = Matrix::Ones(20, 3);
+  tall(17, 1) = 0.25;
+  CHECK(contains(error_of([&] { ppo::compute_gae_advantage_return<double>(tall, tall, tall, 1.0, 1.0); }),
+                 "'response_mask' has 0.25 at [17, 1]"));
+}

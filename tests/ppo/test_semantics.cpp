@@ -314,3 +314,34 @@ TEST_CASE("_into variants reuse the caller's storage and refuse aliasing outputs
   CHECK_THROWS_WITH_AS(ppo::compute_gae_advantage_return_into<double>(aliased, aliased.advantages, values, mask, 1, 1),
                        doctest::Contains("'out' shares memory with an input"), InvalidArgument);
 }
+
+TEST_CASE("gpg: alpha is verl's bsz / m, i.e. float32(float32(1 / m) * bsz), not the rounded quotient") {
+  // verl: alpha = bsz / m.clamp(min=1) with bsz a Python int and m an int64 tensor. Python calls
+  // Tensor.__rtruediv__, which is m.reciprocal() * bsz: the reciprocal is promoted to float32 and
+  // the product rounded to float32. For B = 7 and m = 6 that is one ulp above float32(7 / 6).
+  const int batch = 7, nonzero = 6;
+  const float reciprocal = 1.0f / static_cast<float>(nonzero);
+  const float verl_alpha = reciprocal * static_cast<float>(batch);
+  const float quotient = static_cast<float>(batch) / static_cast<float>(nonzero);
+  REQUIRE(verl_alpha != quotient);  // the case that tells the two apart
+  CHECK(verl_alpha == std::nextafter(quotient, 2.0f));
+
+  // Singleton groups have mean 0, so each advantage is alpha * score / f_norm (f_norm = 1).
+  RowMatrix<float> rewards = RowMatrix<float>::Zero(batch, 3);
+  for (int i = 0; i < nonzero; ++i)
+    rewards(i, 2) = static_cast<float>(i + 1);  // score i + 1; the last response scores 0
+  const RowMatrix<float> mask = RowMatrix<float>::Ones(batch, 3);
+  const ppo::GroupIndex index(std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6});
+  const auto out = ppo::compute_gpg_outcome_advantage<float>(rewards, mask, index);
+  for (int i = 0; i < batch; ++i) {
+    CAPTURE(i);
+    const float score = rewards.row(i).sum();
+    CHECK(out.advantages(i, 0) == verl_alpha * score);
+    CHECK(out.returns(i, 2) == verl_alpha * score);
+  }
+  // In double the float32 alpha is kept, as verl's float32 tensor is.
+  const RowMatrix<double> rewards_d = rewards.cast<double>();
+  const RowMatrix<double> mask_d = mask.cast<double>();
+  const auto out_d = ppo::compute_gpg_outcome_advantage<double>(rewards_d, mask_d, index);
+  CHECK(out_d.advantages(0, 0) == static_cast<double>(verl_alpha));
+}

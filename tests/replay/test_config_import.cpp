@@ -16,13 +16,15 @@
 
 namespace {
 
+bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
 // A .npy file as numpy writes it (version 1.0, C order).
 void write_npy(const std::filesystem::path& path, const std::string& descr, const std::vector<std::int64_t>& shape,
                const std::vector<std::int64_t>& values, int bytes, bool fortran = false) {
   std::string dims;
   for (auto d : shape) dims += std::to_string(d) + ", ";
   std::string header = "{'descr': '" + descr + "', 'fortran_order': " + (fortran ? "True" : "False") +
-                       ", 'shape': (" + dims.substr(0, dims.size() - (shape.size() == 1 ? 1 : 2)) + "), }";
+                      ", 'shape': (" + dims.substr(0, dims.size() - (shape.size() == 1 ? 1 : 2)) + "), }";
   while ((10 + header.size() + 1) % 64 != 0) header += ' ';
   header += '\n';
   std::ofstream out(path, std::ios::binary);
@@ -40,10 +42,10 @@ void write_npy(const std::filesystem::path& path, const std::string& descr, cons
 TEST_CASE("key=value overrides with verl's names; later wins; other keys are passed through") {
   mrr::ReplayConfig c;
   const std::vector<std::string> args = {"actor_rollout_ref.actor.router_replay.mode=R2",
-                                         "trainer.total_epochs=3",
-                                         "+actor_rollout_ref.actor.router_replay.record_file=/tmp/a.mrr",
-                                         "actor_rollout_ref.actor.router_replay.mode=R3",
-                                         "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"};
+                                        "trainer.total_epochs=3",
+                                        "+actor_rollout_ref.actor.router_replay.record_file=/tmp/a.mrr",
+                                        "actor_rollout_ref.actor.router_replay.mode=R3",
+                                        "actor_rollout_ref.rollout.enable_rollout_routing_replay=True"};
   const auto rest = c.apply_overrides(std::span<const std::string>(args));
   CHECK(c.mode == mrr::ReplayMode::R3);
   CHECK(c.record_file == "/tmp/a.mrr");
@@ -75,6 +77,50 @@ TEST_CASE("inconsistent configurations are errors naming the keys") {
   c.mode = mrr::ReplayMode::R2;
   c.replay_file = "y.mrr";
   CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("name different files"), mrr::ConfigError);
+}
+
+TEST_CASE("override values: file paths must be real paths, null unsets, quotes make a string; verl's defaults") {
+  mrr::ReplayConfig c;  // verl's defaults
+  CHECK(c.mode == mrr::ReplayMode::disabled);
+  CHECK(c.record_file.empty());
+  CHECK(c.replay_file.empty());
+  CHECK_FALSE(c.enable_rollout_routing_replay);
+  const std::string rf(mrr::ReplayConfig::kRecordFile);
+  for (const std::string bad : {"\"\"", "''", "\"   \"", "\"\t\"", "123", "1.5e3", "true", "off", "0x1f"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(c.set(rf, bad), doctest::Contains((rf + ": ").c_str()), mrr::ConfigError);
+  }
+  CHECK_THROWS_WITH_AS(c.set(rf, "123"), doctest::Contains("expected a file path or null, got the number 123"),
+                       mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(c.set(rf, "\"\""), doctest::Contains("the file path is empty"), mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(c.set(rf, "\"  \""), doctest::Contains("only whitespace"), mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(c.set(rf, std::string_view("a\0b", 3)), doctest::Contains("NUL byte at offset 1"),
+                       mrr::ConfigError);
+  c.set(rf, "'123'");  // quoted: a file named 123
+  CHECK(c.record_file == "123");
+  c.set(rf, "null");
+  CHECK(c.record_file.empty());
+  // Explicit null takes the default for the other keys too.
+  c.set(mrr::ReplayConfig::kRolloutReplay, "true");
+  c.set(mrr::ReplayConfig::kRolloutReplay, "~");
+  CHECK_FALSE(c.enable_rollout_routing_replay);
+  c.set(mrr::ReplayConfig::kMode, "R2");
+  c.set(mrr::ReplayConfig::kMode, "null");
+  CHECK(c.mode == mrr::ReplayMode::disabled);
+  CHECK_THROWS_WITH_AS(c.set(mrr::ReplayConfig::kMode, "3"),
+                       doctest::Contains("mode: expected disabled, R2 or R3, got the number 3"), mrr::ConfigError);
+  // Hydra's _target_ (in verl's generated configs) is accepted; the whole node is not settable.
+  CHECK(c.set(mrr::ReplayConfig::kTarget, "verl.workers.config.RouterReplayConfig"));
+  CHECK_THROWS_WITH_AS(c.set(mrr::ReplayConfig::kNode, "{mode:R2}"), doctest::Contains("set its keys one by one"),
+                       mrr::ConfigError);
+}
+
+TEST_CASE("a key given twice on the command line takes its last value, as in Hydra") {
+  mrr::ReplayConfig c;
+  const std::vector<std::string> args = {"actor_rollout_ref.actor.router_replay.mode=R3",
+                                        "actor_rollout_ref.actor.router_replay.mode=R2"};
+  c.apply_overrides(std::span<const std::string>(args));
+  CHECK(c.mode == mrr::ReplayMode::R2);
 }
 
 TEST_CASE("open_route_file: record_file is created or appended, replay_file must exist and match the model") {
@@ -113,21 +159,21 @@ TEST_CASE("YAML config with verl's layout, then overrides") {
   mrr::test::TempDir dir;
   const auto yaml = dir / "ppo.yaml";
   std::ofstream(yaml) << "actor_rollout_ref:\n"
-                         "  actor:\n"
-                         "    ppo_mini_batch_size: 16\n"
-                         "    router_replay:\n"
-                         "      mode: R3\n"
-                         "      record_file: null\n"
-                         "      replay_file: null\n"
-                         "  rollout:\n"
-                         "    name: vllm\n"
-                         "    enable_rollout_routing_replay: true\n";
+                        "  actor:\n"
+                        "    ppo_mini_batch_size: 16\n"
+                        "    router_replay:\n"
+                        "      mode: R3\n"
+                        "      record_file: null\n"
+                        "      replay_file: null\n"
+                        "  rollout:\n"
+                        "    name: vllm\n"
+                        "    enable_rollout_routing_replay: true\n";
   auto c = mrr::load_replay_config(yaml);
   CHECK(c.mode == mrr::ReplayMode::R3);
   CHECK(c.enable_rollout_routing_replay);
   CHECK(c.record_file.empty());
   const std::vector<std::string> over = {"actor_rollout_ref.actor.router_replay.mode=R2",
-                                         "actor_rollout_ref.rollout.enable_rollout_routing_replay=false"};
+                                        "actor_rollout_ref.rollout.enable_rollout_routing_replay=false"};
   c = mrr::load_replay_config(yaml, std::span<const std::string>(over));
   CHECK(c.mode == mrr::ReplayMode::R2);
   const std::vector<std::string> bad = {"actor_rollout_ref.actor.router_replay.mode=R2"};
@@ -141,6 +187,72 @@ TEST_CASE("YAML config with verl's layout, then overrides") {
                        mrr::ConfigError);
   CHECK_THROWS_WITH_AS(mrr::load_replay_config(dir / "nope.yaml"), doctest::Contains("nope.yaml does not exist"),
                        mrr::ConfigError);
+}
+TEST_CASE("YAML: absent keys take verl's defaults; a minimal R2 config loads") {
+  mrr::test::TempDir dir;
+  std::ofstream(dir / "r2.yaml") << "actor_rollout_ref:\n  actor:\n    router_replay:\n      mode: R2\n";
+  const auto r2 = mrr::load_replay_config(dir / "r2.yaml");
+  CHECK(r2.mode == mrr::ReplayMode::R2);
+  CHECK_FALSE(r2.enable_rollout_routing_replay);
+  CHECK(r2.record_file.empty());
+  // rollout present without the flag, an empty file, a tree without actor_rollout_ref: defaults.
+  std::ofstream(dir / "rollout.yaml") << "actor_rollout_ref:\n  actor:\n    router_replay:\n      mode: R2\n"
+                                        "  rollout:\n    name: vllm\n";
+  CHECK(mrr::load_replay_config(dir / "rollout.yaml").mode == mrr::ReplayMode::R2);
+  std::ofstream(dir / "empty.yaml") << "";
+  CHECK(mrr::load_replay_config(dir / "empty.yaml").mode == mrr::ReplayMode::disabled);
+  std::ofstream(dir / "other.yaml") << "trainer:\n  total_epochs: 3\nactor_rollout_ref:\n";
+  CHECK(mrr::load_replay_config(dir / "other.yaml").mode == mrr::ReplayMode::disabled);
+  // verl's generated config carries Hydra's _target_ under router_replay.
+  const auto verl = mrr::load_replay_config_from_string(
+      "actor_rollout_ref:\n  actor:\n    router_replay:\n      _target_: verl.workers.config.RouterReplayConfig\n"
+      "      mode: R3\n      record_file: null\n      replay_file: null\n  rollout:\n"
+      "    enable_rollout_routing_replay: true\n");
+  CHECK(verl.mode == mrr::ReplayMode::R3);
+}
+
+TEST_CASE("YAML: duplicate keys, complex keys, wrong kinds and bad paths are errors naming the key") {
+  const auto error_of = [](const std::string& yaml) -> std::string {
+    try {
+      mrr::load_replay_config_from_string(yaml);
+    } catch (const mrr::ConfigError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  const std::string head = "actor_rollout_ref:\n  actor:\n    router_replay:\n      mode: R2\n";
+  CHECK(has(error_of(head + "      record_file: a.mrr\n      record_file: b.mrr\n"),
+            "actor_rollout_ref.actor.router_replay.record_file appears twice"));
+  CHECK(has(error_of(head + "      mode: R3\n"), "router_replay.mode appears twice"));
+  CHECK(has(error_of(head + "  rollout:\n    enable_rollout_routing_replay: false\n"
+                            "    enable_rollout_routing_replay: true\n"),
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay appears twice"));
+  CHECK(has(error_of(head + "actor_rollout_ref:\n  rollout: {}\n"),
+            "actor_rollout_ref appears twice"));
+  CHECK(has(error_of(head + "  actor:\n    ppo_epochs: 1\n"), "actor_rollout_ref.actor appears twice"));
+  CHECK(has(error_of(head + "      ? [a, b]\n      : c\n"),
+            "actor_rollout_ref.actor.router_replay: a key is a list"));
+  CHECK(has(error_of(head + "      record_file: 123\n"),
+            "record_file: expected a file path or null, got the number 123"));
+  CHECK(has(error_of(head + "      record_file: true\n"),
+            "record_file: expected a file path or null, got the boolean true"));
+  CHECK(has(error_of(head + "      record_file: !!int 7\n"), "record_file: expected a file path"));
+  CHECK(has(error_of(head + "      record_file: \"\"\n"), "record_file: the file path is empty"));
+  CHECK(has(error_of(head + "      record_file: \"  \"\n"), "record_file: the file path is only whitespace"));
+  CHECK(has(error_of(head + "      replay_file: \"a\\0b\"\n"),
+            "replay_file: the file path has a NUL byte at offset 1"));
+  CHECK(has(error_of(head + "      record_file: !custom x\n"), "record_file: unsupported YAML tag !custom"));
+  CHECK(has(error_of("actor_rollout_ref:\n  rollout:\n    enable_rollout_routing_replay: maybe\n"),
+            "enable_rollout_routing_replay: expected true or false, got 'maybe'"));
+  CHECK(has(error_of("actor_rollout_ref: [1, 2]\n"), "actor_rollout_ref: expected a map, got a list"));
+  CHECK(has(error_of("actor_rollout_ref:\n  rollout: 5\n"),
+            "actor_rollout_ref.rollout: expected a map, got a single value"));
+  CHECK(has(error_of("- 1\n- 2\n"), "the top level of the configuration is not a map"));
+  CHECK(has(error_of("a: [\n"), "YAML config: "));  // a parse error, as a ConfigError
+  // Quoted numbers are file names; the messages start with the source.
+  const auto quoted = mrr::load_replay_config_from_string(head + "      record_file: '123'\n");
+  CHECK(quoted.record_file == "123");
+  CHECK(error_of(head + "      record_file: 1\n").rfind("YAML config: ", 0) == 0);
 }
 #endif
 
@@ -210,7 +322,7 @@ TEST_CASE("examples/python/read_routes.py reads a file written by the library, c
   }
   const auto npy = dir / "seq77.npy";
   const std::string cmd = std::string(MRR_PYTHON_WITH_NUMPY) + " " + MRR_READ_ROUTES_PY + " " + path.string() +
-                          " --uid 77 --npy " + npy.string() + " > " + (dir / "out.txt").string() + " 2>&1";
+                         " --uid 77 --npy " + npy.string() + " > " + (dir / "out.txt").string() + " 2>&1";
   REQUIRE(std::system(cmd.c_str()) == 0);
   const auto a = mrr::read_npy(npy);
   REQUIRE(a.shape == std::vector<std::int64_t>{42, 2, 3});
@@ -228,7 +340,7 @@ TEST_CASE("examples/python/read_routes.py reads a file written by the library, c
     f.put('\x7f');
   }
   const std::string bad = std::string(MRR_PYTHON_WITH_NUMPY) + " " + MRR_READ_ROUTES_PY + " " + path.string() +
-                          " --uid 77 > " + (dir / "bad.txt").string() + " 2>&1";
+                         " --uid 77 > " + (dir / "bad.txt").string() + " 2>&1";
   CHECK(std::system(bad.c_str()) != 0);
   std::ifstream err(dir / "bad.txt");
   const std::string text((std::istreambuf_iterator<char>(err)), {});

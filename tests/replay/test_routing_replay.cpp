@@ -117,6 +117,10 @@ TEST_CASE("recompute consumes forwards first-in-first-out across micro-batches (
   replay.set_micro_batch(lb);
   replay.route(router, 0, logits(7, E, 4));
   CHECK(replay.queued(0) == 2);
+  // A layer outside the model is an InvalidArgument naming it and the range, not std::out_of_range.
+  CHECK_THROWS_WITH_AS(replay.queued(99), doctest::Contains("RoutingReplay::queued: layer 99 outside the store's [0, 1)"),
+                       mrr::InvalidArgument);
+  CHECK_THROWS_AS(replay.queued(-1), mrr::InvalidArgument);
   replay.begin_pass(mrr::TrainingPass::actor_recompute);
   CHECK(replay.route(router, 0, logits(5, E, 5)).ids == ra.ids);
   CHECK(replay.route(router, 0, logits(7, E, 6)).ids == rb.ids);

@@ -99,6 +99,7 @@ class ChildProcess {
   }
 
   [[nodiscard]] bool running() const noexcept { return pid_ > 0; }
+  [[nodiscard]] pid_t pid() const noexcept { return pid_; }
 
  private:
   pid_t pid_ = -1;

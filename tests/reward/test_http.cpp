@@ -135,6 +135,21 @@ TEST_SUITE("reward") {
     CHECK_THROWS_AS(mrr::reward::parse_worker_url("http://h:1/x?y=1"), mrr::InvalidArgument);
     CHECK_THROWS_AS(mrr::reward::parse_worker_url("http://:1"), mrr::InvalidArgument);
     CHECK_THROWS_AS(HttpRouter({"not a url"}, quick_router()), mrr::InvalidArgument);
+    // Bytes that would end up in the request line or headers sent to the worker, and hosts that are none.
+    for (const char* bad : {"http://127.0.0.1:1/\r\nX-Injected: 1", "http://127.0.0.1:1/a\nb", "http://h\r\n:1",
+                            "http://127.0.0.1:1/a b", "http://user@127.0.0.1:1", "http://-h:1", "http://h..x:1",
+                            "http://[::1:1", "http://[zz]:1", "http://h:", "http://h:0", "http://h:+1",
+                            "http://h:1/%zz", "http://h:1/a\"b", "http://h:1/\x7f"}) {
+      CAPTURE(bad);
+      CHECK_THROWS_AS(mrr::reward::parse_worker_url(bad), mrr::InvalidArgument);
+    }
+    CHECK_THROWS_AS(mrr::reward::parse_worker_url(std::string("http://h\0st:1", 13)), mrr::InvalidArgument);
+    CHECK_THROWS_AS(mrr::reward::parse_worker_url(std::string("http://\0:1", 10)), mrr::InvalidArgument);
+    CHECK(mrr::reward::parse_worker_url("http://reward-0.svc.local:8000/v1/score").base_path == "/v1/score");
+    mrr::reward::WorkerUrlPolicy policy{{"127.0.0.1", "Reward-0"}};
+    CHECK(mrr::reward::check_worker_url("http://127.0.0.1:9", policy).port == 9);
+    CHECK(mrr::reward::check_worker_url("http://reward-0:9", policy).host == "reward-0");
+    CHECK_THROWS_AS(mrr::reward::check_worker_url("http://169.254.169.254:80", policy), mrr::InvalidArgument);
   }
 
   TEST_CASE("the proxy forwards method, path, query string, headers and body, and relays the answer") {
@@ -182,8 +197,11 @@ TEST_SUITE("reward") {
 
   TEST_CASE("no worker available: 503 with a JSON reason; workers added and removed at run time") {
     LocalWorker worker({"w1"});
-    HttpRouter router({}, quick_router());
+    RouterOptions options = quick_router();
+    options.proxy.admin_token = "test-admin-token-0123456789";
+    HttpRouter router({}, options);
     auto client = client_of(router.url());
+    client.set_bearer_token_auth(options.proxy.admin_token.c_str());
 
     const auto none = client.Post("/score", "{}", "application/json");
     REQUIRE(none);
@@ -198,7 +216,9 @@ TEST_SUITE("reward") {
     CHECK(added->status == 201);
     CHECK(status_of(client.Post("/_mrr/workers?url=" + worker.url())) == 400);  // already there
     CHECK(status_of(client.Post("/_mrr/workers?url=not-a-url")) == 400);
-    CHECK(status_of(client.Post("/_mrr/workers")) == 400);
+    const auto no_url = client.Post("/_mrr/workers");
+    CHECK(status_of(no_url) == 400);
+    CHECK(body_of(no_url)["error"] == "bad_request");
     CHECK(status_of(client.Get("/_mrr/health")) == 200);
     CHECK(status_of(client.Post("/score", "{}", "application/json")) == 200);
     const json listed = body_of(client.Get("/_mrr/workers"));

@@ -307,6 +307,72 @@ TEST_CASE("presets validate and describe their families") {
   CHECK(mrr::presets::megatron_deepseek_v3(64, 8, 4, 2).effective_group_score_topk() == 4);
 }
 
+TEST_CASE("masked (-inf) rows: fewer than k unmasked experts, or only masked experts chosen, is an error, never NaN") {
+  const double ninf = -std::numeric_limits<double>::infinity();
+  mrr::RouterConfig mixtral = mrr::presets::mixtral(8, 2);  // softmax over all experts, renormalised over the k
+  mrr::RouterConfig pre = mixtral;                           // softmax over all experts, not renormalised
+  pre.normalize_topk = false;
+  mrr::RouterConfig post;                               // Megatron's default: top-k, then softmax over the k
+  post.num_experts = 8;
+  post.topk = 2;
+  mrr::RouterConfig sig = post;
+  sig.score_function = mrr::ScoreFunction::sigmoid;
+  for (const auto& config : {mixtral, pre, post, sig}) {
+    CAPTURE(mrr::to_string(config.score_function));
+    CAPTURE(config.pre_softmax);
+    CAPTURE(config.normalizes());
+    mrr::TopKRouter<double> router(config);
+    auto z = random_logits(3, 8, 5);
+    for (int e = 0; e < 8; ++e) z(1, e) = ninf;
+    CHECK_THROWS_WITH_AS(router.route(z), doctest::Contains("logits row 1 has 0 finite logits"), mrr::InvalidArgument);
+    z(1, 6) = 0.5;  // one unmasked expert, k = 2
+    CHECK_THROWS_WITH_AS(router.route(z), doctest::Contains("but k=2 experts must be chosen"), mrr::InvalidArgument);
+    z(1, 3) = -0.5;  // exactly k unmasked: routed to them, finite weights
+    const auto r = router.route(z);
+    CHECK(r.ids(1, 0) == 6);
+    CHECK(r.ids(1, 1) == 3);
+    CHECK(r.weights.allFinite());
+    // Replay: ids are given, so only weights that would be 0/0 are an error.
+    mrr::ExpertIds ids(3, 2);
+    ids << 0, 1, 0, 1, 0, 1;  // row 1 replays two masked experts
+    if (config.score_function == mrr::ScoreFunction::softmax && (!config.pre_softmax || config.normalizes())) {
+      CHECK_THROWS_WITH_AS(router.replay(z, ids), doctest::Contains("logits row 1: the weight of replayed expert 0"),
+                           mrr::InvalidArgument);
+    } else {
+      const auto w = router.replay(z, ids).weights;  // softmax over all / sigmoid: a masked expert weighs 0
+      CHECK(w.allFinite());
+      CHECK(w(1, 0) == 0.0);
+    }
+    for (int e = 0; e < 8; ++e) z(1, e) = ninf;
+    if (config.score_function == mrr::ScoreFunction::softmax)
+      CHECK_THROWS_WITH_AS(router.replay(z, ids), doctest::Contains("is NaN because every logit"),
+                           mrr::InvalidArgument);
+    else
+      CHECK(router.replay(z, ids).weights.allFinite());
+    // A row the replay mask leaves to native routing still needs k unmasked experts.
+    CHECK_THROWS_WITH_AS(router.replay(z, ids, std::vector<std::uint8_t>{1, 0, 1}),
+                         doctest::Contains("logits row 1 has 0 finite logits"), mrr::InvalidArgument);
+  }
+  // Group-limited, post-softmax, Megatron -inf masking: every group has at most one unmasked
+  // expert, so every group scores -inf (sum of its top 2), the tie keeps group 0, and the top-2 of
+  // the kept group are two masked experts: Megatron would return NaN weights; we raise.
+  mrr::RouterConfig grouped = post;
+  grouped.num_experts = 16;
+  grouped.num_groups = 4;
+  grouped.group_topk = 1;
+  mrr::TopKRouter<double> router(grouped);
+  mrr::RowMatrix<double> z = mrr::RowMatrix<double>::Constant(1, 16, ninf);
+  z(0, 9) = 1.0;
+  z(0, 13) = 2.0;
+  CHECK_THROWS_WITH_AS(router.route(z), doctest::Contains("logits row 0: the weight of chosen expert 0"),
+                       mrr::InvalidArgument);
+  z(0, 8) = 0.0;  // group 2 now scores finite: routed there
+  const auto r = router.route(z);
+  CHECK(r.ids(0, 0) == 9);
+  CHECK(r.ids(0, 1) == 8);
+  CHECK(r.weights.allFinite());
+}
+
 TEST_CASE("the bounded top-k (host fast path) selects exactly what the plain one does, ties included") {
   std::mt19937 rng(99);
   for (int n : {3, 8, 31, 32, 33, 64, 100, 256}) {

@@ -122,7 +122,7 @@ template <class T>
 void check_token_inputs(std::string_view function, const MatrixRef<T>& rewards, const MatrixRef<T>& mask) {
   check_token_shapes<T>(function, rewards, mask);
   require_finite(function, "token_level_rewards", rewards);
-  require_finite(function, "response_mask", mask);
+  require_mask(function, "response_mask", mask);
 }
 
 template <class T>
@@ -162,15 +162,15 @@ void prepare_output(std::string_view function, AdvantageResult<T>& out, Eigen::I
 }
 
 // Outcome estimators broadcast one scalar per response over its tokens: advantage = scalar * mask.
-// Row by row, so the mask row is checked (NaN/inf) while it is in L1.
+// Row by row, so the mask row is checked (0 or 1) while it is in L1.
 template <class T>
 void broadcast_outcome(std::string_view function, const Vector<T>& per_response, const MatrixRef<T>& mask,
                        AdvantageResult<T>& out) {
   for (Eigen::Index i = 0; i < mask.rows(); ++i) {
     out.advantages.row(i) = mask.row(i) * per_response[i];
     out.returns.row(i) = out.advantages.row(i);
-    if (!std::isfinite(mask.row(i).sum())) [[unlikely]]
-      require_finite(function, "response_mask", mask);
+    if (!is_binary_mask(mask.row(i))) [[unlikely]]
+      require_mask(function, "response_mask", mask.row(i), i);
   }
 }
 
@@ -407,6 +407,7 @@ void compute_gae_advantage_return_into(AdvantageResult<T>& out, MatrixRef<T> tok
   const auto rs = token_level_rewards.outerStride(), vs = values.outerStride(), ms = response_mask.outerStride();
   for (Eigen::Index i = 0; i < batch; i += kRows) {
     const Eigen::Index n = std::min<Eigen::Index>(kRows, batch - i);
+    detail::require_mask(fn, "response_mask", response_mask.middleRows(i, n), i);
     const bool finite =
         kernel.run(token_level_rewards.data() + i * rs, rs, values.data() + i * vs, vs, response_mask.data() + i * ms,
                    ms, out.advantages.data() + i * length, out.returns.data() + i * length, length, n, length, moments);
@@ -414,7 +415,6 @@ void compute_gae_advantage_return_into(AdvantageResult<T>& out, MatrixRef<T> tok
     if (!finite) [[unlikely]] {
       detail::require_finite(fn, "token_level_rewards", token_level_rewards);
       detail::require_finite(fn, "values", values);
-      detail::require_finite(fn, "response_mask", response_mask);
       mrr::detail::throw_invalid_argument(fn, "the advantage overflowed for rows from ", i, " (gamma ", gamma, ", lam ",
                                           lam, ")");
     }
@@ -699,7 +699,7 @@ void compute_reinforce_plus_plus_baseline_outcome_advantage_into(AdvantageResult
                                                                  MatrixRef<T> response_mask, const GroupIndex& index) {
   constexpr std::string_view fn = "ppo::compute_reinforce_plus_plus_baseline_outcome_advantage";
   detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  detail::require_finite(fn, "response_mask", response_mask);
+  detail::require_mask(fn, "response_mask", response_mask);
   detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
                          response_mask);
   Vector<T> scores = detail::response_scores<T>(fn, token_level_rewards);
@@ -755,8 +755,10 @@ AdvantageResult<T> compute_remax_outcome_advantage(MatrixRef<T> token_level_rewa
 }
 
 // verl "gpg" (GPG): alpha * (score - group mean) / f_norm with alpha = batch / max(1, number of
-// non-zero scores); a singleton group has mean 0. verl computes alpha as a float32 tensor, so
-// alpha is rounded to float32 here too.
+// non-zero scores); a singleton group has mean 0. verl writes `bsz / m.clamp(min=1)` with bsz a
+// Python int and m an int64 tensor: Tensor.__rtruediv__ is `m.reciprocal() * bsz`, so alpha is
+// float32(float32(1 / m) * bsz), which can be one ulp from the correctly rounded bsz / m (B = 7,
+// m = 6). Computed the same way here (docs/ppo.md, "gpg arithmetic").
 template <class T>
 void compute_gpg_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
                                         MatrixRef<T> response_mask, const GroupIndex& index, double f_norm = 1.0) {
@@ -767,7 +769,8 @@ void compute_gpg_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> to
                          response_mask);
   const Vector<T> scores = detail::response_scores<T>(fn, token_level_rewards);
   const Eigen::Index nonzero = (scores.array() != T(0)).count();
-  const float alpha_f = static_cast<float>(scores.size()) / static_cast<float>(std::max<Eigen::Index>(nonzero, 1));
+  const float inv_m = 1.0f / static_cast<float>(std::max<Eigen::Index>(nonzero, 1));  // torch.reciprocal, float32
+  const float alpha_f = inv_m * static_cast<float>(scores.size());                   // * bsz, float32
   const T alpha = static_cast<T>(alpha_f);
   Vector<T> scalars(scores.size());
   for (Eigen::Index g = 0; g < index.num_groups(); ++g) {

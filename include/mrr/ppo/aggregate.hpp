@@ -155,6 +155,7 @@ T agg_loss(MatrixRef<T> loss_mat, MatrixRef<T> loss_mask, LossAggMode mode, cons
   constexpr std::string_view fn = "ppo::agg_loss";
   detail::require_nonempty(fn, "loss_mat", loss_mat);
   detail::require_same_shape(fn, "loss_mat", loss_mat, "loss_mask", loss_mask);
+  detail::require_mask(fn, "loss_mask", loss_mask);
   const Vector<T> weights = detail::aggregation_row_weights<T>(loss_mask, mode, info, fn);
   return detail::aggregate_with<T>(loss_mat, loss_mask, mode, info, weights);
 }
@@ -169,6 +170,7 @@ template <class T>
 RowMatrix<T> agg_loss_grad(MatrixRef<T> loss_mask, LossAggMode mode, const GlobalBatchInfo& info = {}) {
   constexpr std::string_view fn = "ppo::agg_loss_grad";
   detail::require_nonempty(fn, "loss_mask", loss_mask);
+  detail::require_mask(fn, "loss_mask", loss_mask);
   const Vector<T> weights = detail::aggregation_row_weights<T>(loss_mask, mode, info, fn);
   return (loss_mask.array().colwise() * weights.array()).matrix();
 }

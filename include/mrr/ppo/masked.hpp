@@ -1,5 +1,6 @@
 // Masked statistics (sum, mean, variance, whitening) and the entropy of a softmax, with verl's
 // semantics: a zero mask entry excludes the element (even NaN), and means divide by sum(mask) + 1e-8.
+// A mask holds 0 or 1; any other value is an error naming its index.
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -70,6 +71,7 @@ MaskedMoments<T> masked_moments(const MatrixRef<T>& values, const MatrixRef<T>& 
 template <class T>
 T masked_sum(MatrixRef<T> values, MatrixRef<T> mask) {
   detail::require_same_shape("ppo::masked_sum", "values", values, "mask", mask);
+  detail::require_mask("ppo::masked_sum", "mask", mask);
   return detail::masked_sum_unchecked<T>(values, mask);
 }
 
@@ -77,6 +79,7 @@ T masked_sum(MatrixRef<T> values, MatrixRef<T> mask) {
 template <class T>
 T masked_mean(MatrixRef<T> values, MatrixRef<T> mask) {
   detail::require_same_shape("ppo::masked_mean", "values", values, "mask", mask);
+  detail::require_mask("ppo::masked_mean", "mask", mask);
   return detail::masked_sum_unchecked<T>(values, mask) / (mask.sum() + T(detail::kMaskCountEpsilon));
 }
 
@@ -84,6 +87,7 @@ T masked_mean(MatrixRef<T> values, MatrixRef<T> mask) {
 template <class T>
 Vector<T> masked_row_mean(MatrixRef<T> values, MatrixRef<T> mask) {
   detail::require_same_shape("ppo::masked_row_mean", "values", values, "mask", mask);
+  detail::require_mask("ppo::masked_row_mean", "mask", mask);
   Vector<T> out(values.rows());
   for (Eigen::Index i = 0; i < values.rows(); ++i) {
     T sum = 0;
@@ -100,6 +104,7 @@ Vector<T> masked_row_mean(MatrixRef<T> values, MatrixRef<T> mask) {
 template <class T>
 T masked_var(MatrixRef<T> values, MatrixRef<T> mask, bool unbiased = true) {
   detail::require_same_shape("ppo::masked_var", "values", values, "mask", mask);
+  detail::require_mask("ppo::masked_var", "mask", mask);
   return detail::masked_moments<T>(values, mask, unbiased, "ppo::masked_var").variance;
 }
 
@@ -108,6 +113,7 @@ T masked_var(MatrixRef<T> values, MatrixRef<T> mask, bool unbiased = true) {
 template <class T>
 RowMatrix<T> masked_whiten(MatrixRef<T> values, MatrixRef<T> mask, bool shift_mean = true) {
   detail::require_same_shape("ppo::masked_whiten", "values", values, "mask", mask);
+  detail::require_mask("ppo::masked_whiten", "mask", mask);
   const auto moments = detail::masked_moments<T>(values, mask, true, "ppo::masked_whiten");
   const T inv_std = T(1) / std::sqrt(moments.variance + T(detail::kWhitenVarianceEpsilon));
   RowMatrix<T> out = ((values.array() - moments.mean) * inv_std).matrix();

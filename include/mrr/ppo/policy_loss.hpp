@@ -162,7 +162,7 @@ void check_policy_inputs(std::string_view function, const MatrixRef<T>& old_log_
   require_same_shape(function, "log_prob", log_prob, "old_log_prob", old_log_prob);
   require_same_shape(function, "log_prob", log_prob, "advantages", advantages);
   require_same_shape(function, "log_prob", log_prob, "response_mask", response_mask);
-  require_finite(function, "response_mask", response_mask);
+  require_mask(function, "response_mask", response_mask);
   require_finite_where(function, "log_prob", log_prob, response_mask);
   require_finite_where(function, "old_log_prob", old_log_prob, response_mask);
   require_finite_where(function, "advantages", advantages, response_mask);
@@ -314,6 +314,8 @@ PolicyLossResult<T> compute_policy_loss_sapo(
         const auto ratio = detail::clamped_ratio(lp, old);
         const T tau = a > T(0) ? tau_pos : tau_neg;
         const T sigmoid = T(1) / (T(1) + std::exp(-(tau * (ratio.value - T(1)))));
+        // verl's 4.0 / tau is tau.reciprocal() * 4 (Tensor.__rtruediv__); scaling by 4 is exact, so
+        // it equals the quotient bit for bit (docs/ppo.md, "gpg arithmetic").
         const T gate = sigmoid * (T(4) / tau);
         // d gate / d r = 4 sigmoid (1 - sigmoid): the tau of the argument cancels the 1/tau.
         const T gate_grad = T(4) * sigmoid * (T(1) - sigmoid) * ratio.grad;

@@ -114,7 +114,7 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
   constexpr std::string_view fn = "ppo::compute_rollout_correction_weights";
   detail::require_nonempty(fn, "log_ratio", log_ratio);
   detail::require_same_shape(fn, "log_ratio", log_ratio, "response_mask", response_mask);
-  detail::require_finite(fn, "response_mask", response_mask);
+  detail::require_mask(fn, "response_mask", response_mask);
   detail::require_finite_where(fn, "log_ratio", log_ratio, response_mask);
   options.threshold.validate();
   // verl's metrics refuse an all-masked batch, and so does every use of the weights.

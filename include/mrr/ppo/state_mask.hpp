@@ -91,6 +91,7 @@ RowMatrix<T> compute_state_loss_mask(MatrixRef<std::int64_t> token_ids, MatrixRe
                                      std::span<const StateSpanMarkers> markers) {
   constexpr std::string_view fn = "ppo::compute_state_loss_mask";
   detail::require_same_shape(fn, "token_ids", token_ids, "response_mask", response_mask);
+  detail::require_mask(fn, "response_mask", response_mask);
   RowMatrix<T> mask = compute_state_mask<T>(token_ids, markers);
   mask.array() *= response_mask.array();
   return mask;

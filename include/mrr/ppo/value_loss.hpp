@@ -35,7 +35,7 @@ ValueLossResult<T> compute_value_loss(MatrixRef<T> vpreds, MatrixRef<T> returns,
   detail::require_same_shape(fn, "vpreds", vpreds, "returns", returns);
   detail::require_same_shape(fn, "vpreds", vpreds, "values", values);
   detail::require_same_shape(fn, "vpreds", vpreds, "response_mask", response_mask);
-  detail::require_finite(fn, "response_mask", response_mask);
+  detail::require_mask(fn, "response_mask", response_mask);
   detail::require_finite_where(fn, "vpreds", vpreds, response_mask);
   detail::require_finite_where(fn, "returns", returns, response_mask);
   detail::require_finite_where(fn, "values", values, response_mask);
@@ -109,7 +109,7 @@ EntropyLossResult<T> compute_entropy_loss(MatrixRef<T> logits, MatrixRef<T> resp
   mrr::detail::require(logits.rows() == response_mask.size() && logits.cols() > 0, fn, "'logits' has shape ",
                        mrr::detail::shape_of(logits), " but needs one row per token of 'response_mask' (shape ",
                        mrr::detail::shape_of(response_mask), "), i.e. ", response_mask.size(), " rows");
-  detail::require_finite(fn, "response_mask", response_mask);
+  detail::require_mask(fn, "response_mask", response_mask);
   const Eigen::Index rows = response_mask.rows(), cols = response_mask.cols(), vocab = logits.cols();
   const Vector<T> entropy = entropy_from_logits<T>(logits);
   const Eigen::Map<const RowMatrix<T>> token_entropy(entropy.data(), rows, cols);

@@ -1,12 +1,15 @@
-// Router-replay configuration with verl's keys, from key=value overrides (later wins) and, with
-// <mrr/replay/config_yaml.hpp>, from a YAML file. validate() rejects inconsistent settings with
-// a message naming the keys involved.
+// Router-replay configuration with verl's keys and defaults, from key=value overrides (later
+// wins, as in Hydra) and, with <mrr/replay/config_yaml.hpp>, from a YAML file. A key that is
+// absent keeps verl's default; a value of the wrong kind, a duplicate YAML key or an inconsistent
+// combination is a ConfigError naming the key (docs/replay.md, "Configuration").
 #pragma once
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 #include <mrr/replay/mode.hpp>
 
+#include <algorithm>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <string_view>
@@ -14,11 +17,87 @@
 
 MRR_NAMESPACE_BEGIN
 
+// One configuration value as written. An unquoted word resolves as YAML (PyYAML, which OmegaConf
+// and so verl use) and Hydra resolve it: to null, a boolean, a number or else a string; quoted
+// text is always a string.
+struct ConfigValue {
+  enum class Kind { null, boolean, number, string };
+  Kind kind = Kind::string;
+  std::string_view text;  // the scalar as written, without quotes
+
+  static ConfigValue quoted(std::string_view text) { return {Kind::string, text}; }
+  static ConfigValue plain(std::string_view text) { return {resolve(text), text}; }
+
+  std::string describe() const {
+    switch (kind) {
+      case Kind::null:
+        return "null";
+      case Kind::boolean:
+        return detail::str("the boolean ", text);
+      case Kind::number:
+        return detail::str("the number ", text);
+      case Kind::string:
+        break;
+    }
+    return detail::str("'", text, "'");
+  }
+
+ private:
+  static bool one_of(std::string_view t, std::initializer_list<std::string_view> words) {
+    return std::find(words.begin(), words.end(), t) != words.end();
+  }
+  static bool digit(char c) { return c >= '0' && c <= '9'; }
+
+  // YAML 1.1 ints (decimal, 0x, 0o, 0b) and floats with an optional exponent, .inf and .nan.
+  static bool is_number(std::string_view t) {
+    if (!t.empty() && (t.front() == '+' || t.front() == '-')) t.remove_prefix(1);
+    if (one_of(t, {".inf", ".Inf", ".INF"})) return true;
+    if (t.empty()) return false;
+    if (one_of(t, {".nan", ".NaN", ".NAN"})) return true;
+    if (t.size() > 2 && t[0] == '0' && (t[1] == 'x' || t[1] == 'o' || t[1] == 'b')) {
+      const std::string_view digits = t.substr(2);
+      return std::all_of(digits.begin(), digits.end(), [&](char c) {
+        return c == '_' || digit(c) || (t[1] == 'x' && ((c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F')));
+      });
+    }
+    std::size_t i = 0, digits = 0;
+    for (; i < t.size() && (digit(t[i]) || t[i] == '_'); ++i)
+      digits += digit(t[i]);
+    if (i < t.size() && t[i] == '.')
+      for (++i; i < t.size() && (digit(t[i]) || t[i] == '_'); ++i)
+        digits += digit(t[i]);
+    if (digits == 0) return false;
+    if (i < t.size() && (t[i] == 'e' || t[i] == 'E')) {
+      ++i;
+      if (i < t.size() && (t[i] == '+' || t[i] == '-')) ++i;
+      const std::size_t exponent_start = i;
+      while (i < t.size() && digit(t[i]))
+        ++i;
+      if (i == exponent_start) return false;
+    }
+    return i == t.size();
+  }
+
+  static Kind resolve(std::string_view t) {
+    // "None" is not YAML's null, but mrr has always read it as one (a Python habit).
+    if (one_of(t, {"", "~", "null", "Null", "NULL", "None"})) return Kind::null;
+    if (one_of(t, {"true", "True", "TRUE", "false", "False", "FALSE", "yes", "Yes", "YES", "no", "No", "NO", "on", "On",
+                   "ON", "off", "Off", "OFF"}))
+      return Kind::boolean;
+    return is_number(t) ? Kind::number : Kind::string;
+  }
+};
+
+// verl's defaults (RouterReplayConfig and RolloutConfig): mode disabled, no files, no rollout
+// routes. A key that is never set keeps its default; so does one set to null.
 struct ReplayConfig {
+  static constexpr std::string_view kNode = "actor_rollout_ref.actor.router_replay";
   static constexpr std::string_view kPrefix = "actor_rollout_ref.actor.router_replay.";
   static constexpr std::string_view kMode = "actor_rollout_ref.actor.router_replay.mode";
   static constexpr std::string_view kRecordFile = "actor_rollout_ref.actor.router_replay.record_file";
   static constexpr std::string_view kReplayFile = "actor_rollout_ref.actor.router_replay.replay_file";
+  // Hydra's instantiation target, present in verl's generated configs; read and ignored.
+  static constexpr std::string_view kTarget = "actor_rollout_ref.actor.router_replay._target_";
   static constexpr std::string_view kRolloutReplay = "actor_rollout_ref.rollout.enable_rollout_routing_replay";
 
   ReplayMode mode = ReplayMode::disabled;
@@ -26,17 +105,29 @@ struct ReplayConfig {
   std::string replay_file;  // routes to replay from (empty: the run's own records)
   bool enable_rollout_routing_replay = false;
 
-  // Sets one key from its string value. Returns false for keys that are not router-replay keys
-  // (a trainer's command line holds many); an unknown key under router_replay is an error.
+  // Sets one key from its text as written on a command line (quotes make it a string). Returns
+  // false for keys that are not router-replay keys (a trainer's command line holds many); an
+  // unknown key under router_replay is an error.
   bool set(std::string_view key, std::string_view value) {
+    const bool quoted =
+        value.size() >= 2 && (value.front() == '"' || value.front() == '\'') && value.back() == value.front();
+    return set(key, quoted ? ConfigValue::quoted(value.substr(1, value.size() - 2)) : ConfigValue::plain(value));
+  }
+
+  // Sets one key from a resolved value (the YAML reader's entry point).
+  bool set(std::string_view key, const ConfigValue& value) {
     if (key == kMode) {
-      mode = parse_mode_value(value);
+      mode = mode_value(value);
     } else if (key == kRecordFile) {
-      record_file = path_value(value);
+      record_file = path_value(kRecordFile, value);
     } else if (key == kReplayFile) {
-      replay_file = path_value(value);
+      replay_file = path_value(kReplayFile, value);
     } else if (key == kRolloutReplay) {
-      enable_rollout_routing_replay = parse_bool(key, value);
+      enable_rollout_routing_replay = bool_value(kRolloutReplay, value);
+    } else if (key == kTarget) {
+      // Hydra's _target_ names the dataclass verl builds; nothing to configure here.
+    } else if (key == kNode) {
+      throw ConfigError(detail::str(kNode, ": set its keys one by one (", kNode, ".mode=R2, ...), not the whole map"));
     } else if (key.substr(0, kPrefix.size()) == kPrefix) {
       throw ConfigError(detail::str("unknown key ", key, " (router_replay has mode, record_file and replay_file)"));
     } else {
@@ -46,14 +137,16 @@ struct ReplayConfig {
   }
 
   // Applies "key=value" overrides in order (Hydra's "+key=value" and "++key=value" too) and
-  // returns those that are not router-replay keys, untouched, for the rest of the trainer.
+  // returns those that are not router-replay keys, untouched, for the rest of the trainer. A key
+  // given twice takes its last value, as Hydra does.
   template <class Str>
   std::vector<std::string> apply_overrides(std::span<const Str> args) {
     std::vector<std::string> rest;
     for (const auto& a : args) {
       std::string_view arg(a);
       std::string_view body = arg;
-      while (!body.empty() && body.front() == '+') body.remove_prefix(1);
+      while (!body.empty() && body.front() == '+')
+        body.remove_prefix(1);
       const auto eq = body.find('=');
       if (eq == std::string_view::npos || !set(trim(body.substr(0, eq)), trim(body.substr(eq + 1))))
         rest.emplace_back(arg);
@@ -70,43 +163,65 @@ struct ReplayConfig {
     if (mode == ReplayMode::R2 && enable_rollout_routing_replay)
       throw ConfigError(detail::str(kMode, "=R2 records routes in the training engine, but ", kRolloutReplay,
                                     "=true asks the rollout engine for routes: use R3 to replay rollout routes, or "
-                                    "set ", kRolloutReplay, "=false"));
+                                    "set ",
+                                    kRolloutReplay, "=false"));
     if (mode == ReplayMode::R3 && !enable_rollout_routing_replay)
       throw ConfigError(detail::str(kMode, "=R3 replays the rollout engine's routes, but ", kRolloutReplay,
                                     "=false, so the rollout returns none: set it to true (or use R2)"));
     if (mode == ReplayMode::disabled && (!record_file.empty() || !replay_file.empty()))
-      throw ConfigError(detail::str(record_file.empty() ? kReplayFile : kRecordFile, " is set but ", kMode,
-                                    "=disabled records and replays nothing: set the mode to R2 or R3, or unset the file"));
+      throw ConfigError(
+          detail::str(record_file.empty() ? kReplayFile : kRecordFile, " is set but ", kMode,
+                      "=disabled records and replays nothing: set the mode to R2 or R3, or unset the file"));
     if (!record_file.empty() && !replay_file.empty() && record_file != replay_file)
-      throw ConfigError(detail::str(kRecordFile, " (", record_file, ") and ", kReplayFile, " (", replay_file,
-                                    ") name different files; one file can be both replayed and appended to, two cannot"));
+      throw ConfigError(
+          detail::str(kRecordFile, " (", record_file, ") and ", kReplayFile, " (", replay_file,
+                      ") name different files; one file can be both replayed and appended to, two cannot"));
   }
 
  private:
   static std::string_view trim(std::string_view s) {
-    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
-    if (s.size() >= 2 && (s.front() == '"' || s.front() == '\'') && s.back() == s.front()) s = s.substr(1, s.size() - 2);
+    while (!s.empty() && (s.front() == ' ' || s.front() == '\t'))
+      s.remove_prefix(1);
+    while (!s.empty() && (s.back() == ' ' || s.back() == '\t'))
+      s.remove_suffix(1);
     return s;
   }
 
-  static ReplayMode parse_mode_value(std::string_view value) {
+  static ReplayMode mode_value(const ConfigValue& value) {
+    if (value.kind == ConfigValue::Kind::null) return ReplayMode::disabled;
+    if (value.kind != ConfigValue::Kind::string)
+      throw ConfigError(detail::str(kMode, ": expected disabled, R2 or R3, got ", value.describe()));
     try {
-      return parse_replay_mode(value == "null" || value == "None" || value == "~" ? "disabled" : value);
+      return parse_replay_mode(value.text);
     } catch (const ConfigError& e) {
       throw ConfigError(detail::str(kMode, ": ", e.what()));
     }
   }
 
-  static std::string path_value(std::string_view value) {
-    if (value == "null" || value == "None" || value == "~") return {};
-    return std::string(value);
+  // A file path is a non-empty string, or null for none. A number or boolean is refused rather
+  // than taken as a file name (quote it to mean one); so are "", blanks and embedded NUL bytes,
+  // which no file system can open under the name given.
+  static std::string path_value(std::string_view key, const ConfigValue& value) {
+    using Kind = ConfigValue::Kind;
+    if (value.kind == Kind::null) return {};
+    if (value.kind != Kind::string)
+      throw ConfigError(
+          detail::str(key, ": expected a file path or null, got ", value.describe(), " (quote it to name a file)"));
+    const std::string_view t = value.text;
+    if (t.empty()) throw ConfigError(detail::str(key, ": the file path is empty (use null for no file)"));
+    if (const auto nul = t.find('\0'); nul != std::string_view::npos)
+      throw ConfigError(detail::str(key, ": the file path has a NUL byte at offset ", nul));
+    if (std::all_of(t.begin(), t.end(), [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }))
+      throw ConfigError(detail::str(key, ": the file path is only whitespace (use null for no file)"));
+    return std::string(t);
   }
 
-  static bool parse_bool(std::string_view key, std::string_view v) {
-    if (v == "true" || v == "True" || v == "TRUE" || v == "1" || v == "yes") return true;
-    if (v == "false" || v == "False" || v == "FALSE" || v == "0" || v == "no") return false;
-    throw ConfigError(detail::str(key, ": expected true or false, got '", v, "'"));
+  static bool bool_value(std::string_view key, const ConfigValue& value) {
+    if (value.kind == ConfigValue::Kind::null) return false;  // verl's default
+    const std::string_view v = value.text;
+    if (v == "true" || v == "True" || v == "TRUE" || v == "1" || v == "yes" || v == "Yes" || v == "on") return true;
+    if (v == "false" || v == "False" || v == "FALSE" || v == "0" || v == "no" || v == "No" || v == "off") return false;
+    throw ConfigError(detail::str(key, ": expected true or false, got ", value.describe()));
   }
 };
 

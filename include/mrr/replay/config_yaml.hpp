@@ -1,5 +1,8 @@
 // Loads a ReplayConfig from a verl-style YAML file (actor_rollout_ref.actor.router_replay.* and
 // actor_rollout_ref.rollout.enable_rollout_routing_replay), then applies key=value overrides.
+// Absent keys keep verl's defaults; a key given twice in a map on the way is an error, as it is
+// for OmegaConf (which verl loads configs with); every failure is a ConfigError naming the file
+// and the key.
 // mrr-requires: mrr_yaml
 #pragma once
 
@@ -10,6 +13,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <filesystem>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -19,36 +23,103 @@ MRR_NAMESPACE_BEGIN
 
 namespace detail {
 
-inline YAML::Node yaml_child(const YAML::Node& node, std::string_view name) {
-  if (!node || !node.IsMap()) return YAML::Node();
-  return node[std::string(name)];
+inline std::string yaml_path(std::string_view parent, std::string_view name) {
+  return parent.empty() ? std::string(name) : str(parent, ".", name);
 }
 
-inline std::string yaml_scalar(const YAML::Node& node, std::string_view key) {
-  if (node.IsNull()) return "null";
+// The value of key `name` in the map `node` (at dotted `path`), or an undefined node when the map
+// or the key is absent. The key must appear once: yaml-cpp keeps duplicates, and which one
+// node[name] returns is not what a reader of the file expects.
+inline YAML::Node yaml_find(const YAML::Node& node, std::string_view path, std::string_view name) {
+  YAML::Node found(YAML::NodeType::Undefined);
+  if (!node.IsDefined() || !node.IsMap()) return found;
+  bool seen = false;
+  for (const auto& kv : node) {
+    if (!kv.first.IsScalar() || kv.first.Scalar() != name) continue;
+    if (seen) throw ConfigError(str(yaml_path(path, name), " appears twice; YAML keys must be unique"));
+    seen = true;
+    found = kv.second;
+  }
+  return found;
+}
+
+// A map on the way to the router-replay keys: absent or null is an empty map, anything else is
+// an error naming it.
+inline YAML::Node yaml_map(const YAML::Node& parent, std::string_view parent_path, std::string_view name) {
+  YAML::Node node = yaml_find(parent, parent_path, name);
+  if (node.IsDefined() && !node.IsNull() && !node.IsMap())
+    throw ConfigError(
+        str(yaml_path(parent_path, name), ": expected a map, got ", node.IsSequence() ? "a list" : "a single value"));
+  return node;
+}
+
+// A scalar resolved as the file wrote it: plain scalars as YAML resolves them, quoted ones (and
+// !!str) as strings, the core schema's tags as their kinds.
+inline ConfigValue yaml_value(const YAML::Node& node, std::string_view key) {
+  if (node.IsNull()) return {ConfigValue::Kind::null, {}};
   if (!node.IsScalar()) throw ConfigError(str(key, ": expected a single value, got a list or a map"));
-  return node.as<std::string>();
+  const std::string& tag = node.Tag();
+  const std::string& text = node.Scalar();
+  if (tag == "?" || tag.empty()) return ConfigValue::plain(text);
+  if (tag == "!" || tag == "tag:yaml.org,2002:str") return ConfigValue::quoted(text);
+  if (tag == "tag:yaml.org,2002:null") return {ConfigValue::Kind::null, text};
+  if (tag == "tag:yaml.org,2002:bool") return {ConfigValue::Kind::boolean, text};
+  if (tag == "tag:yaml.org,2002:int" || tag == "tag:yaml.org,2002:float") return {ConfigValue::Kind::number, text};
+  throw ConfigError(str(key, ": unsupported YAML tag ", tag));
 }
 
 }  // namespace detail
 
 // Reads the router-replay keys of a parsed YAML tree into `config` (keys that are absent keep
-// their values). Unknown keys under router_replay are errors; the rest of the tree is ignored.
+// their values). Unknown or repeated keys under router_replay are errors; the rest of the tree is
+// ignored.
 inline void read_replay_config(const YAML::Node& root, ReplayConfig& config) {
-  const YAML::Node arr = detail::yaml_child(root, "actor_rollout_ref");
-  const YAML::Node replay = detail::yaml_child(detail::yaml_child(arr, "actor"), "router_replay");
-  if (replay) {
-    if (!replay.IsMap() && !replay.IsNull())
-      throw ConfigError("actor_rollout_ref.actor.router_replay: expected a map of mode, record_file, replay_file");
-    if (replay.IsMap())
-      for (const auto& kv : replay) {
-        const std::string key = std::string(ReplayConfig::kPrefix) + kv.first.as<std::string>();
-        config.set(key, detail::yaml_scalar(kv.second, key));
-      }
+  if (root.IsDefined() && !root.IsNull() && !root.IsMap())
+    throw ConfigError("the top level of the configuration is not a map (expected actor_rollout_ref: ...)");
+  const YAML::Node arr = detail::yaml_map(root, "", "actor_rollout_ref");
+  const YAML::Node actor = detail::yaml_map(arr, "actor_rollout_ref", "actor");
+  const YAML::Node replay = detail::yaml_find(actor, "actor_rollout_ref.actor", "router_replay");
+  if (replay.IsDefined() && !replay.IsNull()) {
+    if (!replay.IsMap())
+      throw ConfigError(detail::str(ReplayConfig::kNode, ": expected a map of mode, record_file and replay_file"));
+    std::set<std::string, std::less<>> seen;
+    for (const auto& kv : replay) {
+      if (!kv.first.IsScalar())
+        throw ConfigError(detail::str(ReplayConfig::kNode, ": a key is a ",
+                                      kv.first.IsNull() ? "null" : (kv.first.IsMap() ? "map" : "list"),
+                                      "; keys are mode, record_file and replay_file"));
+      const std::string key = std::string(ReplayConfig::kPrefix) + kv.first.Scalar();
+      if (!seen.insert(kv.first.Scalar()).second)
+        throw ConfigError(detail::str(key, " appears twice; YAML keys must be unique"));
+      config.set(key, detail::yaml_value(kv.second, key));
+    }
   }
-  const YAML::Node flag = detail::yaml_child(detail::yaml_child(arr, "rollout"), "enable_rollout_routing_replay");
-  if (flag) config.set(ReplayConfig::kRolloutReplay, detail::yaml_scalar(flag, ReplayConfig::kRolloutReplay));
+  const YAML::Node rollout = detail::yaml_map(arr, "actor_rollout_ref", "rollout");
+  const YAML::Node flag = detail::yaml_find(rollout, "actor_rollout_ref.rollout", "enable_rollout_routing_replay");
+  if (flag.IsDefined())
+    config.set(ReplayConfig::kRolloutReplay, detail::yaml_value(flag, ReplayConfig::kRolloutReplay));
 }
+
+namespace detail {
+
+// Parses with `parse` and reads the configuration, turning every failure into a ConfigError that
+// starts with `source` (the file, or what the text came from).
+template <class Parse, class Str>
+ReplayConfig load_replay_config_with(std::string_view source, Parse&& parse, std::span<const Str> overrides) {
+  ReplayConfig config;
+  try {
+    read_replay_config(parse(), config);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(str(source, ": ", e.what()));
+  } catch (const ConfigError& e) {
+    throw ConfigError(str(source, ": ", e.what()));
+  }
+  config.apply_overrides(overrides);
+  config.validate();
+  return config;
+}
+
+}  // namespace detail
 
 // File, then overrides (later wins), then validate().
 template <class Str = std::string>
@@ -56,15 +127,16 @@ ReplayConfig load_replay_config(const std::filesystem::path& yaml_file, std::spa
   std::error_code ec;
   if (!std::filesystem::exists(yaml_file, ec))
     throw ConfigError(detail::str("config file ", yaml_file.string(), " does not exist"));
-  ReplayConfig config;
-  try {
-    read_replay_config(YAML::LoadFile(yaml_file.string()), config);
-  } catch (const YAML::Exception& e) {
-    throw ConfigError(detail::str("config file ", yaml_file.string(), ": ", e.what()));
-  }
-  config.apply_overrides(overrides);
-  config.validate();
-  return config;
+  return detail::load_replay_config_with(
+      detail::str("config file ", yaml_file.string()), [&] { return YAML::LoadFile(yaml_file.string()); }, overrides);
+}
+
+// The same from YAML text (`source` names it in messages).
+template <class Str = std::string>
+ReplayConfig load_replay_config_from_string(std::string_view yaml_text, std::span<const Str> overrides = {},
+                                            std::string_view source = "YAML config") {
+  return detail::load_replay_config_with(
+      source, [&] { return YAML::Load(std::string(yaml_text)); }, overrides);
 }
 
 MRR_NAMESPACE_END

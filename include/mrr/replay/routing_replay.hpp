@@ -78,7 +78,11 @@ class RoutingReplay {
   const TokenLayout& micro_batch() const { return layout_; }
 
   // Ids queued for recomputation in `layer`.
-  std::size_t queued(int layer) const { return queues_.at(static_cast<std::size_t>(layer)).size(); }
+  std::size_t queued(int layer) const {
+    detail::require(layer >= 0 && static_cast<std::size_t>(layer) < queues_.size(), "RoutingReplay::queued", "layer ",
+                    layer, " outside the store's [0, ", queues_.size(), ")");
+    return queues_[static_cast<std::size_t>(layer)].size();
+  }
 
   template <Router R>
   Routing<typename R::scalar_type> route(const R& router, int layer, MatrixRef<typename R::scalar_type> logits) {

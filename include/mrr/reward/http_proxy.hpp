@@ -10,6 +10,7 @@
 #include <mrr/reward/health.hpp>
 #include <mrr/reward/http_server.hpp>
 #include <mrr/reward/http_transport.hpp>
+#include <mrr/reward/request_checks.hpp>
 #include <mrr/reward/transport.hpp>
 
 #include <httplib.h>
@@ -20,6 +21,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
@@ -30,9 +32,18 @@ struct ProxyOptions {
   // Header whose value is the sticky-session key (when the dispatcher has sticky_sessions on).
   std::string session_header = "X-Request-Id";
   // Admin API under this prefix (empty: none): GET <prefix>/workers lists the workers,
-  // POST <prefix>/workers?url=U adds one, DELETE <prefix>/workers?url=U removes one,
-  // GET <prefix>/health answers 200 while some worker is healthy, else 503.
+  // POST <prefix>/workers?url=U (or a JSON body {"url": U}) adds one, DELETE <prefix>/workers?url=U
+  // removes one; GET <prefix>/health answers 200 while some worker is healthy, else 503.
   std::string admin_prefix = "/_mrr";
+  // <prefix>/workers (every method, listing included) needs "Authorization: Bearer <admin_token>",
+  // compared in constant time. Empty: the admin API is off (403); <prefix>/health is always served.
+  // At least 16 characters.
+  std::string admin_token;
+  // When set, <prefix>/workers is served only on this address (e.g. a loopback port that the
+  // trainers' network cannot reach), and answers 404 on the proxy's own.
+  std::optional<ServerOptions> admin_server;
+  // Which worker URLs the admin API (and HttpRouter's initial list) accept.
+  WorkerUrlPolicy worker_policy;
 };
 
 namespace detail {
@@ -62,10 +73,42 @@ class BasicHttpProxy {
  public:
   // Starts serving at once; the dispatcher and transport must outlive the proxy.
   BasicHttpProxy(BasicDispatcher<Clock>& dispatcher, HttpTransport& transport, ProxyOptions options = {})
-      : dispatcher_(dispatcher), transport_(transport), options_(std::move(options)) {
-    detail::serve_every_request(server_,
-                                [this](const httplib::Request& in, httplib::Response& out) { handle(in, out); });
-    server_.set_exception_handler([](const httplib::Request&, httplib::Response& out, std::exception_ptr ep) {
+      : dispatcher_(dispatcher), transport_(transport), options_(validated(std::move(options))) {
+    start(server_, runner_, options_.server, /*admin_listener=*/false);
+    if (options_.admin_server) start(admin_server_, admin_runner_, *options_.admin_server, /*admin_listener=*/true);
+  }
+  BasicHttpProxy(const BasicHttpProxy&) = delete;
+  BasicHttpProxy& operator=(const BasicHttpProxy&) = delete;
+  ~BasicHttpProxy() { stop(); }
+
+  [[nodiscard]] int port() const noexcept { return runner_.port(); }
+  [[nodiscard]] std::string url() const { return detail::url_of(options_.server.host, port()); }
+  // The admin listener's port and URL, when ProxyOptions::admin_server is set (else -1 / the proxy's URL).
+  [[nodiscard]] int admin_port() const noexcept { return options_.admin_server ? admin_runner_.port() : port(); }
+  [[nodiscard]] std::string admin_url() const {
+    return options_.admin_server ? detail::url_of(options_.admin_server->host, admin_port()) : url();
+  }
+  // Stops accepting and waits for requests in progress. Idempotent.
+  void stop() {
+    runner_.stop();
+    admin_runner_.stop();
+  }
+
+ private:
+  static ProxyOptions validated(ProxyOptions o) {
+    mrr::detail::require(o.admin_token.empty() || o.admin_token.size() >= 16, "reward::ProxyOptions",
+                         "admin_token must have at least 16 characters, got ", o.admin_token.size());
+    for (const char c : o.admin_token)
+      mrr::detail::require(c > 0x20 && c < 0x7f, "reward::ProxyOptions",
+                           "admin_token must be visible ASCII (it is sent in an HTTP header)");
+    return o;
+  }
+
+  void start(detail::Server& server, detail::ServerThread& runner, const ServerOptions& options, bool admin_listener) {
+    server.serve([this, admin_listener](const httplib::Request& in, Request&& request, httplib::Response& out) {
+      handle(in, std::move(request), out, admin_listener);
+    });
+    server.set_exception_handler([](const httplib::Request&, httplib::Response& out, std::exception_ptr ep) {
       std::string what = "unknown exception";
       try {
         if (ep) std::rethrow_exception(ep);
@@ -75,26 +118,20 @@ class BasicHttpProxy {
       }
       detail::set_json(out, 500, {{"error", "proxy_exception"}, {"detail", what}});
     });
-    runner_.start(server_, options_.server);
+    runner.start(server, options);
   }
-  BasicHttpProxy(const BasicHttpProxy&) = delete;
-  BasicHttpProxy& operator=(const BasicHttpProxy&) = delete;
-  ~BasicHttpProxy() { stop(); }
 
-  [[nodiscard]] int port() const noexcept { return runner_.port(); }
-  [[nodiscard]] std::string url() const { return detail::url_of(options_.server.host, port()); }
-  // Stops accepting and waits for requests in progress. Idempotent.
-  void stop() { runner_.stop(); }
-
- private:
-  void handle(const httplib::Request& in, httplib::Response& out) {
+  void handle(const httplib::Request& in, Request&& request, httplib::Response& out, bool admin_listener) {
     const std::string& prefix = options_.admin_prefix;
-    if (!prefix.empty() && in.path.size() > prefix.size() && in.path.starts_with(prefix) &&
-        in.path[prefix.size()] == '/') {
-      admin(in.method, in.path.substr(prefix.size()), in, out);
+    const bool admin_path = !prefix.empty() && in.path.size() > prefix.size() && in.path.starts_with(prefix) &&
+                            in.path[prefix.size()] == '/';
+    if (admin_path || admin_listener) {
+      if (!admin_path)
+        detail::set_json(out, 404, {{"error", "not_found"}, {"detail", "this address serves the admin API only"}});
+      else
+        admin(std::string_view(in.path).substr(prefix.size()), in, request, out, admin_listener);
       return;
     }
-    Request request = detail::to_request(in);
     if (!in.remote_addr.empty()) {
       const std::string forwarded(header_value(request.headers, "X-Forwarded-For"));
       std::erase_if(request.headers, [](const auto& h) { return detail::iequals(h.first, "X-Forwarded-For"); });
@@ -105,8 +142,9 @@ class BasicHttpProxy {
       request.session = std::string(header_value(request.headers, options_.session_header));
 
     DispatchResult result = dispatcher_.dispatch(transport_, request);
+    request.body = std::string();  // the request's memory goes before the response is written
     if (result.outcome == Outcome::answered) {
-      detail::write_response(result.response, out);
+      detail::write_response(std::move(result.response), out);
     } else {
       nlohmann::json body{
           {"error", to_string(result.outcome)}, {"detail", result.error}, {"attempts", result.attempts}};
@@ -120,48 +158,70 @@ class BasicHttpProxy {
     if (!result.worker.empty()) out.set_header("X-Mrr-Worker", result.worker);
   }
 
-  void admin(const std::string& method, std::string_view path, const httplib::Request& in, httplib::Response& out) {
-    if (path == "/health" && method == "GET") {
-      std::size_t healthy = 0;
-      for (const auto& s : dispatcher_.stats())
-        healthy += s.healthy ? 1 : 0;
-      detail::set_json(out, healthy > 0 ? 200 : 503, {{"healthy_workers", healthy}});
-      return;
-    }
-    if (path != "/workers") {
-      detail::set_json(out, 404, {{"error", "not_found"}, {"detail", "unknown admin path"}});
-      return;
-    }
-    if (method == "GET") {
-      nlohmann::json workers = nlohmann::json::array();
-      for (const auto& s : dispatcher_.stats())
-        workers.push_back(detail::to_json(s));
-      detail::set_json(out, 200, {{"workers", workers}, {"in_flight", dispatcher_.in_flight()}});
-      return;
-    }
-    const std::string url = in.get_param_value("url");
-    if (url.empty()) {
-      detail::set_json(out, 400, {{"error", "bad_request"}, {"detail", "the query parameter 'url' is missing"}});
-      return;
-    }
-    if (method == "POST") {
-      try {
-        parse_worker_url(url);
-        dispatcher_.add_worker(url);
-      } catch (const InvalidArgument& e) {
-        detail::set_json(out, 400, {{"error", "bad_request"}, {"detail", e.what()}});
+  void admin(std::string_view path, const httplib::Request& in, const Request& request, httplib::Response& out,
+             bool admin_listener) {
+    if (path != "/health") {
+      // Authenticate before looking at anything else the client sent.
+      if (options_.admin_server && !admin_listener) {
+        detail::set_json(out, 404, {{"error", "not_found"}, {"detail", "the admin API is served on its own address"}});
         return;
       }
-      detail::set_json(out, 201, {{"added", url}});
-    } else if (method == "DELETE") {
-      if (!dispatcher_.remove_worker(url)) {
-        detail::set_json(out, 404, {{"error", "not_found"}, {"detail", "no such worker: " + url}});
+      if (options_.admin_token.empty()) {
+        detail::set_json(out, 403,
+                         {{"error", "admin_disabled"},
+                          {"detail", "the admin API is off: start the router with an admin token "
+                                     "(--admin-token or MRR_REWARD_ADMIN_TOKEN)"}});
         return;
       }
-      transport_.forget(url);
-      detail::set_json(out, 200, {{"removed", url}});
-    } else {
-      detail::set_json(out, 405, {{"error", "method_not_allowed"}, {"detail", method}});
+      if (!bearer_token_matches(in.get_header_value("Authorization"), options_.admin_token)) {
+        detail::set_json(out, 401,
+                         {{"error", "unauthorized"}, {"detail", "send Authorization: Bearer <admin token>"}});
+        out.set_header("WWW-Authenticate", "Bearer");
+        return;
+      }
+    }
+    std::optional<std::string> url_param;
+    if (in.has_param("url")) url_param = in.get_param_value("url");
+    auto parsed = parse_admin_command(in.method, path, url_param ? std::optional<std::string_view>(*url_param)
+                                                                 : std::nullopt,
+                                      request.body, options_.worker_policy);
+    if (const auto* rejection = std::get_if<RequestRejection>(&parsed)) {
+      detail::set_rejection(out, *rejection);
+      return;
+    }
+    const AdminCommand& command = std::get<AdminCommand>(parsed);
+    switch (command.kind) {
+      case AdminCommand::Kind::health: {
+        std::size_t healthy = 0;
+        for (const auto& s : dispatcher_.stats())
+          healthy += s.healthy ? 1 : 0;
+        detail::set_json(out, healthy > 0 ? 200 : 503, {{"healthy_workers", healthy}});
+        return;
+      }
+      case AdminCommand::Kind::list: {
+        nlohmann::json workers = nlohmann::json::array();
+        for (const auto& s : dispatcher_.stats())
+          workers.push_back(detail::to_json(s));
+        detail::set_json(out, 200, {{"workers", workers}, {"in_flight", dispatcher_.in_flight()}});
+        return;
+      }
+      case AdminCommand::Kind::add:
+        try {
+          dispatcher_.add_worker(command.url);
+        } catch (const InvalidArgument& e) {
+          detail::set_json(out, 400, {{"error", "bad_request"}, {"detail", e.what()}});
+          return;
+        }
+        detail::set_json(out, 201, {{"added", command.url}});
+        return;
+      case AdminCommand::Kind::remove:
+        if (!dispatcher_.remove_worker(command.url)) {
+          detail::set_json(out, 404, {{"error", "not_found"}, {"detail", "no such worker: " + command.url}});
+          return;
+        }
+        transport_.forget(command.url);
+        detail::set_json(out, 200, {{"removed", command.url}});
+        return;
     }
   }
 
@@ -169,7 +229,9 @@ class BasicHttpProxy {
   HttpTransport& transport_;
   const ProxyOptions options_;
   detail::Server server_;
-  detail::ServerThread runner_;  // after server_: stopped before the server is destroyed
+  detail::Server admin_server_;
+  detail::ServerThread runner_;        // after the servers: stopped before they are destroyed
+  detail::ServerThread admin_runner_;
 };
 
 using HttpProxy = BasicHttpProxy<>;
@@ -182,11 +244,12 @@ struct RouterOptions {
 };
 
 // Everything a reward router needs, owned together and started at construction: a dispatcher over
-// `workers` (checked with parse_worker_url), the HTTP transport, health checks and the proxy.
+// `workers` (checked with check_worker_url and the proxy's worker_policy), the HTTP transport, health checks and the proxy.
 class HttpRouter {
  public:
   HttpRouter(const std::vector<std::string>& workers, RouterOptions options = {})
-      : dispatcher_(checked(workers), std::move(options.dispatch)), transport_(std::move(options.transport)) {
+      : dispatcher_(checked(workers, options.proxy.worker_policy), std::move(options.dispatch)),
+        transport_(std::move(options.transport)) {
     if (options.health)
       monitor_ = std::make_unique<HealthMonitor<HttpTransport, SteadyClock>>(dispatcher_, transport_, *options.health);
     proxy_ = std::make_unique<HttpProxy>(dispatcher_, transport_, std::move(options.proxy));
@@ -196,6 +259,8 @@ class HttpRouter {
   [[nodiscard]] HttpTransport& transport() noexcept { return transport_; }
   [[nodiscard]] int port() const noexcept { return proxy_->port(); }
   [[nodiscard]] std::string url() const { return proxy_->url(); }
+  [[nodiscard]] int admin_port() const noexcept { return proxy_->admin_port(); }
+  [[nodiscard]] std::string admin_url() const { return proxy_->admin_url(); }
 
   // Stops the proxy (waiting for requests in progress), then the health checks. Idempotent.
   void stop() {
@@ -204,9 +269,10 @@ class HttpRouter {
   }
 
  private:
-  static const std::vector<std::string>& checked(const std::vector<std::string>& workers) {
+  static const std::vector<std::string>& checked(const std::vector<std::string>& workers,
+                                                const WorkerUrlPolicy& policy) {
     for (const auto& w : workers)
-      parse_worker_url(w);
+      check_worker_url(w, policy);
     return workers;
   }
 

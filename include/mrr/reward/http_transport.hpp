@@ -6,6 +6,7 @@
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 #include <mrr/reward/http_server.hpp>
+#include <mrr/reward/request_checks.hpp>
 #include <mrr/reward/transport.hpp>
 
 #include <httplib.h>
@@ -24,66 +25,6 @@
 
 MRR_NAMESPACE_BEGIN
 namespace reward {
-
-// A worker address split into its parts: scheme://host[:port][/base/path].
-struct WorkerUrl {
-  std::string scheme;  // "http" or "https"
-  std::string host;    // without the brackets of an IPv6 literal
-  int port = 0;
-  std::string base_path;  // prefixed to every forwarded target; empty or "/..." without a final '/'
-
-  [[nodiscard]] std::string origin() const {
-    const bool ipv6 = host.find(':') != std::string::npos;
-    return mrr::detail::str(scheme, "://", ipv6 ? "[" : "", host, ipv6 ? "]" : "", ":", port);
-  }
-};
-
-// Parses and checks a worker URL; throws InvalidArgument naming what is wrong.
-inline WorkerUrl parse_worker_url(std::string_view url) {
-  constexpr std::string_view fn = "reward::parse_worker_url";
-  WorkerUrl out;
-  const auto sep = url.find("://");
-  mrr::detail::require(sep != std::string_view::npos, fn, "'", url, "' has no scheme (expected http://host:port)");
-  out.scheme = std::string(url.substr(0, sep));
-#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
-  mrr::detail::require(out.scheme == "http" || out.scheme == "https", fn, "'", url, "': scheme must be http or https");
-#else
-  mrr::detail::require(out.scheme == "http", fn, "'", url, "': scheme must be http (cpp-httplib lacks TLS here)");
-#endif
-  std::string_view rest = url.substr(sep + 3);
-  const auto slash = rest.find('/');
-  std::string_view authority = rest.substr(0, slash);
-  std::string_view path = slash == std::string_view::npos ? std::string_view{} : rest.substr(slash);
-  std::string_view port_text;
-  if (authority.starts_with('[')) {
-    const auto close = authority.find(']');
-    mrr::detail::require(close != std::string_view::npos, fn, "'", url, "': unterminated IPv6 literal");
-    out.host = std::string(authority.substr(1, close - 1));
-    const std::string_view after = authority.substr(close + 1);
-    mrr::detail::require(after.empty() || after.starts_with(':'), fn, "'", url, "': junk after the IPv6 literal");
-    if (!after.empty()) port_text = after.substr(1);
-  } else {
-    const auto colon = authority.find(':');
-    out.host = std::string(authority.substr(0, colon));
-    if (colon != std::string_view::npos) port_text = authority.substr(colon + 1);
-  }
-  mrr::detail::require(!out.host.empty(), fn, "'", url, "' has no host");
-  if (port_text.empty()) {
-    out.port = out.scheme == "https" ? 443 : 80;
-  } else {
-    mrr::detail::require(port_text.size() <= 5 && std::all_of(port_text.begin(), port_text.end(),
-                                                              [](char c) { return c >= '0' && c <= '9'; }),
-                         fn, "'", url, "': port '", port_text, "' is not a number");
-    out.port = std::stoi(std::string(port_text));
-    mrr::detail::require(out.port >= 1 && out.port <= 65535, fn, "'", url, "': port ", out.port, " is out of range");
-  }
-  mrr::detail::require(path.find_first_of("?#") == std::string_view::npos, fn, "'", url,
-                       "': a worker URL takes no query or fragment");
-  while (path.ends_with('/'))
-    path.remove_suffix(1);
-  out.base_path = std::string(path);
-  return out;
-}
 
 struct HttpTransportOptions {
   Duration connect_timeout = std::chrono::seconds(2);  // capped by the attempt's budget
@@ -146,10 +87,27 @@ class HttpTransport {
     out.method = request.method;
     out.path = ep->url.base_path + (request.target.empty() ? std::string("/") : request.target);
     for (const auto& [name, value] : request.headers)
-      if (!detail::is_unforwardable_header(name)) out.headers.emplace(name, value);
-    out.body = request.body;
+      if (!is_unforwardable_header(name)) out.headers.emplace(name, value);
+    // The body is streamed from the caller's string: no copy per attempt, however large.
+    if (!request.body.empty()) {
+      const std::string& body = request.body;
+      out.content_length_ = body.size();
+      out.content_provider_ = [&body](std::size_t offset, std::size_t length, httplib::DataSink& sink) {
+        return sink.write(body.data() + offset, std::min(length, body.size() - offset));
+      };
+    }
     // The socket timeouts bound each read; this bounds the whole body of a worker that trickles.
     out.progress = [deadline](std::uint64_t, std::uint64_t) { return std::chrono::steady_clock::now() < deadline; };
+    // The answer is read into a string sized from its Content-Length at once, not grown by doubling.
+    std::string body;
+    out.content_receiver = [&body](const char* data, std::size_t n, std::uint64_t offset, std::uint64_t total) {
+      if (offset == 0) {
+        body.clear();
+        if (total > body.capacity()) body.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(total, 1ull << 30)));
+      }
+      body.append(data, n);
+      return true;
+    };
 
     httplib::Response in;
     httplib::Error error = httplib::Error::Success;
@@ -160,8 +118,8 @@ class HttpTransport {
     Response response;
     response.status = in.status;
     for (const auto& [name, value] : in.headers)
-      if (!detail::is_unforwardable_header(name)) response.headers.emplace_back(name, value);
-    response.body = std::move(in.body);
+      if (!is_unforwardable_header(name)) response.headers.emplace_back(name, value);
+    response.body = std::move(body);
     give_back(*ep, std::move(client));
     return Reply::from(std::move(response));
   }

@@ -130,11 +130,29 @@ class TopKRouter {
   }
 
   // NaN would never be selected and +inf makes every softmax weight NaN; -inf is a valid mask.
-  static void reject_invalid_logits(const Scalar* z, int n, Eigen::Index row, const char* fn) {
-    for (int e = 0; e < n; ++e)
+  // Returns the number of unmasked (finite) logits of the row.
+  static int reject_invalid_logits(const Scalar* z, int n, Eigen::Index row, const char* fn) {
+    int finite = 0;
+    for (int e = 0; e < n; ++e) {
       if (std::isnan(z[e]) || z[e] == std::numeric_limits<Scalar>::infinity()) [[unlikely]]
         detail::throw_invalid_argument(fn, "logits row ", row, " has ", z[e], " at expert ", e,
                                        " (NaN and +inf are not valid logits)");
+      finite += z[e] != -std::numeric_limits<Scalar>::infinity();
+    }
+    return finite;
+  }
+
+  // Weights are NaN only when every logit they are normalised over is -inf (0/0): all k chosen
+  // experts masked (post-softmax, renormalised, or a group choice that kept only masked experts),
+  // or the whole row masked (pre-softmax). That is an error, never NaN weights handed on.
+  void reject_nan_weights(const std::int32_t* ids, const Scalar* w, Eigen::Index row, bool replayed,
+                          const char* fn) const {
+    for (int j = 0; j < topk(); ++j)
+      if (std::isnan(w[j])) [[unlikely]]
+        detail::throw_invalid_argument(fn, "logits row ", row, ": the weight of ", replayed ? "replayed" : "chosen",
+                                       " expert ", ids[j], " (slot ", j,
+                                       ") is NaN because every logit it is normalised over is -inf (masked); a row "
+                                       "whose chosen experts are all masked cannot be routed");
   }
 
   bool selects_on_logits() const {
@@ -172,7 +190,7 @@ class TopKRouter {
     for (Eigen::Index t = 0; t < logits.rows(); ++t) {
       const Scalar* z = detail::row_ptr(logits, t);
       std::int32_t* ids = &out.ids(t, 0);
-      reject_invalid_logits(z, num_e, t, fn);
+      const int finite = reject_invalid_logits(z, num_e, t, fn);
       const bool replay_row = replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
       if (replay_row) {
         for (int j = 0; j < k; ++j) {
@@ -184,9 +202,15 @@ class TopKRouter {
           ids[j] = e;
         }
       } else {
+        // A top-k that must take a masked (-inf) expert is not a routing decision.
+        if (finite < k) [[unlikely]]
+          detail::throw_invalid_argument(fn, "logits row ", t, " has ", finite, " finite logits (the other ",
+                                         num_e - finite, " are -inf, masked) but k=", k,
+                                         " experts must be chosen: a row needs at least k unmasked experts");
         select_row(z, ids, ws);
       }
       weights_row(z, ids, &out.weights(t, 0));
+      reject_nan_weights(ids, &out.weights(t, 0), t, replay_row, fn);
     }
     if (config_.capacity_factor)
       drop_over_capacity(out, num_e, *config_.capacity_factor, config_.drop_policy);

@@ -1,5 +1,6 @@
-// Argument checks shared by the PPO utilities: shapes, emptiness, finiteness. Each failure throws
-// mrr::InvalidArgument naming the function, the argument and (for values) the first bad element.
+// Argument checks shared by the PPO utilities: shapes, emptiness, finiteness, 0/1 masks. Each
+// failure throws mrr::InvalidArgument naming the function, the argument and (for values) the
+// first bad element.
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -75,6 +76,32 @@ void require_finite_where(std::string_view function, std::string_view name, cons
           mrr::detail::throw_invalid_argument(function, "'", name, "' has a non-finite value ",
                                               static_cast<double>(m(i, j)), " at unmasked position [", i, ", ", j, "]");
   }
+}
+
+// True when every element is exactly 0 or 1 (NaN and inf are not).
+template <class Derived>
+bool is_binary_mask(const Eigen::DenseBase<Derived>& mask) {
+  using T = typename Derived::Scalar;
+  const auto a = mask.derived().array();
+  return ((a == T(0)) || (a == T(1))).all();
+}
+
+// A mask selects (1) or excludes (0) an element; any other value (0.5, 2, -1, NaN) would scale
+// the element silently, so it is rejected with the first offending index. row_offset is added to
+// the reported row when `mask` is a block of rows starting there.
+template <class Derived>
+void require_mask(std::string_view function, std::string_view name, const Eigen::DenseBase<Derived>& mask,
+                  Eigen::Index row_offset = 0) {
+  using T = typename Derived::Scalar;
+  if (is_binary_mask(mask)) [[likely]]
+    return;
+  for (Eigen::Index i = 0; i < mask.rows(); ++i)
+    for (Eigen::Index j = 0; j < mask.cols(); ++j) {
+      const T m = mask(i, j);
+      if (m != T(0) && m != T(1))
+        mrr::detail::throw_invalid_argument(function, "'", name, "' has ", static_cast<double>(m), " at [",
+                                            i + row_offset, ", ", j, "]; a mask holds 0 or 1");
+    }
 }
 
 inline void require_finite_scalar(std::string_view function, std::string_view name, double value) {

@@ -1,0 +1,102 @@
+// The same Thrust operations the OpenMP tests check, instantiated for the CUDA system, and the
+// fused routing + replay kernel. Compiled by nvcc in every CI run; run where a GPU is.
+#include <mrr/cuda/fused_routing.cuh>
+#include <mrr/thrust/permute.hpp>
+#include <mrr/thrust/ppo.hpp>
+#include <mrr/thrust/routing.hpp>
+
+#include "thrust_cuda.hpp"
+
+#include <exception>
+
+namespace mrr::test {
+
+namespace {
+
+template <class T>
+std::vector<T> to_host(const thrust::device_vector<T>& v) {
+  std::vector<T> h(v.size());
+  thrust::copy(v.begin(), v.end(), h.begin());
+  return h;
+}
+
+}  // namespace
+
+DeviceRoute cuda_route(const std::vector<float>& logits, int experts, int k, const std::string& score, bool pre_softmax,
+                       const std::vector<float>& bias, const std::vector<std::int32_t>& replay_ids,
+                       const std::vector<std::uint8_t>& replay_mask, bool fused) {
+  DeviceRoute out;
+  try {
+    RouterConfig cfg;
+    cfg.num_experts = experts;
+    cfg.topk = k;
+    cfg.score_function = parse_score_function(score);
+    cfg.pre_softmax = pre_softmax;
+    cfg.use_expert_bias = !bias.empty();
+    device::TopKRouter<float> router(cfg);
+    if (!bias.empty()) router.set_expert_bias(bias);
+    const thrust::device_vector<float> z(logits.begin(), logits.end());
+    const thrust::device_vector<std::int32_t> rid(replay_ids.begin(), replay_ids.end());
+    const thrust::device_vector<std::uint8_t> mask(replay_mask.begin(), replay_mask.end());
+    const thrust::device_vector<float> b(bias.begin(), bias.end());
+    const long tokens = static_cast<long>(logits.size()) / experts;
+    if (fused) {
+      thrust::device_vector<std::int32_t> ids(static_cast<std::size_t>(tokens) * k);
+      thrust::device_vector<float> w(ids.size());
+      const auto err = cuda::fused_route_replay(
+          router.params(), thrust::raw_pointer_cast(z.data()), bias.empty() ? nullptr : thrust::raw_pointer_cast(b.data()),
+          replay_ids.empty() ? nullptr : thrust::raw_pointer_cast(rid.data()),
+          replay_mask.empty() ? nullptr : thrust::raw_pointer_cast(mask.data()), tokens, thrust::raw_pointer_cast(ids.data()),
+          thrust::raw_pointer_cast(w.data()));
+      if (err == cudaSuccess) cudaDeviceSynchronize();
+      if (err != cudaSuccess) {
+        out.error = cudaGetErrorString(err);
+        return out;
+      }
+      out.ids = to_host(ids);
+      out.weights = to_host(w);
+    } else {
+      const auto r = replay_ids.empty() ? router.route(z)
+                     : replay_mask.empty() ? router.replay(z, rid)
+                                           : router.replay(z, rid, mask);
+      out.ids = to_host(r.ids);
+      out.weights = to_host(r.weights);
+    }
+  } catch (const std::exception& e) {
+    out.error = e.what();
+  }
+  return out;
+}
+
+std::string cuda_gae(const std::vector<double>& rewards, const std::vector<double>& values,
+                     const std::vector<double>& mask, long cols, double gamma, double lam,
+                     std::vector<double>& advantages, std::vector<double>& returns) {
+  try {
+    const auto r = device::compute_gae_advantage_return<double>(
+        thrust::device_vector<double>(rewards.begin(), rewards.end()),
+        thrust::device_vector<double>(values.begin(), values.end()),
+        thrust::device_vector<double>(mask.begin(), mask.end()), cols, gamma, lam);
+    advantages = to_host(r.advantages);
+    returns = to_host(r.returns);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+std::string cuda_permute_combine(const std::vector<std::int32_t>& ids, long tokens, int k, int experts,
+                                 const std::vector<float>& x, long hidden, const std::vector<float>& weights,
+                                 std::vector<float>& combined) {
+  try {
+    const auto p = device::make_expert_permutation(thrust::device_vector<std::int32_t>(ids.begin(), ids.end()), tokens,
+                                                   k, experts);
+    const auto permuted = device::permute_tokens<float>(thrust::device_vector<float>(x.begin(), x.end()), hidden, p);
+    combined = to_host(
+        device::combine<float>(permuted, hidden, thrust::device_vector<float>(weights.begin(), weights.end()), p));
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace mrr::test

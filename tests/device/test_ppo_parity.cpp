@@ -1,0 +1,172 @@
+// PPO utilities on the Thrust backend (OpenMP system) against verl's golden vectors, at the same
+// tolerances as the CPU tests (the case's own in double; the float rule of tests/ppo in float):
+// GAE as a parallel scan, GRPO / RLOO group statistics, masked reductions, KL penalties.
+#include <mrr/ppo/advantage.hpp>
+#include <mrr/ppo/kl.hpp>
+#include <mrr/thrust/ppo.hpp>
+
+#include "../ppo/ppo_golden.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using mrr::test::GoldenCase;
+using mrr::test::ppo::OutputChecker;
+
+template <class T>
+using dvec = thrust::device_vector<T>;
+
+template <class T>
+dvec<T> input(const GoldenCase& c, const std::string& key) {
+  const auto v = c.input(key).values<T>();
+  return dvec<T>(v.begin(), v.end());
+}
+
+long cols_of(const GoldenCase& c, const std::string& key) { return static_cast<long>(c.input(key).cols()); }
+
+template <class T>
+mrr::RowMatrix<T> as_matrix(const dvec<T>& v, long cols) {
+  mrr::RowMatrix<T> m(static_cast<long>(v.size()) / cols, cols);
+  thrust::copy(v.begin(), v.end(), m.data());
+  return m;
+}
+
+// verl's uid labels as dense ints, in order of first appearance.
+dvec<std::int32_t> dense_groups(const GoldenCase& c, int& num_groups) {
+  std::map<std::string, int> ids;
+  std::vector<std::int32_t> out;
+  for (const auto& j : c.inputs.at("index")) {
+    const auto key = j.dump();
+    const auto it = ids.emplace(key, static_cast<int>(ids.size())).first;
+    out.push_back(it->second);
+  }
+  num_groups = static_cast<int>(ids.size());
+  return dvec<std::int32_t>(out.begin(), out.end());
+}
+
+template <class T>
+bool run_advantage(const GoldenCase& c, OutputChecker<T>& check) {
+  const long cols = cols_of(c, "token_level_rewards");
+  const auto rewards = input<T>(c, "token_level_rewards");
+  const auto mask = input<T>(c, "response_mask");
+  mrr::device::AdvantageResult<T> out;
+  if (c.fn == "gae") {
+    out = mrr::device::compute_gae_advantage_return<T>(rewards, input<T>(c, "values"), mask, cols,
+                                                       c.param<double>("gamma", 1.0), c.param<double>("lam", 1.0));
+  } else if (c.fn == "grpo" || c.fn == "rloo" || c.fn == "rloo_vectorized") {
+    int groups = 0;
+    const auto group = dense_groups(c, groups);
+    const auto estimator = c.fn == "grpo" ? mrr::device::OutcomeEstimator::grpo
+                           : c.fn == "rloo" ? mrr::device::OutcomeEstimator::rloo
+                                            : mrr::device::OutcomeEstimator::rloo_vectorized;
+    out = mrr::device::compute_outcome_advantage<T>(estimator, rewards, mask, cols, group, groups,
+                                                    c.param<double>("epsilon", 1e-6),
+                                                    c.param<bool>("norm_adv_by_std_in_grpo", true));
+  } else {
+    return false;
+  }
+  check.matrix("advantages", as_matrix(out.advantages, cols));
+  check.matrix("returns", as_matrix(out.returns, cols));
+  return true;
+}
+
+template <class T>
+bool run_masked(const GoldenCase& c, OutputChecker<T>& check) {
+  if (c.fn == "entropy_from_logits") return false;
+  const long cols = cols_of(c, "values");
+  auto values = input<T>(c, "values");
+  const auto mask = input<T>(c, "mask");
+  if (c.fn == "masked_mean") {
+    if (!c.has_param("axis")) {
+      check.scalar("out", static_cast<double>(mrr::device::masked_mean<T>(values, mask)));
+    } else {
+      const auto m = mrr::device::masked_row_mean<T>(values, mask, cols);
+      check.matrix("out", as_matrix(m, static_cast<long>(m.size())));
+    }
+    return true;
+  }
+  if (c.fn == "masked_var") {
+    check.scalar("out", static_cast<double>(mrr::device::masked_var<T>(values, mask, c.param<bool>("unbiased", true))));
+    return true;
+  }
+  if (c.fn == "masked_whiten") {
+    mrr::device::masked_whiten_in_place<T>(values, mask, c.param<bool>("shift_mean", true));
+    check.matrix("out", as_matrix(values, cols));
+    return true;
+  }
+  return false;
+}
+
+template <class T>
+bool run_kl(const GoldenCase& c, OutputChecker<T>& check) {
+  if (c.fn != "kl_penalty") return false;
+  const auto penalty = mrr::ppo::parse_kl_penalty(c.param<std::string>("kl_penalty"));
+  const long cols = cols_of(c, "logprob");
+  const auto r = mrr::device::kl_penalty<T>(input<T>(c, "logprob"), input<T>(c, "ref_logprob"),
+                                            static_cast<int>(penalty.estimator), penalty.straight_through);
+  check.matrix("out", as_matrix(r.values, cols));
+  check.matrix("grad_logprob", as_matrix(r.grad_logprob, cols));
+  return true;
+}
+
+// Runs the cases of `fns` only, and checks every one of them ran.
+template <class T, class Run>
+void for_cases(const std::string& file, const std::vector<std::string>& fns, Run&& run) {
+  std::size_t ran = 0, wanted = 0;
+  for (const auto& c : mrr::test::load_golden(file)) {
+    if (std::find(fns.begin(), fns.end(), c.fn) == fns.end()) continue;
+    ++wanted;
+    INFO(file << " case '" << c.name << "' (" << std::string(mrr::test::ppo::type_name<T>()) << ")");
+    OutputChecker<T> check(c);
+    if (run(c, check)) {
+      check.finish();
+      ++ran;
+    }
+  }
+  MESSAGE(file << ": " << ran << " of " << wanted << " device cases run in " << std::string(mrr::test::ppo::type_name<T>()));
+  CHECK(ran == wanted);
+  CHECK(ran > 0);
+}
+
+}  // namespace
+
+TEST_SUITE("golden") {
+  TEST_CASE_TEMPLATE("device: advantage.json gae, grpo, rloo, rloo_vectorized", T, double, float) {
+    for_cases<T>("advantage.json", {"gae", "grpo", "rloo", "rloo_vectorized"},
+                 [](const GoldenCase& c, OutputChecker<T>& check) { return run_advantage<T>(c, check); });
+  }
+  TEST_CASE_TEMPLATE("device: masked.json masked mean, row mean, var, whiten", T, double, float) {
+    for_cases<T>("masked.json", {"masked_mean", "masked_var", "masked_whiten"},
+                 [](const GoldenCase& c, OutputChecker<T>& check) { return run_masked<T>(c, check); });
+  }
+  TEST_CASE_TEMPLATE("device: kl.json kl_penalty values and gradients", T, double, float) {
+    for_cases<T>("kl.json", {"kl_penalty"}, [](const GoldenCase& c, OutputChecker<T>& check) { return run_kl<T>(c, check); });
+  }
+}
+
+TEST_CASE("device: GAE as a parallel scan equals the CPU's sequential recurrence on a large batch") {
+  const long rows = 64, cols = 3000;
+  std::mt19937 rng(9);
+  std::normal_distribution<double> n(0.0, 1.0);
+  mrr::RowMatrix<double> r(rows, cols), v(rows, cols), m(rows, cols);
+  for (long i = 0; i < rows; ++i)
+    for (long j = 0; j < cols; ++j) {
+      r(i, j) = n(rng);
+      v(i, j) = n(rng);
+      m(i, j) = (j < cols - i * 17 && (j % 13) != 5) ? 1.0 : 0.0;  // padding and observation tokens
+    }
+  const auto host = mrr::ppo::compute_gae_advantage_return<double>(r, v, m, 0.99, 0.95);
+  const auto dev = mrr::device::compute_gae_advantage_return<double>(
+      dvec<double>(r.data(), r.data() + r.size()), dvec<double>(v.data(), v.data() + v.size()),
+      dvec<double>(m.data(), m.data() + m.size()), cols, 0.99, 0.95);
+  const auto a = as_matrix(dev.advantages, cols), ret = as_matrix(dev.returns, cols);
+  CHECK((a - host.advantages).cwiseAbs().maxCoeff() <= 1e-10);
+  CHECK((ret - host.returns).cwiseAbs().maxCoeff() <= 1e-10);
+}

@@ -1,0 +1,200 @@
+// MoELayer gradients against central finite differences (double): w.r.t. the input, the gate
+// weight and every expert matrix, with native and replayed routes, with and without capacity
+// dropping; and activation recomputation replaying the forward's routes first-in-first-out.
+#include <mrr/moe.hpp>
+#include <mrr/replay.hpp>
+#include <mrr/router.hpp>
+
+#include <doctest/doctest.h>
+
+#include "moe_fixture.hpp"
+
+#include <cmath>
+#include <functional>
+
+using mrr::RowMatrix;
+using mrr::test::MoEModel;
+
+namespace {
+
+constexpr int kHidden = 6, kIntermediate = 5, kTokens = 14;
+
+// sum(output * grad_y)
+double loss(const RowMatrix<double>& out, const RowMatrix<double>& gy) { return (out.array() * gy.array()).sum(); }
+
+// Checks d loss / d p against (L(p + h) - L(p - h)) / 2h for every entry of `param`.
+void check_fd(RowMatrix<double>& param, const RowMatrix<double>& analytic, const std::function<double()>& eval,
+              const char* what) {
+  CAPTURE(what);
+  REQUIRE(analytic.rows() == param.rows());
+  REQUIRE(analytic.cols() == param.cols());
+  constexpr double h = 1e-6;
+  double worst = 0;
+  for (Eigen::Index i = 0; i < param.size(); ++i) {
+    const double saved = param.data()[i];
+    param.data()[i] = saved + h;
+    const double up = eval();
+    param.data()[i] = saved - h;
+    const double down = eval();
+    param.data()[i] = saved;
+    const double fd = (up - down) / (2 * h);
+    const double err = std::abs(fd - analytic.data()[i]) / (1e-6 + std::abs(fd));
+    worst = std::max(worst, err);
+  }
+  CHECK(worst < 1e-5);
+}
+
+// Finite differences of every parameter for a layer whose route comes from `replay` (any store).
+template <class Store>
+void check_layer_gradients(const MoEModel<double>& base, mrr::RoutingReplay<Store>* replay,
+                           const std::function<void()>& before_forward) {
+  MoEModel<double> model = base;
+  RowMatrix<double> x = mrr::test::random_normal<double>(kTokens, kHidden, 11);
+  const RowMatrix<double> gy = mrr::test::random_normal<double>(kTokens, kHidden, 12);
+  const mrr::SingleProcess comm;
+  auto run = [&] {
+    auto layer = model.layer(comm, replay, 0);
+    before_forward();
+    return std::pair{layer.forward(x), std::move(layer)};
+  };
+  auto [f, layer] = run();
+  const auto g = layer.backward(f, gy);
+  auto eval = [&] { return loss(run().first.output, gy); };
+  check_fd(x, g.input, eval, "input");
+  check_fd(model.gate, g.gate_weight, eval, "gate weight");
+  const int e = model.num_experts(), h = model.hidden, inter = model.intermediate;
+  for (int ex = 0; ex < e; ++ex) {
+    CAPTURE(ex);
+    // View expert ex's slices of the flat torch-layout tensors as matrices.
+    auto slice = [&](std::vector<double>& flat, int rows, int cols, const RowMatrix<double>& grad, const char* what) {
+      RowMatrix<double> m = Eigen::Map<RowMatrix<double>>(flat.data() + ex * rows * cols, rows, cols);
+      check_fd(m, grad, [&] {
+        Eigen::Map<RowMatrix<double>>(flat.data() + ex * rows * cols, rows, cols) = m;
+        return eval();
+      }, what);
+      Eigen::Map<RowMatrix<double>>(flat.data() + ex * rows * cols, rows, cols) = m;
+    };
+    slice(model.w_gate, inter, h, g.experts.w_gate[static_cast<std::size_t>(ex)], "w_gate");
+    slice(model.w_up, inter, h, g.experts.w_up[static_cast<std::size_t>(ex)], "w_up");
+    slice(model.w_down, h, inter, g.experts.w_down[static_cast<std::size_t>(ex)], "w_down");
+  }
+}
+
+MoEModel<double> model_with(mrr::RouterConfig config) { return MoEModel<double>::random(config, kHidden, kIntermediate, 5); }
+
+mrr::RouterConfig with_capacity(mrr::RouterConfig c, double factor, mrr::DropPolicy policy) {
+  c.capacity_factor = factor;
+  c.drop_policy = policy;
+  return c;
+}
+
+// Routes of the base model recorded once (R2), then replayed for every forward of the checks,
+// while the parameters move.
+void check_replayed(const MoEModel<double>& model, bool expect_drops) {
+  mrr::MemoryRouteStore store({.num_experts = model.num_experts(), .num_layers = 1, .topk = model.topk()});
+  mrr::RoutingReplay replay(mrr::ReplayMode::R2, store);
+  replay.set_micro_batch(mrr::test::token_layout(0, kTokens));
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  {
+    auto layer = model.layer(mrr::SingleProcess{}, &replay, 0);
+    const auto f = layer.forward(mrr::test::random_normal<double>(kTokens, kHidden, 11));
+    CHECK(f.routing.has_capacity_mask() == expect_drops);
+    if (expect_drops) CHECK((f.routing.kept.array() == 0).any());
+  }
+  replay.set_activation_recompute(false);
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  check_layer_gradients(model, &replay, [] {});
+  CHECK(replay.stats().replayed_rows > 0);
+}
+
+}  // namespace
+
+TEST_CASE("MoELayer gradients match finite differences: native routing") {
+  for (const auto& config : {mrr::presets::qwen3_moe(6, 2), mrr::presets::qwen2_moe(6, 3, false),
+                             mrr::presets::megatron(6, 2)}) {
+    mrr::RoutingReplay<mrr::NoRouteStore> none;
+    check_layer_gradients(model_with(config), &none, [] {});
+  }
+}
+
+TEST_CASE("MoELayer gradients match finite differences: sigmoid scores with groups and scaling") {
+  mrr::RoutingReplay<mrr::NoRouteStore> none;
+  check_layer_gradients(model_with(mrr::presets::megatron_deepseek_v3(8, 2, 4, 2, 1.5)), &none, [] {});
+}
+
+TEST_CASE("MoELayer gradients match finite differences: replayed routes") {
+  check_replayed(model_with(mrr::presets::qwen3_moe(6, 2)), false);
+  check_replayed(model_with(mrr::presets::qwen2_moe(6, 2, false)), false);
+}
+
+TEST_CASE("MoELayer gradients match finite differences: capacity dropping, native and replayed") {
+  for (auto policy : {mrr::DropPolicy::probs, mrr::DropPolicy::position}) {
+    CAPTURE(mrr::to_string(policy));
+    const auto model = model_with(with_capacity(mrr::presets::qwen3_moe(6, 2), 0.5, policy));
+    mrr::RoutingReplay<mrr::NoRouteStore> none;
+    check_layer_gradients(model, &none, [] {});
+    check_replayed(model, true);
+  }
+}
+
+TEST_CASE("MoELayer: dropped slots contribute nothing forward or backward") {
+  const auto model = model_with(with_capacity(mrr::presets::qwen3_moe(6, 2), 0.5, mrr::DropPolicy::probs));
+  auto layer = model.layer(mrr::SingleProcess{});
+  const RowMatrix<double> x = mrr::test::random_normal<double>(kTokens, kHidden, 11);
+  const auto f = layer.forward(x);
+  REQUIRE(f.routing.has_capacity_mask());
+  std::int64_t kept = 0;
+  for (Eigen::Index t = 0; t < kTokens; ++t)
+    for (int j = 0; j < model.topk(); ++j) {
+      if (f.routing.is_kept(t, j))
+        ++kept;
+      else
+        CHECK(f.routing.weights(t, j) == 0.0);
+    }
+  CHECK(kept == f.permutation.rows());
+  // A token with every slot dropped gets a zero output and gradient only through the gate.
+  for (Eigen::Index t = 0; t < kTokens; ++t) {
+    bool any = false;
+    for (int j = 0; j < model.topk(); ++j) any = any || f.routing.is_kept(t, j);
+    if (!any) CHECK(f.output.row(t).isZero(0));
+  }
+}
+
+TEST_CASE("MoELayer: activation recomputation replays each forward's routes first-in-first-out") {
+  const auto model = model_with(mrr::presets::qwen3_moe(6, 2));
+  mrr::MemoryRouteStore store({.num_experts = 6, .num_layers = 2, .topk = 2});
+  mrr::RoutingReplay replay(mrr::ReplayMode::R2, store);
+  const RowMatrix<double> x1 = mrr::test::random_normal<double>(kTokens, kHidden, 21);
+  const RowMatrix<double> x2 = mrr::test::random_normal<double>(kTokens, kHidden, 22);
+  const RowMatrix<double> gy = mrr::test::random_normal<double>(kTokens, kHidden, 23);
+  const auto mb1 = mrr::test::token_layout(0, kTokens), mb2 = mrr::test::token_layout(kTokens, 2 * kTokens);
+  auto layer = model.layer(mrr::SingleProcess{}, &replay, 1);
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);  // record both micro-batches
+  replay.set_micro_batch(mb1);
+  const auto r1 = layer.forward(x1);
+  replay.set_micro_batch(mb2);
+  const auto r2 = layer.forward(x2);
+
+  // The update's forwards (F1 F2) run on drifted gates and queue their replayed ids ...
+  RowMatrix<double> drifted = model.gate + 0.3 * mrr::test::random_normal<double>(6, kHidden, 24);
+  layer.set_gate_weight(drifted);
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  replay.set_micro_batch(mb1);
+  const auto f1 = layer.forward(x1);
+  replay.set_micro_batch(mb2);
+  const auto f2 = layer.forward(x2);
+  CHECK(f1.routing.ids == r1.routing.ids);
+  CHECK(f2.routing.ids == r2.routing.ids);
+  CHECK(replay.queued(1) == 2);
+  // ... and the backward's recomputations (B1 B2) pop them in order, reproducing the forwards.
+  replay.begin_pass(mrr::TrainingPass::actor_recompute);
+  const auto b1 = layer.forward(x1);
+  const auto b2 = layer.forward(x2);
+  CHECK(replay.queued(1) == 0);
+  CHECK(mrr::test::bitwise_equal(b1.output, f1.output));
+  CHECK(mrr::test::bitwise_equal(b2.output, f2.output));
+  const auto g1 = layer.backward(b1, gy), g1_direct = layer.backward(f1, gy);
+  CHECK(mrr::test::bitwise_equal(g1.input, g1_direct.input));
+  CHECK(mrr::test::bitwise_equal(g1.gate_weight, g1_direct.gate_weight));
+  CHECK_THROWS_AS(layer.forward(x1), mrr::RouteStoreError);  // nothing left to recompute with
+}
