@@ -30,6 +30,13 @@ RECORD_HEADER_BYTES = 56
 CHECKSUMMED_HEADER_BYTES = 40
 HEADER_CHECKED_BYTES = 48
 ROUTES, INDEX, TAIL = 1, 2, 3
+MAX_LAYERS = 65535
+MAX_TOPK = 4096
+MAX_POSITIONS = 1 << 32
+# A sequence whose table would exceed this many times the rows its records hold, plus 1 MiB,
+# is refused (docs/route-file-format.md, "Bounds").
+SPARSE_FACTOR = 32
+SPARSE_SLACK = 1 << 20
 
 _P1 = 0x9E3779B185EBCA87
 _P2 = 0xC2B2AE3D27D4EB4F
@@ -133,6 +140,15 @@ class RouteFile:
         if version != 1 or header_bytes != HEADER_BYTES:
             raise RouteFileError(f"{self.path}: unsupported format version {version}")
         self.num_experts, self.num_layers, self.topk = struct.unpack_from("<III", d, 16)
+        if not 1 <= self.num_experts < 1 << 31:
+            raise RouteFileError(f"{self.path}: its header has num_experts = {self.num_experts}")
+        if not 1 <= self.num_layers <= MAX_LAYERS:
+            raise RouteFileError(f"{self.path}: its header has num_layers = {self.num_layers}")
+        if not 1 <= self.topk <= min(self.num_experts, MAX_TOPK):
+            raise RouteFileError(f"{self.path}: its header has topk = {self.topk}")
+        want = 1 if self.num_experts <= 256 else 2 if self.num_experts <= 65536 else 4
+        if self.id_width != want:
+            raise RouteFileError(f"{self.path}: its header has id width {self.id_width}")
         self._dtype = {1: np.uint8, 2: np.dtype("<u2"), 4: np.dtype("<u4")}[self.id_width]
 
     def _scan(self):
@@ -162,6 +178,8 @@ class RouteFile:
             if rtype == ROUTES:
                 if payload != tokens * layers * self.topk * self.id_width or first_layer + layers > self.num_layers:
                     self._fail(off, f"a record of sequence uid {uid} has an inconsistent size")
+                if layers == 0 or first_pos < 0 or first_pos + tokens > MAX_POSITIONS:
+                    self._fail(off, f"a record of sequence uid {uid} has first_position {first_pos}, outside [0, 2^32)")
                 self._records.setdefault(uid, []).append((off, first_pos, tokens, first_layer, layers))
                 self.records += 1
             off += need
@@ -179,6 +197,10 @@ class RouteFile:
             raise KeyError(f"sequence {uid} is not in {self.path}")
         parts = self._records[uid]
         positions = max(p + t for _, p, t, _, _ in parts)
+        held = sum(t * n for _, _, t, _, n in parts)
+        row = 4 * self.topk
+        if positions * self.num_layers * row > SPARSE_FACTOR * held * row + SPARSE_SLACK:
+            self._fail(parts[0][0], f"the records of sequence uid {uid} are too sparse for a table of {positions} positions")
         out = np.full((positions, self.num_layers, self.topk), -1, dtype=np.int32)
         for off, first_pos, tokens, first_layer, layers in parts:
             start = off + RECORD_HEADER_BYTES

@@ -13,5 +13,6 @@
 #include <mrr/ppo.hpp>
 #include <mrr/replay.hpp>
 #include <mrr/reward.hpp>
+#include <mrr/rollout.hpp>
 #include <mrr/router.hpp>
 #include <mrr/tensor.hpp>

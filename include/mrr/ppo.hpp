@@ -6,6 +6,7 @@
 #include <mrr/ppo/advantage.hpp>
 #include <mrr/ppo/aggregate.hpp>
 #include <mrr/ppo/groups.hpp>
+#include <mrr/ppo/grpo_step.hpp>
 #include <mrr/ppo/kl.hpp>
 #include <mrr/ppo/masked.hpp>
 #include <mrr/ppo/optional_view.hpp>

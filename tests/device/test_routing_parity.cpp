@@ -94,11 +94,13 @@ Compared compare(const mrr::RouterConfig& cfg, const mrr::RowMatrix<T>& logits, 
   return c;
 }
 
-// A few ulps: 4, plus E/8 when a weight divides by a sum over all E experts (pre-softmax without
-// renormalisation), whose order and exp differ between Eigen's vectorised CPU path and the device.
+// The CPU router evaluates exp with Eigen's vectorised kernel (within ~2 ulps) and the device with
+// std::exp (within 1); a weight is one exp divided by a sum of k of them, so the two can differ
+// by up to about 2 + k/2 ulps in the worst case — 8 for k <= 12 — and by more when the sum runs
+// over all E experts (pre-softmax without renormalisation). Ids are compared exactly.
 double ulp_bound(const mrr::RouterConfig& cfg) {
   const bool full_sum = cfg.score_function == mrr::ScoreFunction::softmax && cfg.pre_softmax && !cfg.normalizes();
-  return 4.0 + (full_sum ? cfg.num_experts / 8.0 : 0.0);
+  return 8.0 + (full_sum ? cfg.num_experts / 8.0 : 0.0);
 }
 
 mrr::RouterConfig megatron_config(const GoldenCase& c, int num_experts, bool with_bias) {

@@ -146,11 +146,7 @@ class MoELayer {
       f.routing = route(f.router_logits());
       f.permutation = make_expert_permutation(f.routing, num_experts());
     });
-    const RowMatrix<Scalar> send = permute_tokens<Scalar>(f.input, f.permutation);
-    // Counts per (source rank, local expert), then the rows, to the owners.
-    f.recv_rows = exchange_counts(f.permutation.tokens_per_expert);
-    const RowMatrix<Scalar> received = exchange_rows(send, local_counts(f.permutation), received_counts(f.recv_rows));
-    f.expert_inputs = regroup(received, f.recv_rows);
+    dispatch(f);
     std::vector<RowMatrix<Scalar>> outputs(f.expert_inputs.size());
     agree(fn, [&] {
       for (int e = 0; e < experts_per_rank(); ++e) {
@@ -161,10 +157,42 @@ class MoELayer {
                         detail::shape_of(f.expert_inputs[i]));
       }
     });
-    f.expert_outputs =
-        exchange_rows(ungroup(outputs, f.recv_rows), received_counts(f.recv_rows), local_counts(f.permutation));
-    f.output = combine_rows(f.expert_outputs, f.routing, f.permutation, nullptr);
+    combine(f, outputs);
     return f;
+  }
+
+  // forward's communication steps on their own, so bench/ep can time dispatch + combine without
+  // the gate and the experts. Collective. dispatch: f.input, f.permutation -> f.recv_rows,
+  // f.expert_inputs (permute, count exchange, rows to the owners, regroup per local expert).
+  // The staging buffers are the layer's, reused from call to call (a fresh 100 MB buffer per call
+  // costs more in page faults than the copy into it); f's matrices are reused when their shapes
+  // match. Same bytes, same order as permute_tokens + exchange + regroup.
+  void dispatch(Forward& f) {
+    const auto hidden = static_cast<std::size_t>(hidden_size());
+    const auto rows = static_cast<std::size_t>(f.permutation.rows());
+    send_buffer_.resize(rows * hidden);
+    for (std::size_t r = 0; r < rows; ++r)  // permute: one pass, straight into the send buffer
+      std::copy_n(f.input.row(f.permutation.source_token[r]).data(), hidden, send_buffer_.data() + r * hidden);
+    // Counts per (source rank, local expert), then the rows, to the owners.
+    f.recv_rows = exchange_counts(f.permutation.tokens_per_expert);
+    const std::vector<std::size_t> recv_counts = received_counts(f.recv_rows);
+    receive_buffer_.resize(total_of(recv_counts));
+    exchange_rows_into(send_buffer_, local_counts(f.permutation), receive_buffer_, recv_counts);
+    regroup_into(staged(receive_buffer_), f.recv_rows, f.expert_inputs);
+  }
+
+  // combine: the local experts' outputs (rows as in f.expert_inputs) -> f.expert_outputs (back on
+  // the tokens' ranks) and f.output (each token's slots summed in slot order).
+  void combine(Forward& f, const std::vector<RowMatrix<Scalar>>& outputs) {
+    const std::vector<std::size_t> send_counts = received_counts(f.recv_rows);
+    send_buffer_.resize(total_of(send_counts));
+    ungroup_into(outputs, f.recv_rows, send_buffer_.data());
+    const std::vector<std::size_t> recv_counts = local_counts(f.permutation);
+    f.expert_outputs.resize(f.permutation.rows(), hidden_size());
+    exchange_rows_into(send_buffer_, send_counts,
+                       std::span<Scalar>(f.expert_outputs.data(), static_cast<std::size_t>(f.expert_outputs.size())),
+                       recv_counts);
+    combine_rows_into(f.expert_outputs, f.routing, f.permutation, nullptr, f.output);
   }
 
   // Gradients of sum(forward.output * grad_output) w.r.t. the input (this rank's tokens), the
@@ -367,20 +395,44 @@ class MoELayer {
 
   RowMatrix<Scalar> exchange_rows(const RowMatrix<Scalar>& send, const std::vector<std::size_t>& send_counts,
                                   const std::vector<std::size_t>& recv_counts) const {
-    std::size_t total = 0;
-    for (auto c : recv_counts) total += c;
+    const std::size_t total = total_of(recv_counts);
     RowMatrix<Scalar> recv(static_cast<Eigen::Index>(total / static_cast<std::size_t>(hidden_size())), hidden_size());
-    comm_.all_to_all_v(std::span<const Scalar>(send.data(), static_cast<std::size_t>(send.size())),
-                       std::span<const std::size_t>(send_counts), std::span<Scalar>(recv.data(), total),
-                       std::span<const std::size_t>(recv_counts));
+    exchange_rows_into(std::span<const Scalar>(send.data(), static_cast<std::size_t>(send.size())), send_counts,
+                       std::span<Scalar>(recv.data(), total), recv_counts);
     return recv;
+  }
+
+  void exchange_rows_into(std::span<const Scalar> send, const std::vector<std::size_t>& send_counts,
+                          std::span<Scalar> recv, const std::vector<std::size_t>& recv_counts) const {
+    comm_.all_to_all_v(send, std::span<const std::size_t>(send_counts), recv,
+                       std::span<const std::size_t>(recv_counts));
+  }
+
+  static std::size_t total_of(const std::vector<std::size_t>& counts) {
+    std::size_t total = 0;
+    for (auto c : counts) total += c;
+    return total;
+  }
+
+  // A staging buffer as [rows, hidden] rows.
+  Eigen::Map<const RowMatrix<Scalar>> staged(const std::vector<Scalar>& buffer) const {
+    return {buffer.data(), static_cast<Eigen::Index>(buffer.size() / static_cast<std::size_t>(hidden_size())),
+            hidden_size()};
   }
 
   // Received rows (blocks by source rank, each expert-major) -> one matrix per local expert with
   // its rows in (source rank, token) order: global token order for contiguous token chunks.
   std::vector<RowMatrix<Scalar>> regroup(const RowMatrix<Scalar>& received, const std::vector<std::int64_t>& recv_rows) const {
+    std::vector<RowMatrix<Scalar>> out;
+    regroup_into(received, recv_rows, out);
+    return out;
+  }
+
+  // regroup into `out`, keeping the matrices whose shapes already match.
+  void regroup_into(MatrixRef<Scalar> received, const std::vector<std::int64_t>& recv_rows,
+                    std::vector<RowMatrix<Scalar>>& out) const {
     const int per = experts_per_rank();
-    std::vector<RowMatrix<Scalar>> out(static_cast<std::size_t>(per));
+    out.resize(static_cast<std::size_t>(per));
     for (int e = 0; e < per; ++e) {
       std::int64_t n = 0;
       for (int s = 0; s < ranks(); ++s) n += recv_rows[static_cast<std::size_t>(s * per + e)];
@@ -396,26 +448,33 @@ class MoELayer {
         filled[static_cast<std::size_t>(e)] += n;
         row += n;
       }
-    return out;
   }
 
   // The mirror of regroup: per-expert rows back into blocks by destination rank.
   RowMatrix<Scalar> ungroup(const std::vector<RowMatrix<Scalar>>& per_expert,
                             const std::vector<std::int64_t>& recv_rows) const {
-    const int per = experts_per_rank();
     Eigen::Index total = 0;
     for (const auto& m : per_expert) total += m.rows();
     RowMatrix<Scalar> out(total, hidden_size());
+    ungroup_into(per_expert, recv_rows, out.data());
+    return out;
+  }
+
+  // ungroup into `out` (room for every row).
+  void ungroup_into(const std::vector<RowMatrix<Scalar>>& per_expert, const std::vector<std::int64_t>& recv_rows,
+                    Scalar* out) const {
+    const int per = experts_per_rank();
+    const auto hidden = static_cast<std::size_t>(hidden_size());
     std::vector<std::int64_t> taken(static_cast<std::size_t>(per), 0);
-    Eigen::Index row = 0;
+    std::size_t at = 0;
     for (int s = 0; s < ranks(); ++s)
       for (int e = 0; e < per; ++e) {
-        const auto n = recv_rows[static_cast<std::size_t>(s * per + e)];
-        out.middleRows(row, n) = per_expert[static_cast<std::size_t>(e)].middleRows(taken[static_cast<std::size_t>(e)], n);
-        taken[static_cast<std::size_t>(e)] += n;
-        row += n;
+        const auto n = static_cast<std::size_t>(recv_rows[static_cast<std::size_t>(s * per + e)]);
+        const auto& src = per_expert[static_cast<std::size_t>(e)];
+        if (n > 0) std::copy_n(src.row(taken[static_cast<std::size_t>(e)]).data(), n * hidden, out + at);
+        taken[static_cast<std::size_t>(e)] += static_cast<std::int64_t>(n);
+        at += n * hidden;
       }
-    return out;
   }
 
   // out[t] = sum over kept slots j, in slot order, of weight[t, j] * rows[row(t, j)] (forward), or
@@ -423,8 +482,15 @@ class MoELayer {
   // in an aligned buffer: element-wise operations only, so no result depends on P.
   RowMatrix<Scalar> combine_rows(const RowMatrix<Scalar>& rows, const Routing<Scalar>& routing,
                                  const ExpertPermutation& p, const RowMatrix<Scalar>* grad_logits) const {
+    RowMatrix<Scalar> out;
+    combine_rows_into(rows, routing, p, grad_logits, out);
+    return out;
+  }
+
+  void combine_rows_into(const RowMatrix<Scalar>& rows, const Routing<Scalar>& routing, const ExpertPermutation& p,
+                         const RowMatrix<Scalar>* grad_logits, RowMatrix<Scalar>& out) const {
     const Eigen::Index tokens = routing.tokens();
-    RowMatrix<Scalar> out(tokens, hidden_size());
+    out.resize(tokens, hidden_size());
     Vector<Accum> acc(hidden_size());
     Vector<Scalar> dz(num_experts()), dx(hidden_size());
     for (Eigen::Index t = 0; t < tokens; ++t) {
@@ -444,7 +510,6 @@ class MoELayer {
       }
       out.row(t) = acc.transpose().template cast<Scalar>();
     }
-    return out;
   }
 
   // d gate_weight = grad_logits^T @ input over the global batch. Every rank gathers the per-token
@@ -487,6 +552,7 @@ class MoELayer {
   int layer_ = 0;
   ExpertPlacement placement_ = ExpertPlacement::contiguous(1, 1);
   RowMatrix<Scalar> gate_weight_;
+  std::vector<Scalar> send_buffer_, receive_buffer_;  // dispatch/combine staging, reused across calls
 };
 
 MRR_NAMESPACE_END

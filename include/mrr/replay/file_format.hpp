@@ -28,6 +28,7 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 MRR_NAMESPACE_BEGIN
 namespace route_file {
@@ -91,20 +92,32 @@ inline void encode(const FileHeader& h, unsigned char* out /* kHeaderBytes */) {
   detail::put<std::uint64_t>(out + 56, XXH64(out, 56, 0));
 }
 
-// Empty string when valid, else what is wrong.
-inline const char* decode(const unsigned char* in, FileHeader& h) {
+// Empty string when valid, else what is wrong, naming the field. Every shape field is checked
+// against RouteShape's bounds here, before anything is sized from it.
+inline std::string decode(const unsigned char* in, FileHeader& h) {
   if (std::memcmp(in, kFileMagic, 8) != 0) return "it is not an mrr route file (bad magic)";
   if (detail::get<std::uint64_t>(in + 56) != XXH64(in, 56, 0)) return "its header fails its checksum";
   h.version = detail::get<std::uint16_t>(in + 8);
-  if (h.version != kVersion) return "it has an unsupported format version";
-  if (detail::get<std::uint16_t>(in + 10) != kHeaderBytes) return "it has an unexpected header size";
+  if (h.version != kVersion) return mrr::detail::str("it has an unsupported format version ", h.version);
+  if (detail::get<std::uint16_t>(in + 10) != kHeaderBytes)
+    return mrr::detail::str("it has an unexpected header size ", detail::get<std::uint16_t>(in + 10));
+  const auto experts = detail::get<std::uint32_t>(in + 16);
+  const auto layers = detail::get<std::uint32_t>(in + 20);
+  const auto topk = detail::get<std::uint32_t>(in + 24);
+  if (experts == 0 || experts > 0x7fffffffu)
+    return mrr::detail::str("its header has num_experts = ", experts, " (must be in [1, 2^31))");
+  if (layers == 0 || layers > static_cast<std::uint32_t>(RouteShape::kMaxLayers))
+    return mrr::detail::str("its header has num_layers = ", layers, " (must be in [1, ", RouteShape::kMaxLayers, "])");
+  if (topk == 0 || topk > experts || topk > static_cast<std::uint32_t>(RouteShape::kMaxTopk))
+    return mrr::detail::str("its header has topk = ", topk, " (must be in [1, min(num_experts = ", experts, ", ",
+                            RouteShape::kMaxTopk, ")])");
   h.id_width = in[12];
-  h.shape.num_experts = static_cast<std::int32_t>(detail::get<std::uint32_t>(in + 16));
-  h.shape.num_layers = static_cast<std::int32_t>(detail::get<std::uint32_t>(in + 20));
-  h.shape.topk = static_cast<std::int32_t>(detail::get<std::uint32_t>(in + 24));
-  if (h.shape.num_experts <= 0 || h.shape.num_layers <= 0 || h.shape.topk <= 0 || h.shape.topk > h.shape.num_experts)
-    return "its header holds an invalid shape";
-  if (h.id_width != id_width_for(h.shape.num_experts)) return "its id width does not match its expert count";
+  h.shape.num_experts = static_cast<std::int32_t>(experts);
+  h.shape.num_layers = static_cast<std::int32_t>(layers);
+  h.shape.topk = static_cast<std::int32_t>(topk);
+  if (h.id_width != id_width_for(h.shape.num_experts))
+    return mrr::detail::str("its header has id width ", int{h.id_width}, " where num_experts = ", experts, " needs ",
+                            id_width_for(h.shape.num_experts));
   return "";
 }
 

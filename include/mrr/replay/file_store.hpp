@@ -5,6 +5,7 @@
 // is an error when read, never wrong ids. Format: docs/route-file-format.md. Not thread-safe.
 #pragma once
 
+#include <mrr/detail/checked.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 #include <mrr/replay/file_format.hpp>
@@ -14,9 +15,11 @@
 #include <mrr/tensor.hpp>
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -58,22 +61,13 @@ struct RouteFileRecovery {
 
 class FileRouteStore {
  public:
-  // A new file; an existing one is an error (records are never overwritten).
+  // A new file; an existing one is an error (records are never overwritten). The writer holds an
+  // exclusive lock on the file until close(): a second writer is refused, readers are not.
   static FileRouteStore create(const std::filesystem::path& path, RouteShape shape, FileStoreOptions options = {}) {
     shape.validate();
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0)
-      throw RouteFileError(detail::str("cannot create route file ", path.string(), ": ", std::strerror(errno),
-                                       errno == EEXIST ? " (it exists; open it with FileRouteStore::append to add "
-                                                         "routes, or choose a new name)"
-                                                       : ""));
-    FileRouteStore store(path, fd, true, options, shape);
-    unsigned char header[route_file::kHeaderBytes];
-    route_file::encode(store.header_, header);
-    store.write_all(header, sizeof header, 0);
-    store.end_ = route_file::kHeaderBytes;
-    store.index_dirty_ = true;
-    return store;
+    if (fd < 0) throw_create_error(path);
+    return start_new_file(path, fd, shape, options);
   }
 
   // An existing file, read-only. With `expected`, a file of another model is an error naming
@@ -81,6 +75,7 @@ class FileRouteStore {
   static FileRouteStore open(const std::filesystem::path& path, std::optional<RouteShape> expected = std::nullopt) {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw_open_error(path);
+    // Readers take no lock: a file being appended to is read up to its last complete record.
     FileRouteStore store(path, fd, false, {}, RouteShape{1, 1, 1});
     store.read_header(expected);
     store.load_index_or_scan();
@@ -88,12 +83,19 @@ class FileRouteStore {
   }
 
   // An existing file to add routes to (created when missing). A torn last record is truncated
-  // away (and reported in recovery()) so new records follow the last complete one.
+  // away (and reported in recovery()) so new records follow the last complete one. Like create,
+  // it holds an exclusive lock until close(): two writers never interleave their appends.
   static FileRouteStore append(const std::filesystem::path& path, RouteShape shape, FileStoreOptions options = {}) {
-    std::error_code ec;
-    if (!std::filesystem::exists(path, ec)) return create(path, shape, options);
-    const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    shape.validate();
+    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT && !std::filesystem::is_symlink(std::filesystem::symlink_status(path))) {
+      fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (fd >= 0) return start_new_file(path, fd, shape, options);
+      if (errno != EEXIST) throw_create_error(path);
+      fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);  // another process created it meanwhile
+    }
     if (fd < 0) throw_open_error(path);
+    lock_for_writing(fd, path);
     FileRouteStore store(path, fd, true, options, shape);
     store.read_header(shape);
     store.load_index_or_scan();
@@ -167,14 +169,9 @@ class FileRouteStore {
                        int num_layers, std::span<const std::int32_t> ids) {
     constexpr const char* fn = "FileRouteStore::record_sequence";
     require_writable(fn);
-    detail::require(first_position >= 0 && num_tokens >= 0 && num_tokens <= 0xffffffffLL, fn,
-                    "first_position and num_tokens must be >= 0 (and num_tokens < 2^32)");
-    detail::require(first_layer >= 0 && num_layers > 0 && first_layer + num_layers <= shape().num_layers, fn,
-                    "layers [", first_layer, ", ", first_layer + num_layers, ") outside the store's [0, ",
-                    shape().num_layers, ")");
-    const int k = shape().topk;
-    detail::require(static_cast<std::int64_t>(ids.size()) == num_tokens * num_layers * k, fn, "ids has ", ids.size(),
-                    " values, expected tokens*layers*k = ", num_tokens * num_layers * k);
+    cache_.check_block_extent(first_position, num_tokens, first_layer, num_layers, ids.size(), fn);
+    detail::require(num_tokens <= 0xffffffffLL, fn, "num_tokens ", num_tokens,
+                    " does not fit a record (at most 2^32 - 1 tokens per call)");
     ensure_loaded(uid);
     if (!cache_.new_block(uid, first_position, num_tokens, first_layer, num_layers, ids, fn)) return;
     auto& buffer = write_buffer_;
@@ -250,9 +247,63 @@ class FileRouteStore {
     header_.id_width = static_cast<std::uint8_t>(id_width_for(shape.num_experts));
   }
 
+  static FileRouteStore start_new_file(const std::filesystem::path& path, int fd, const RouteShape& shape,
+                                       const FileStoreOptions& options) {
+    lock_for_writing(fd, path);
+    FileRouteStore store(path, fd, true, options, shape);
+    unsigned char header[route_file::kHeaderBytes];
+    route_file::encode(store.header_, header);
+    store.write_all(header, sizeof header, 0);
+    store.end_ = route_file::kHeaderBytes;
+    store.index_dirty_ = true;
+    return store;
+  }
+
+  // One writer per file: flock(LOCK_EX | LOCK_NB) on the open file, released when it is closed
+  // (or the process dies). Filesystems without flock support are written unlocked.
+  static void lock_for_writing(int fd, const std::filesystem::path& path) {
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return;
+    const int err = errno;
+    if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS) return;
+    ::close(fd);
+    if (err == EWOULDBLOCK)
+      throw RouteFileError(detail::str("route file ", path.string(),
+                                       " is locked by another writer (a FileRouteStore created or appended to it and "
+                                       "has not closed it); close that writer first, or record to another file"));
+    throw RouteFileError(detail::str("route file ", path.string(), ": cannot lock it for writing: ",
+                                     std::strerror(err)));
+  }
+
+  // What a symlink at `path` is when it leads nowhere ("" when it is no such symlink): open()
+  // alone only says "File exists" or "No such file".
+  static std::string broken_symlink(const std::filesystem::path& path) {
+    std::error_code ec;
+    if (!std::filesystem::is_symlink(std::filesystem::symlink_status(path, ec))) return "";
+    const std::string target = std::filesystem::read_symlink(path, ec).string();
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0) return "";
+    if (errno == ELOOP) return detail::str("is a symlink loop (", path.string(), " -> ", target, " -> ...)");
+    if (errno == ENOENT) return detail::str("is a dangling symlink to ", target, ", which does not exist");
+    return "";
+  }
+
+  [[noreturn]] static void throw_create_error(const std::filesystem::path& path) {
+    const int err = errno;
+    if (const std::string link = broken_symlink(path); !link.empty())
+      throw RouteFileError(detail::str("cannot create route file ", path.string(), ": it ", link,
+                                       "; remove the link or make it point at a usable path"));
+    throw RouteFileError(detail::str("cannot create route file ", path.string(), ": ", std::strerror(err),
+                                     err == EEXIST ? " (it exists; open it with FileRouteStore::append to add "
+                                                     "routes, or choose a new name)"
+                                                   : ""));
+  }
+
   [[noreturn]] static void throw_open_error(const std::filesystem::path& path) {
-    if (errno == ENOENT) throw RouteFileError(detail::str("route file ", path.string(), " does not exist"));
-    throw RouteFileError(detail::str("cannot open route file ", path.string(), ": ", std::strerror(errno)));
+    const int err = errno;
+    if (const std::string link = broken_symlink(path); !link.empty())
+      throw RouteFileError(detail::str("cannot open route file ", path.string(), ": it ", link));
+    if (err == ENOENT) throw RouteFileError(detail::str("route file ", path.string(), " does not exist"));
+    throw RouteFileError(detail::str("cannot open route file ", path.string(), ": ", std::strerror(err)));
   }
 
   [[noreturn]] void damaged(std::uint64_t offset, const std::string& what) const {
@@ -314,7 +365,7 @@ class FileRouteStore {
     unsigned char buf[route_file::kHeaderBytes];
     read_exact(buf, sizeof buf, 0);
     route_file::FileHeader h;
-    if (const char* why = route_file::decode(buf, h); *why != '\0')
+    if (const std::string why = route_file::decode(buf, h); !why.empty())
       throw RouteFileError(detail::str("route file ", path_.string(), " cannot be used: ", why));
     if (expected) {
       const auto& e = *expected;
@@ -353,7 +404,7 @@ class FileRouteStore {
         route_file::checksum(tail, tail + route_file::kRecordHeaderBytes, 8) != th.checksum)
       return false;
     const auto index_offset = route_file::detail::get<std::uint64_t>(tail + route_file::kRecordHeaderBytes);
-    if (index_offset < route_file::kHeaderBytes || index_offset + route_file::kRecordHeaderBytes > size - tail_bytes) {
+    if (index_offset < route_file::kHeaderBytes || index_offset > size - tail_bytes - route_file::kRecordHeaderBytes) {
       recovery_.index_damaged = true;
       return false;
     }
@@ -363,7 +414,9 @@ class FileRouteStore {
     unsigned char ih_bytes[route_file::kRecordHeaderBytes];
     read_exact(ih_bytes, sizeof ih_bytes, index_offset);
     route_file::RecordHeader ih;
+    // The payload size is checked against the file before it is padded or allocated.
     if (!route_file::decode(ih_bytes, ih) || ih.type != route_file::RecordType::index ||
+        ih.payload_bytes > size - tail_bytes - index_offset ||
         index_offset + route_file::record_bytes(ih.payload_bytes) != size - tail_bytes || ih.payload_bytes < 8 ||
         (ih.payload_bytes - 8) % 16 != 0) {
       recovery_.index_damaged = true;
@@ -373,7 +426,7 @@ class FileRouteStore {
     read_exact(payload.data(), payload.size(), index_offset + route_file::kRecordHeaderBytes);
     const auto count = route_file::detail::get<std::uint64_t>(payload.data());
     if (route_file::checksum(ih_bytes, payload.data(), payload.size()) != ih.checksum ||
-        count * 16 + 8 != ih.payload_bytes) {
+        count != (ih.payload_bytes - 8) / 16) {
       recovery_.index_damaged = true;
       return false;
     }
@@ -448,35 +501,77 @@ class FileRouteStore {
     end_ = offset;
   }
 
+  // Every field of a routes record against the file's shape, the position bound and the file's
+  // size, before anything is sized from it.
   void check_route_record(const route_file::RecordHeader& h, std::uint64_t offset) const {
     const auto& s = shape();
-    if (h.num_layers == 0 || h.first_layer + h.num_layers > s.num_layers || h.first_position < 0)
-      damaged(offset, detail::str("a record of sequence uid ", h.uid, " names layers [", h.first_layer, ", ",
-                                  h.first_layer + h.num_layers, ") or position ", h.first_position,
-                                  " outside the file's shape"));
-    const std::uint64_t expect = std::uint64_t{h.num_tokens} * h.num_layers * static_cast<std::uint64_t>(s.topk) *
-                                 header_.id_width;
-    if (h.payload_bytes != expect)
-      damaged(offset, detail::str("a record of sequence uid ", h.uid, " holds ", h.payload_bytes,
-                                  " payload bytes where its header implies ", expect));
+    if (h.num_layers == 0 || h.first_layer + h.num_layers > s.num_layers)
+      damaged(offset, detail::str("a record of sequence uid ", h.uid, " has first_layer ", h.first_layer,
+                                  " and num_layers ", h.num_layers, ", outside the file's ", s.num_layers, " layers"));
+    if (h.first_position < 0 || h.first_position > kMaxPositions - std::int64_t{h.num_tokens})
+      damaged(offset, detail::str("a record of sequence uid ", h.uid, " has first_position ", h.first_position,
+                                  " and num_tokens ", h.num_tokens, "; positions must be in [0, 2^32)"));
+    std::uint64_t expect = 0;
+    if (!detail::checked_product(expect, std::uint64_t{h.num_tokens}, h.num_layers, s.topk, header_.id_width) ||
+        h.payload_bytes != expect)
+      damaged(offset, detail::str("a record of sequence uid ", h.uid, " has payload_bytes ", h.payload_bytes,
+                                  " where num_tokens x num_layers x topk x id width = ", h.num_tokens, " x ",
+                                  h.num_layers, " x ", s.topk, " x ", int{header_.id_width}));
+    if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes ||
+        h.payload_bytes > end_ - offset - route_file::kRecordHeaderBytes)
+      damaged(offset, detail::str("a record of sequence uid ", h.uid, " has payload_bytes ", h.payload_bytes,
+                                  ", past the end of the file (", end_, " bytes)"));
   }
+
+  // A reader sizes a sequence's table from its records' extent: positions [first, end) x layers.
+  // Records far apart (positions 0 and 2^31, say) would need a table out of all proportion to the
+  // file, so a table more than kSparseFactor times the rows the records hold, plus kSparseSlack
+  // bytes, is refused before it is allocated (docs/route-file-format.md, "Bounds").
+  static constexpr std::uint64_t kSparseFactor = 32;
+  static constexpr std::uint64_t kSparseSlack = std::uint64_t{1} << 20;
 
   void ensure_loaded(SequenceId uid) const {
     if (loaded_.count(uid) != 0) return;
     auto it = index_.find(uid);
     if (it == index_.end()) return;
-    SequenceRoutes seq(shape());
-    std::vector<unsigned char>& payload = read_buffer_;
-    for (std::uint64_t offset : it->second) {
-      unsigned char hb[route_file::kRecordHeaderBytes];
-      read_exact(hb, sizeof hb, offset);
-      route_file::RecordHeader h;
-      if (!route_file::decode(hb, h) || h.type != route_file::RecordType::routes || h.uid != uid)
+    // First every record header, checked; then the table, sized once; then the payloads.
+    std::vector<route_file::RecordHeader> headers(it->second.size());
+    std::vector<std::array<unsigned char, route_file::kRecordHeaderBytes>> header_bytes(it->second.size());
+    std::int64_t first = kMaxPositions, end = 0;
+    std::uint64_t rows_held = 0;
+    for (std::size_t i = 0; i < it->second.size(); ++i) {
+      const std::uint64_t offset = it->second[i];
+      route_file::RecordHeader& h = headers[i];
+      if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes)
+        damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
+      read_exact(header_bytes[i].data(), route_file::kRecordHeaderBytes, offset);
+      if (!route_file::decode(header_bytes[i].data(), h) || h.type != route_file::RecordType::routes || h.uid != uid)
         damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
       check_route_record(h, offset);
+      first = std::min(first, h.first_position);
+      end = std::max(end, h.first_position + std::int64_t{h.num_tokens});
+      rows_held += std::uint64_t{h.num_tokens} * h.num_layers;  // < 2^48 per record
+    }
+    SequenceRoutes seq(shape());
+    if (end > first) {
+      const auto per_row = static_cast<std::uint64_t>(1 + seq.row_bytes());
+      const std::uint64_t table =
+          static_cast<std::uint64_t>(end - first) * static_cast<std::uint64_t>(shape().num_layers);
+      std::uint64_t table_bytes = 0, held_bytes = 0;
+      if (!detail::checked_mul(table, per_row, table_bytes) || !detail::checked_mul(rows_held, per_row, held_bytes) ||
+          table_bytes / kSparseFactor > held_bytes + kSparseSlack / kSparseFactor)
+        damaged(it->second.front(),
+                detail::str("the records of sequence uid ", uid, " span positions [", first, ", ", end, ") but hold ",
+                            rows_held, " of its ", table, " (position, layer) rows; a table that sparse is refused"));
+      seq.reserve(first, end);
+    }
+    std::vector<unsigned char>& payload = read_buffer_;
+    for (std::size_t i = 0; i < headers.size(); ++i) {
+      const std::uint64_t offset = it->second[i];
+      const route_file::RecordHeader& h = headers[i];
       payload.resize(static_cast<std::size_t>(h.payload_bytes));
       read_exact(payload.data(), payload.size(), offset + route_file::kRecordHeaderBytes);
-      if (route_file::checksum(hb, payload.data(), payload.size()) != h.checksum)
+      if (route_file::checksum(header_bytes[i].data(), payload.data(), payload.size()) != h.checksum)
         damaged(offset, detail::str("a record of sequence uid ", uid, " fails its checksum"));
       decode_into(seq, h, payload.data(), offset);
     }

@@ -18,6 +18,11 @@ MRR_NAMESPACE_BEGIN
 // a store holds.
 using SequenceId = std::uint64_t;
 
+// Positions are in [0, kMaxPositions): 2^32 tokens per sequence, far beyond any context length,
+// and small enough that position x layers x k never overflows. Stores and route files refuse
+// anything past it (a route file's records are checked against it before anything is sized).
+inline constexpr std::int64_t kMaxPositions = std::int64_t{1} << 32;
+
 struct TokenKey {
   SequenceId uid = 0;
   std::int64_t position = -1;  // position in the sequence (prompt + response); < 0 = padding row
@@ -37,7 +42,12 @@ struct TokenRun {
 class TokenLayout {
  public:
   TokenLayout() = default;
-  explicit TokenLayout(std::vector<TokenKey> rows) : rows_(std::move(rows)) { find_runs(); }
+  explicit TokenLayout(std::vector<TokenKey> rows) : rows_(std::move(rows)) {
+    for (std::size_t r = 0; r < rows_.size(); ++r)
+      detail::require(rows_[r].position < kMaxPositions, "TokenLayout", "row ", r, " has position ",
+                      rows_[r].position, "; positions must be < 2^32");
+    find_runs();
+  }
 
   // Padded batch [B, S] (verl's left-padded prompts, right-padded responses, or any mix): a row's
   // real tokens are those with attention_mask 1; their positions count the real tokens before.
@@ -80,6 +90,8 @@ class TokenLayout {
       detail::require(cu_seqlens[i + 1] >= cu_seqlens[i], fn, "'cu_seqlens' decreases at entry ", i + 1);
       const std::int64_t start = first_positions.empty() ? 0 : first_positions[i];
       detail::require(start >= 0, fn, "first_positions[", i, "] is negative");
+      detail::require(start <= kMaxPositions - (cu_seqlens[i + 1] - cu_seqlens[i]), fn, "first_positions[", i, "] = ",
+                      start, " puts sequence ", i, " past position 2^32 (positions must be < 2^32)");
       for (std::int64_t r = cu_seqlens[i]; r < cu_seqlens[i + 1]; ++r)
         out.rows_.push_back({uids[i], start + (r - cu_seqlens[i])});
     }

@@ -37,7 +37,7 @@ class MemoryRouteStore {
   void record_sequence(SequenceId uid, std::int64_t first_position, std::int64_t num_tokens, int first_layer,
                        int num_layers, std::span<const std::int32_t> ids) {
     constexpr const char* fn = "MemoryRouteStore::record_sequence";
-    check_sequence_block(first_position, num_tokens, first_layer, num_layers, ids, fn);
+    table_.check_block_extent(first_position, num_tokens, first_layer, num_layers, ids.size(), fn);
     if (!table_.new_block(uid, first_position, num_tokens, first_layer, num_layers, ids, fn)) return;
     const int k = shape().topk;
     SequenceRoutes& seq = table_.get_or_add(uid);
@@ -63,15 +63,6 @@ class MemoryRouteStore {
   void clear() { table_.clear(); }
 
  private:
-  void check_sequence_block(std::int64_t first_position, std::int64_t num_tokens, int first_layer, int num_layers,
-                            std::span<const std::int32_t> ids, const char* fn) const {
-    detail::require(first_position >= 0 && num_tokens >= 0, fn, "first_position and num_tokens must be >= 0");
-    detail::require(first_layer >= 0 && num_layers > 0 && first_layer + num_layers <= shape().num_layers, fn, "layers [",
-                    first_layer, ", ", first_layer + num_layers, ") outside the store's [0, ", shape().num_layers, ")");
-    detail::require(static_cast<std::int64_t>(ids.size()) == num_tokens * num_layers * shape().topk, fn, "ids has ",
-                    ids.size(), " values, expected tokens*layers*k = ", num_tokens * num_layers * shape().topk);
-  }
-
   detail::RouteTable table_;
 };
 

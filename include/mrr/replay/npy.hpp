@@ -1,7 +1,11 @@
 // Minimal reader for NumPy .npy files of integer arrays (format versions 1-3, C order), enough
-// to take routed_experts arrays exported by vLLM or SGLang without a Python dependency.
+// to take routed_experts arrays exported by vLLM or SGLang without a Python dependency. The file
+// is untrusted: the header is parsed strictly, and the size its shape declares is checked
+// (without overflow) against the file's size before anything is allocated. Every failure is an
+// mrr::InvalidArgument naming the file and the field.
 #pragma once
 
+#include <mrr/detail/checked.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 
@@ -11,6 +15,7 @@
 #include <fstream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
@@ -23,86 +28,196 @@ struct NpyIntArray {
 
 namespace detail {
 
-inline std::string npy_field(std::string_view header, std::string_view key, const std::filesystem::path& path) {
-  const std::string quoted = str('\'', key, '\'');
-  const auto at = header.find(quoted);
-  if (at == std::string_view::npos)
-    throw InvalidArgument(str("mrr::read_npy: ", path.string(), ": header has no '", key, "' field"));
-  auto colon = header.find(':', at + quoted.size());
-  auto begin = header.find_first_not_of(' ', colon + 1);
-  std::size_t end;
-  if (header[begin] == '(') {
-    end = header.find(')', begin) + 1;
-  } else if (header[begin] == '\'') {
-    end = header.find('\'', begin + 1) + 1;
-  } else {
-    end = header.find_first_of(",}", begin);
+// numpy itself refuses headers over 10,000 bytes unless told otherwise (max_header_size).
+inline constexpr std::uint32_t kNpyMaxHeaderBytes = 1u << 16;
+
+// A strict parser of the header dict numpy writes: {'descr': '<i4', 'fortran_order': False,
+// 'shape': (3, 2), } followed by spaces and a newline. Nothing else is accepted.
+class NpyHeaderParser {
+ public:
+  NpyHeaderParser(std::string_view text, const std::filesystem::path& path) : text_(text), path_(path) {}
+
+  void parse(NpyIntArray& out) {
+    bool have_descr = false, have_order = false, have_shape = false;
+    skip_space();
+    expect('{', "the header dict");
+    for (;;) {
+      skip_space();
+      if (peek() == '}') break;
+      const std::string key = quoted("a key");
+      skip_space();
+      expect(':', "':' after key '" + key + "'");
+      skip_space();
+      if (key == "descr" && !have_descr) {
+        out.dtype = quoted("'descr'");
+        have_descr = true;
+      } else if (key == "fortran_order" && !have_order) {
+        if (take("False")) {
+        } else if (take("True")) {
+          fail("is in Fortran order; save it C-contiguous");
+        } else {
+          fail("has 'fortran_order' that is neither True nor False");
+        }
+        have_order = true;
+      } else if (key == "shape" && !have_shape) {
+        parse_shape(out.shape);
+        have_shape = true;
+      } else {
+        fail(str("has an unexpected or repeated header key '", key, "'"));
+      }
+      skip_space();
+      if (peek() == ',') {
+        ++at_;
+        continue;
+      }
+      if (peek() != '}') fail(str("has a malformed header: expected ',' or '}' at byte ", at_));
+    }
+    ++at_;  // '}'
+    for (; at_ < text_.size(); ++at_)
+      if (text_[at_] != ' ' && text_[at_] != '\n' && text_[at_] != '\t' && text_[at_] != '\r')
+        fail(str("has text after its header dict (byte ", at_, ")"));
+    if (!have_descr || !have_order || !have_shape)
+      fail(str("header lacks the '", !have_descr ? "descr" : !have_order ? "fortran_order" : "shape", "' field"));
   }
-  return std::string(header.substr(begin, end - begin));
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw InvalidArgument(str("mrr::read_npy: ", path_.string(), " ", what));
+  }
+  char peek() const { return at_ < text_.size() ? text_[at_] : '\0'; }
+  void skip_space() {
+    while (at_ < text_.size() && (text_[at_] == ' ' || text_[at_] == '\t' || text_[at_] == '\n' || text_[at_] == '\r'))
+      ++at_;
+  }
+  void expect(char c, const std::string& what) {
+    if (peek() != c) fail(str("has a malformed header: expected ", what, " at byte ", at_));
+    ++at_;
+  }
+  bool take(std::string_view word) {
+    if (text_.substr(at_, word.size()) != word) return false;
+    at_ += word.size();
+    return true;
+  }
+  std::string quoted(const std::string& what) {
+    const char q = peek();
+    if (q != '\'' && q != '"')
+      fail(str("has a malformed header: expected a quoted string for ", what, " at byte ", at_));
+    const auto end = text_.find(q, at_ + 1);
+    if (end == std::string_view::npos) fail(str("has a malformed header: unterminated string for ", what));
+    std::string s(text_.substr(at_ + 1, end - at_ - 1));
+    at_ = end + 1;
+    return s;
+  }
+  void parse_shape(std::vector<std::int64_t>& shape) {
+    expect('(', "'(' for 'shape'");
+    for (;;) {
+      skip_space();
+      if (peek() == ')') break;
+      if (peek() == '-') fail(str("has a negative dimension in 'shape' (shape[", shape.size(), "])"));
+      if (peek() < '0' || peek() > '9') fail(str("has a malformed 'shape': expected a dimension at byte ", at_));
+      std::int64_t v = 0;
+      while (peek() >= '0' && peek() <= '9') {
+        if (!checked_mul(v, 10, v) || !checked_add(v, peek() - '0', v))
+          fail(str("has 'shape'[", shape.size(), "] too large for a 64-bit size"));
+        ++at_;
+      }
+      if (peek() == 'L') ++at_;  // Python 2 longs
+      shape.push_back(v);
+      skip_space();
+      if (peek() == ',') {
+        ++at_;
+        continue;
+      }
+      if (peek() != ')') fail(str("has a malformed 'shape': expected ',' or ')' at byte ", at_));
+    }
+    ++at_;
+    if (shape.size() > 32) fail(str("has ", shape.size(), " dimensions in 'shape' (numpy allows 32)"));
+  }
+
+  std::string_view text_;
+  const std::filesystem::path& path_;
+  std::size_t at_ = 0;
+};
+
+template <class... Args>
+[[noreturn]] void npy_fail(const std::filesystem::path& path, Args&&... what) {
+  throw InvalidArgument(str("mrr::read_npy: ", path.string(), " ", std::forward<Args>(what)...));
 }
 
 }  // namespace detail
 
 inline NpyIntArray read_npy(const std::filesystem::path& path) {
   constexpr const char* fn = "read_npy";
+  auto fail = [&](auto&&... what) { detail::npy_fail(path, what...); };
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InvalidArgument(detail::str("mrr::", fn, ": cannot open ", path.string()));
+  in.seekg(0, std::ios::end);
+  const std::streamoff file_size = in.tellg();
+  in.seekg(0, std::ios::beg);
+  if (file_size < 0 || !in) fail("cannot be sized (not a regular file?)");
+  const auto size = static_cast<std::uint64_t>(file_size);
+
   char magic[8];
   in.read(magic, 8);
-  if (!in || std::memcmp(magic, "\x93NUMPY", 6) != 0)
-    throw InvalidArgument(detail::str("mrr::", fn, ": ", path.string(), " is not a .npy file"));
+  if (!in || std::memcmp(magic, "\x93NUMPY", 6) != 0) fail("is not a .npy file (bad magic)");
   const int major = static_cast<unsigned char>(magic[6]);
   std::uint32_t header_len = 0;
+  std::uint64_t preamble = 0;
   if (major == 1) {
-    unsigned char len[2];
+    unsigned char len[2] = {0, 0};
     in.read(reinterpret_cast<char*>(len), 2);
     header_len = len[0] | (std::uint32_t{len[1]} << 8);
+    preamble = 10;
   } else if (major == 2 || major == 3) {
-    unsigned char len[4];
+    unsigned char len[4] = {0, 0, 0, 0};
     in.read(reinterpret_cast<char*>(len), 4);
     header_len = len[0] | (std::uint32_t{len[1]} << 8) | (std::uint32_t{len[2]} << 16) | (std::uint32_t{len[3]} << 24);
+    preamble = 12;
   } else {
-    throw InvalidArgument(detail::str("mrr::", fn, ": ", path.string(), " has unsupported .npy version ", major));
+    fail("has unsupported .npy version ", major);
   }
+  if (!in) fail("ends inside its preamble");
+  if (header_len > detail::kNpyMaxHeaderBytes || header_len > size - preamble)
+    fail("has header_len ", header_len, ", more than ",
+         header_len > detail::kNpyMaxHeaderBytes ? "a .npy header may hold" : "the file holds", " (", size,
+         " bytes in all)");
   std::string header(header_len, '\0');
   in.read(header.data(), header_len);
-  if (!in) throw InvalidArgument(detail::str("mrr::", fn, ": ", path.string(), " ends inside its header"));
+  if (!in) fail("ends inside its header");
 
   NpyIntArray out;
-  std::string descr = detail::npy_field(header, "descr", path);
-  out.dtype = descr.substr(1, descr.size() - 2);
-  if (detail::npy_field(header, "fortran_order", path) != "False")
-    throw InvalidArgument(detail::str("mrr::", fn, ": ", path.string(), " is in Fortran order; save it C-contiguous"));
-  std::string shape = detail::npy_field(header, "shape", path);
-  std::int64_t count = 1;
-  for (std::size_t i = 1; i < shape.size();) {
-    const auto end = shape.find_first_of(",)", i);
-    const std::string item = shape.substr(i, end - i);
-    if (item.find_first_not_of(' ') != std::string::npos) {
-      out.shape.push_back(std::stoll(item));
-      count *= out.shape.back();
-    }
-    i = end + 1;
-  }
+  detail::NpyHeaderParser(header, path).parse(out);
 
+  // dtype: byte order '<' or '|' (or '=' on a little-endian host), kind i or u, 1/2/4/8 bytes.
   const std::string& t = out.dtype;
-  const bool little = t[0] == '<' || t[0] == '|';
-  const char kind = t.size() >= 2 ? t[1] : '?';
-  const int bytes = t.size() >= 3 ? std::stoi(t.substr(2)) : 0;
-  if (!little || (kind != 'i' && kind != 'u') || (bytes != 1 && bytes != 2 && bytes != 4 && bytes != 8))
-    throw InvalidArgument(detail::str("mrr::", fn, ": ", path.string(), " has dtype '", t,
-                                      "'; expected a little-endian integer type such as <i4"));
-  std::vector<unsigned char> raw(static_cast<std::size_t>(count) * static_cast<std::size_t>(bytes));
+  const bool known = t.size() == 3 && (t[0] == '<' || t[0] == '|' || t[0] == '=') && (t[1] == 'i' || t[1] == 'u') &&
+                     (t[2] == '1' || t[2] == '2' || t[2] == '4' || t[2] == '8');
+  if (!known) fail("has dtype '", t, "'; expected a little-endian integer type such as <i4");
+  const char kind = t[1];
+  const int bytes = t[2] - '0';
+
+  std::uint64_t count = 1, data_bytes = 0;
+  for (std::size_t i = 0; i < out.shape.size(); ++i)
+    if (!detail::checked_mul(count, out.shape[i], count)) fail("has a 'shape' whose element count overflows");
+  if (!detail::checked_mul(count, bytes, data_bytes)) fail("has a 'shape' whose byte size overflows");
+  const std::uint64_t data_offset = preamble + header_len;
+  if (data_bytes != size - data_offset)
+    fail(data_bytes > size - data_offset ? "holds fewer values than its 'shape' declares"
+                                         : "has trailing bytes after the values its 'shape' declares",
+         " (", data_bytes, " bytes of values expected, ", size - data_offset, " present)");
+
+  std::vector<unsigned char> raw(static_cast<std::size_t>(data_bytes));
   in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
-  if (static_cast<std::size_t>(in.gcount()) != raw.size())
-    throw InvalidArgument(detail::str("mrr::", fn, ": ", path.string(), " holds fewer values than its shape ", shape));
+  if (static_cast<std::uint64_t>(in.gcount()) != data_bytes) fail("could not be read to its end");
   out.values.resize(static_cast<std::size_t>(count));
   for (std::size_t i = 0; i < out.values.size(); ++i) {
     const unsigned char* p = raw.data() + i * static_cast<std::size_t>(bytes);
     std::uint64_t u = 0;
-    for (int b = 0; b < bytes; ++b) u |= std::uint64_t{p[b]} << (8 * b);
+    for (int b = 0; b < bytes; ++b)
+      u |= std::uint64_t{p[b]} << (8 * b);
     std::int64_t v = static_cast<std::int64_t>(u);
     if (kind == 'i' && bytes < 8 && (u >> (8 * bytes - 1)) != 0) v -= std::int64_t{1} << (8 * bytes);  // sign-extend
+    if (kind == 'u' && bytes == 8 && v < 0) fail("holds value ", u, " at flat index ", i, ", beyond int64");
     out.values[i] = v;
   }
   return out;

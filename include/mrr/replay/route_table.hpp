@@ -4,6 +4,7 @@
 // Work is done per run of consecutive positions (TokenRun), not per row.
 #pragma once
 
+#include <mrr/detail/checked.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 #include <mrr/replay/layout.hpp>
@@ -21,7 +22,9 @@
 MRR_NAMESPACE_BEGIN
 
 // The routes of one sequence. Rows are stored encoded (little-endian ids of id_width bytes),
-// the same bytes a route file holds, so files decode with memcpy.
+// the same bytes a route file holds, so files decode with memcpy. Storage is dense over the span
+// of positions recorded (from the lowest, not from 0), so a context-parallel shard or a record
+// far into a sequence costs what it holds; every size is overflow-checked.
 class SequenceRoutes {
  public:
   explicit SequenceRoutes(const RouteShape& shape)
@@ -33,7 +36,7 @@ class SequenceRoutes {
   int row_bytes() const { return k_ * width_; }
 
   bool has(std::int64_t pos, int layer) const {
-    return pos >= 0 && pos < positions_ && present_[slot(pos, layer)] != 0;
+    return pos >= base_ && pos < positions_ && present_[slot(pos, layer)] != 0;
   }
 
   // Copies the k ids of (pos, layer) to out; false when nothing is recorded there.
@@ -72,31 +75,62 @@ class SequenceRoutes {
     std::memcpy(writable_row(pos, layer), encoded, static_cast<std::size_t>(row_bytes()));
   }
 
+  // Makes positions [first, end) addressable in one allocation (a reader that knows a sequence's
+  // extent sizes it once). Throws RouteStoreError outside [0, kMaxPositions) or when the table
+  // would not fit in memory's address space.
+  void reserve(std::int64_t first, std::int64_t end) {
+    if (first >= end) return;
+    cover(first, end, false);
+  }
+
  private:
   std::size_t slot(std::int64_t pos, int layer) const {
-    return static_cast<std::size_t>(pos) * static_cast<std::size_t>(layers_) + static_cast<std::size_t>(layer);
+    return static_cast<std::size_t>(pos - base_) * static_cast<std::size_t>(layers_) + static_cast<std::size_t>(layer);
   }
+  std::int64_t capacity_positions() const { return static_cast<std::int64_t>(present_.size()) / layers_; }
   std::uint8_t* writable_row(std::int64_t pos, int layer) {
-    if (pos >= positions_) grow(pos + 1);
+    if (pos < base_ || pos >= base_ + capacity_positions()) cover(pos, pos + 1, true);
+    if (pos >= positions_) positions_ = pos + 1;
     present_[slot(pos, layer)] = 1;
     return ids_.get() + slot(pos, layer) * static_cast<std::size_t>(row_bytes());
   }
-  void grow(std::int64_t positions) {
-    // Geometric growth: sequences are recorded a micro-batch slice at a time.
-    const auto want = static_cast<std::size_t>(positions) * static_cast<std::size_t>(layers_);
-    if (present_.size() < want) {
-      const std::size_t cap = std::max(want, present_.size() * 3 / 2);
-      // Ids are left uninitialised (only rows marked present are ever read): no zero-fill pass.
-      std::unique_ptr<std::uint8_t[]> ids(new std::uint8_t[cap * static_cast<std::size_t>(row_bytes())]);
-      if (ids_) std::memcpy(ids.get(), ids_.get(), present_.size() * static_cast<std::size_t>(row_bytes()));
-      ids_ = std::move(ids);
-      present_.resize(cap, 0);
+  // Grows the table to cover [first, end), with geometric headroom when `grow` (sequences are
+  // recorded a micro-batch slice at a time).
+  void cover(std::int64_t first, std::int64_t end, bool grow) {
+    if (first < 0 || end > kMaxPositions)
+      throw RouteStoreError(detail::str("mrr::SequenceRoutes: position ", first < 0 ? first : end - 1,
+                                        " outside [0, 2^32)"));
+    const std::int64_t cap = capacity_positions();
+    std::int64_t lo = cap == 0 ? first : std::min(base_, first);
+    std::int64_t hi = cap == 0 ? end : std::max(base_ + cap, end);
+    if (cap != 0 && lo == base_ && hi == base_ + cap) return;
+    if (grow && cap != 0) {
+      const std::int64_t headroom = (hi - lo) / 2;
+      if (end > base_ + cap) hi = std::min(kMaxPositions, hi + headroom);
+      if (first < base_) lo = std::max<std::int64_t>(0, lo - headroom);
     }
-    positions_ = positions;
+    std::size_t rows = 0, id_bytes = 0;
+    if (!detail::checked_mul(hi - lo, layers_, rows) || !detail::checked_mul(rows, row_bytes(), id_bytes) ||
+        rows > present_.max_size())
+      throw RouteStoreError(detail::str("mrr::SequenceRoutes: positions [", lo, ", ", hi, ") x ", layers_,
+                                        " layers do not fit in memory"));
+    // Ids are left uninitialised (only rows marked present are ever read): no zero-fill pass.
+    std::unique_ptr<std::uint8_t[]> ids(new std::uint8_t[id_bytes]);
+    std::vector<std::uint8_t> present(rows, 0);
+    if (cap != 0) {
+      const std::size_t shift = static_cast<std::size_t>(base_ - lo) * static_cast<std::size_t>(layers_);
+      std::memcpy(ids.get() + shift * static_cast<std::size_t>(row_bytes()), ids_.get(),
+                  present_.size() * static_cast<std::size_t>(row_bytes()));
+      std::copy(present_.begin(), present_.end(), present.begin() + static_cast<std::ptrdiff_t>(shift));
+    }
+    ids_ = std::move(ids);
+    present_ = std::move(present);
+    base_ = lo;
   }
 
   int width_, layers_, k_;
-  std::int64_t positions_ = 0;
+  std::int64_t base_ = 0;       // position of the first row of the table
+  std::int64_t positions_ = 0;  // one past the highest position recorded
   std::unique_ptr<std::uint8_t[]> ids_;
   std::vector<std::uint8_t> present_;
 };
@@ -193,6 +227,24 @@ class RouteTable {
       }
     }
     return out;
+  }
+
+  // Checks the extent of a block [tokens][layers][k] that a caller hands to record_sequence:
+  // positions inside [0, kMaxPositions), layers inside the shape, and exactly tokens*layers*k ids
+  // (computed without overflow, so a huge token count cannot wrap to the size of a small span).
+  void check_block_extent(std::int64_t first_position, std::int64_t num_tokens, int first_layer, int num_layers,
+                          std::size_t num_ids, const char* fn) const {
+    detail::require(first_position >= 0 && num_tokens >= 0, fn, "first_position (", first_position,
+                    ") and num_tokens (", num_tokens, ") must be >= 0");
+    detail::require(first_position <= kMaxPositions - num_tokens, fn, "first_position ", first_position, " + num_tokens ",
+                    num_tokens, " is past the last position a store holds (positions must be < 2^32)");
+    detail::require(first_layer >= 0 && num_layers > 0 && first_layer <= shape_.num_layers - num_layers, fn, "layers [",
+                    first_layer, ", ", std::int64_t{first_layer} + num_layers, ") outside the store's [0, ",
+                    shape_.num_layers, ")");
+    std::size_t expect = 0;
+    const bool fits = detail::checked_product(expect, num_tokens, num_layers, shape_.topk);
+    detail::require(fits && num_ids == expect, fn, "ids has ", num_ids, " values, expected tokens*layers*k = ",
+                    num_tokens, "*", num_layers, "*", shape_.topk);
   }
 
   // Checks a block [tokens][layers][k] of one sequence (ids in range, no conflicting re-record)

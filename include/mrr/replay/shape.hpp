@@ -12,6 +12,11 @@
 MRR_NAMESPACE_BEGIN
 
 struct RouteShape {
+  // Bounds on what a model routes (and a route file may declare): up to 65,535 MoE layers and
+  // k <= 4096 experts per token, so sizes derived from a shape cannot overflow.
+  static constexpr std::int32_t kMaxLayers = 65535;
+  static constexpr std::int32_t kMaxTopk = 4096;
+
   std::int32_t num_experts = 0;
   std::int32_t num_layers = 0;
   std::int32_t topk = 0;
@@ -20,9 +25,11 @@ struct RouteShape {
 
   void validate() const {
     detail::require(num_experts > 0, "RouteShape", "num_experts must be positive, got ", num_experts);
-    detail::require(num_layers > 0 && num_layers <= 65535, "RouteShape", "num_layers must be in [1, 65535], got ",
-                    num_layers);
-    detail::require(topk > 0 && topk <= num_experts, "RouteShape", "topk must be in [1, num_experts], got ", topk);
+    detail::require(num_layers > 0 && num_layers <= kMaxLayers, "RouteShape", "num_layers must be in [1, ", kMaxLayers,
+                    "], got ", num_layers);
+    detail::require(topk > 0 && topk <= num_experts && topk <= kMaxTopk, "RouteShape",
+                    "topk must be in [1, min(num_experts, ", kMaxTopk, ")], got ", topk, " with num_experts ",
+                    num_experts);
   }
   std::string to_string() const {
     return detail::str("{experts ", num_experts, ", layers ", num_layers, ", k ", topk, "}");

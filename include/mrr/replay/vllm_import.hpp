@@ -3,6 +3,7 @@
 // generated token was never fed back, so there are num_tokens - 1 rows. Row i is position i.
 #pragma once
 
+#include <mrr/detail/checked.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 #include <mrr/replay/layout.hpp>
@@ -28,9 +29,10 @@ void import_routed_experts(Store& store, SequenceId uid, std::span<const Int> ro
                   " layers but the model has ", s.num_layers, " MoE layers");
   detail::require(k == s.topk, fn, "sequence ", uid, ": routed_experts has k = ", k, " but the model routes to ", s.topk,
                   " experts per token");
-  detail::require(tokens >= 0 && static_cast<std::int64_t>(routed_experts.size()) == tokens * layers * k, fn,
-                  "sequence ", uid, ": routed_experts holds ", routed_experts.size(), " values for shape [", tokens, ", ",
-                  layers, ", ", k, "]");
+  std::size_t expect = 0;  // computed without overflow: a huge token count must not wrap to the span's size
+  const bool fits = tokens >= 0 && detail::checked_product(expect, tokens, layers, k);
+  detail::require(fits && routed_experts.size() == expect, fn, "sequence ", uid, ": routed_experts holds ",
+                  routed_experts.size(), " values for shape [", tokens, ", ", layers, ", ", k, "]");
   std::vector<std::int32_t> ids(routed_experts.size());
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const auto v = static_cast<std::int64_t>(routed_experts[i]);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
 #include <mrr/router/routing.hpp>
 #include <mrr/tensor.hpp>
@@ -22,30 +23,68 @@ struct Permuted {
   std::vector<std::int64_t> sorted_indices;  // [rows] source token of each row
 };
 
-// Megatron permute(tokens, routing_map, probs, num_out_tokens): rows ordered by expert, then token.
+// Megatron permute(tokens, routing_map, probs, num_out_tokens) into `out`, reusing its storage when
+// the shapes already match: rows ordered by expert, then token. One pass over the map counts each
+// expert's rows per tile of tokens, a prefix sum places every (tile, expert) run, a second pass
+// scatters the row indices (and probs), and the token rows are gathered in parallel.
 template <class T>
-Permuted<T> permute(MatrixRef<T> tokens, MaskRef routing_map, const std::optional<MatrixRef<T>>& probs = std::nullopt) {
+void permute_into(Permuted<T>& out, MatrixRef<T> tokens, MaskRef routing_map,
+                  const std::optional<MatrixRef<T>>& probs = std::nullopt) {
   constexpr const char* fn = "permute";
   detail::require(routing_map.rows() == tokens.rows(), fn, "'routing_map' has ", routing_map.rows(), " rows for ",
                   tokens.rows(), " tokens");
   if (probs)
     detail::require(probs->rows() == routing_map.rows() && probs->cols() == routing_map.cols(), fn, "'probs' has shape ",
                     detail::shape_of(*probs), " but 'routing_map' has ", detail::shape_of(routing_map));
-  Permuted<T> out;
-  for (Eigen::Index e = 0; e < routing_map.cols(); ++e)
-    for (Eigen::Index t = 0; t < routing_map.rows(); ++t)
-      if (routing_map(t, e) != 0) out.sorted_indices.push_back(t);
-  const auto rows = static_cast<Eigen::Index>(out.sorted_indices.size());
+  const std::int64_t num_tokens = routing_map.rows(), experts = routing_map.cols();
+  constexpr std::int64_t tile = 256;
+  const std::int64_t tiles = detail::tile_count(num_tokens, tile);
+  // counts[tile * experts + e]: rows of expert e among the tile's tokens; becomes the tile's start.
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(tiles * experts), 0);
+  detail::parallel_tiles(num_tokens, tile, num_tokens * experts, [&](std::int64_t i, std::int64_t first, std::int64_t end) {
+    std::int64_t* c = counts.data() + i * experts;
+    for (std::int64_t t = first; t < end; ++t) {
+      const std::uint8_t* m = detail::row_ptr(routing_map, t);
+      for (std::int64_t e = 0; e < experts; ++e) c[e] += m[e] != 0;
+    }
+  });
+  std::int64_t rows = 0;
+  for (std::int64_t e = 0; e < experts; ++e)
+    for (std::int64_t i = 0; i < tiles; ++i) {
+      std::int64_t& c = counts[static_cast<std::size_t>(i * experts + e)];
+      const std::int64_t n = c;
+      c = rows;
+      rows += n;
+    }
+  out.sorted_indices.resize(static_cast<std::size_t>(rows));
   out.tokens.resize(rows, tokens.cols());
-  if (probs) out.probs.resize(rows);
-  Eigen::Index r = 0;
-  for (Eigen::Index e = 0; e < routing_map.cols(); ++e)
-    for (Eigen::Index t = 0; t < routing_map.rows(); ++t)
-      if (routing_map(t, e) != 0) {
-        out.tokens.row(r) = tokens.row(t);
+  if (probs)
+    out.probs.resize(rows);
+  else
+    out.probs.resize(0);
+  detail::parallel_tiles(num_tokens, tile, num_tokens * experts, [&](std::int64_t i, std::int64_t first, std::int64_t end) {
+    std::int64_t* next = counts.data() + i * experts;
+    for (std::int64_t t = first; t < end; ++t) {
+      const std::uint8_t* m = detail::row_ptr(routing_map, t);
+      for (std::int64_t e = 0; e < experts; ++e) {
+        if (m[e] == 0) continue;
+        const std::int64_t r = next[e]++;
+        out.sorted_indices[static_cast<std::size_t>(r)] = t;
         if (probs) out.probs[r] = (*probs)(t, e);
-        ++r;
       }
+    }
+  });
+  const Eigen::Index hidden = tokens.cols();
+  detail::parallel_tiles(rows, 64, rows * hidden, [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    for (std::int64_t r = first; r < end; ++r)
+      out.tokens.row(r) = tokens.row(out.sorted_indices[static_cast<std::size_t>(r)]);
+  });
+}
+
+template <class T>
+Permuted<T> permute(MatrixRef<T> tokens, MaskRef routing_map, const std::optional<MatrixRef<T>>& probs = std::nullopt) {
+  Permuted<T> out;
+  permute_into<T>(out, tokens, routing_map, probs);
   return out;
 }
 
@@ -131,7 +170,9 @@ ExpertPermutation make_expert_permutation(const Routing<T>& routing, int num_exp
 template <class T>
 RowMatrix<T> permute_tokens(MatrixRef<T> tokens, const ExpertPermutation& p) {
   RowMatrix<T> out(p.rows(), tokens.cols());
-  for (std::int64_t r = 0; r < p.rows(); ++r) out.row(r) = tokens.row(p.source_token[static_cast<std::size_t>(r)]);
+  detail::parallel_tiles(p.rows(), 64, p.rows() * tokens.cols(), [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    for (std::int64_t r = first; r < end; ++r) out.row(r) = tokens.row(p.source_token[static_cast<std::size_t>(r)]);
+  });
   return out;
 }
 
@@ -142,16 +183,20 @@ RowMatrix<T> combine(MatrixRef<T> expert_out, const Routing<T>& routing, const E
   detail::require(expert_out.rows() == p.rows(), "combine", "'expert_out' has ", expert_out.rows(), " rows, the permutation ",
                   p.rows());
   RowMatrix<T> out(routing.tokens(), expert_out.cols());
-  Eigen::Matrix<Accum, 1, Eigen::Dynamic> acc(expert_out.cols());
-  for (Eigen::Index t = 0; t < routing.tokens(); ++t) {
-    acc.setZero();
-    for (int j = 0; j < routing.topk(); ++j) {
-      const auto row = p.row_of_slot(t, j);
-      if (row < 0) continue;
-      acc += expert_out.row(row).template cast<Accum>() * static_cast<Accum>(routing.weights(t, j));
+  const std::int64_t tokens = routing.tokens();
+  detail::parallel_tiles(tokens, 64, tokens * routing.topk() * expert_out.cols(),
+                         [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    Eigen::Matrix<Accum, 1, Eigen::Dynamic> acc(expert_out.cols());
+    for (std::int64_t t = first; t < end; ++t) {
+      acc.setZero();
+      for (int j = 0; j < routing.topk(); ++j) {
+        const auto row = p.row_of_slot(t, j);
+        if (row < 0) continue;
+        acc += expert_out.row(row).template cast<Accum>() * static_cast<Accum>(routing.weights(t, j));
+      }
+      out.row(t) = acc.template cast<T>();
     }
-    out.row(t) = acc.template cast<T>();
-  }
+  });
   return out;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/parallel.hpp>
 #include <mrr/detail/score.hpp>
 #include <mrr/detail/topk.hpp>
 #include <mrr/error.hpp>
@@ -52,18 +53,41 @@ class TopKRouter {
   }
 
   // Native routing of every row of logits [tokens, num_experts].
-  Routing<Scalar> route(MatrixRef<Scalar> logits) const { return route_rows(logits, nullptr, {}); }
+  Routing<Scalar> route(MatrixRef<Scalar> logits) const {
+    Routing<Scalar> out;
+    route_into(out, logits);
+    return out;
+  }
+
+  // The same into `out`, reusing its storage when the shapes already match (a training loop's
+  // steady state allocates nothing).
+  void route_into(Routing<Scalar>& out, MatrixRef<Scalar> logits) const { route_rows(out, logits, nullptr, {}); }
 
   // Replays `ids` [tokens, k] (global ids), recomputing the weights from `logits`; expert bias and
-  // group limits only affect selection, so they play no part here.
-  Routing<Scalar> replay(MatrixRef<Scalar> logits, ExpertIdsRef ids) const { return route_rows(logits, &ids, {}); }
+  // group limits only affect selection, so they play no part here. Only the logits the weights
+  // read are validated (NaN or +inf there is an error), except under unrenormalised pre-softmax,
+  // whose denominator reads the whole row; ids must be in range and distinct within a row.
+  Routing<Scalar> replay(MatrixRef<Scalar> logits, ExpertIdsRef ids) const {
+    Routing<Scalar> out;
+    replay_into(out, logits, ids);
+    return out;
+  }
+  void replay_into(Routing<Scalar>& out, MatrixRef<Scalar> logits, ExpertIdsRef ids) const {
+    route_rows(out, logits, &ids, {});
+  }
 
   // Replays the rows whose replay_mask is non-zero and routes the others natively (rollout engines
   // return no route for the last generated token).
   Routing<Scalar> replay(MatrixRef<Scalar> logits, ExpertIdsRef ids, std::span<const std::uint8_t> replay_mask) const {
+    Routing<Scalar> out;
+    replay_into(out, logits, ids, replay_mask);
+    return out;
+  }
+  void replay_into(Routing<Scalar>& out, MatrixRef<Scalar> logits, ExpertIdsRef ids,
+                   std::span<const std::uint8_t> replay_mask) const {
     detail::require(static_cast<Eigen::Index>(replay_mask.size()) == logits.rows(), "TopKRouter::replay",
                     "'replay_mask' has ", replay_mask.size(), " entries for ", logits.rows(), " rows of logits");
-    return route_rows(logits, &ids, replay_mask);
+    route_rows(out, logits, &ids, replay_mask);
   }
 
   // Gradient of sum(grad_weights * routing.weights) w.r.t. the logits, for the ids in `routing`
@@ -165,6 +189,8 @@ class TopKRouter {
   struct Workspace {
     std::vector<Scalar> scores, masked_scores, values, group_scores, group_values;
     std::vector<int> group_ids, group_members, candidate_ids;
+    std::vector<Scalar> row_scale;
+    std::vector<std::uint32_t> seen;  // replay: row stamp per expert (duplicate ids)
     explicit Workspace(const RouterConfig& c)
         : scores(static_cast<std::size_t>(c.num_experts)),
           masked_scores(static_cast<std::size_t>(c.num_experts)),
@@ -173,48 +199,140 @@ class TopKRouter {
           group_values(static_cast<std::size_t>(c.num_experts)),
           group_ids(static_cast<std::size_t>(c.num_groups)),
           group_members(static_cast<std::size_t>(c.num_experts)),
-          candidate_ids(static_cast<std::size_t>(c.num_experts)) {}
+          candidate_ids(static_cast<std::size_t>(c.num_experts)),
+          seen(static_cast<std::size_t>(c.num_experts), 0u) {}
   };
 
-  Routing<Scalar> route_rows(const MatrixRef<Scalar>& logits, const ExpertIdsRef* replay_ids,
-                             std::span<const std::uint8_t> replay_mask) const {
+  // Rows per tile: tile boundaries depend on the row index only, so the vectorised weight pass
+  // computes the same bits for any number of threads.
+  static constexpr std::int64_t kTileRows = 64;
+  static constexpr std::int64_t kChunkRows = 8 * kTileRows;
+
+  // Replay reads only z[ids] unless the weights are unrenormalised pre-softmax probabilities.
+  bool replay_reads_whole_row() const {
+    return config_.score_function == ScoreFunction::softmax && config_.pre_softmax && !config_.normalizes();
+  }
+
+  void route_rows(Routing<Scalar>& out, const MatrixRef<Scalar>& logits, const ExpertIdsRef* replay_ids,
+                  std::span<const std::uint8_t> replay_mask) const {
     const char* fn = replay_ids ? "TopKRouter::replay" : "TopKRouter::route";
     check_logits(logits, fn);
     const int k = topk();
     const int num_e = num_experts();
+    const Eigen::Index rows = logits.rows();
     if (replay_ids)
-      detail::require(replay_ids->rows() == logits.rows() && replay_ids->cols() == k, fn, "'ids' has shape ",
-                      detail::shape_of(*replay_ids), ", expected [", logits.rows(), ", ", k, "]");
-    Routing<Scalar> out{ExpertIds(logits.rows(), k), RowMatrix<Scalar>(logits.rows(), k), {}};
-    Workspace ws(config_);
-    for (Eigen::Index t = 0; t < logits.rows(); ++t) {
-      const Scalar* z = detail::row_ptr(logits, t);
-      std::int32_t* ids = &out.ids(t, 0);
-      const int finite = reject_invalid_logits(z, num_e, t, fn);
-      const bool replay_row = replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
-      if (replay_row) {
-        for (int j = 0; j < k; ++j) {
-          const std::int32_t e = (*replay_ids)(t, j);
-          detail::require(e >= 0 && e < num_e, fn, "row ", t, " slot ", j, " has expert id ", e, " outside [0, ", num_e,
-                          ")");
-          for (int i = 0; i < j; ++i)
-            detail::require(ids[i] != e, fn, "row ", t, " repeats expert id ", e, " in slots ", i, " and ", j);
-          ids[j] = e;
+      detail::require(replay_ids->rows() == rows && replay_ids->cols() == k, fn, "'ids' has shape ",
+                      detail::shape_of(*replay_ids), ", expected [", rows, ", ", k, "]");
+    out.ids.resize(rows, k);
+    out.weights.resize(rows, k);
+    out.kept.resize(0, 0);
+    const bool whole_row = replay_reads_whole_row();
+    const std::int64_t work = static_cast<std::int64_t>(rows) * (replay_ids && !whole_row ? 4 * k : num_e + 4 * k);
+    // Threads take chunks of rows (one workspace each); the weight pass runs on tiles of
+    // kTileRows inside a chunk, whose boundaries are multiples of kTileRows.
+    detail::parallel_tiles(rows, kChunkRows, work, [&](std::int64_t, std::int64_t chunk_first, std::int64_t chunk_end) {
+      Workspace ws(config_);
+      for (std::int64_t first = chunk_first; first < chunk_end; first += kTileRows) {
+        const std::int64_t end = std::min(chunk_end, first + kTileRows);
+        bool bad = false;
+        for (Eigen::Index t = first; t < end; ++t) {
+          const Scalar* z = detail::row_ptr(logits, t);
+          std::int32_t* ids = &out.ids(t, 0);
+          const bool replay_row = replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
+          if (replay_row) {
+            bad |= !gather_replayed_row(z, detail::row_ptr(*replay_ids, t), t, ids, &out.weights(t, 0), ws);
+            if (whole_row) bad |= !row_is_valid(z, num_e, k, false);
+          } else {
+            if (!row_is_valid(z, num_e, k, true)) [[unlikely]] {
+              bad = true;
+              continue;
+            }
+            select_row(z, ids, ws);
+            for (int j = 0; j < k; ++j) out.weights(t, j) = z[ids[j]];
+          }
         }
-      } else {
-        // A top-k that must take a masked (-inf) expert is not a routing decision.
-        if (finite < k) [[unlikely]]
-          detail::throw_invalid_argument(fn, "logits row ", t, " has ", finite, " finite logits (the other ",
-                                         num_e - finite, " are -inf, masked) but k=", k,
-                                         " experts must be chosen: a row needs at least k unmasked experts");
-        select_row(z, ids, ws);
+        // An invalid row re-runs the checks one row at a time, which raise the precise error.
+        if (bad) [[unlikely]]
+          for (Eigen::Index t = first; t < end; ++t)
+            diagnose_row(logits, replay_ids, replay_mask, t, fn);
+        weights_tile(logits, out, first, end, ws);
+        const Scalar* w = &out.weights(first, 0);
+        bool nan = false;
+        for (std::int64_t i = 0; i < (end - first) * k; ++i) nan |= std::isnan(w[i]);
+        if (nan) [[unlikely]]
+          for (Eigen::Index t = first; t < end; ++t) {
+            const bool replay_row =
+                replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
+            reject_nan_weights(&out.ids(t, 0), &out.weights(t, 0), t, replay_row, fn);
+          }
       }
-      weights_row(z, ids, &out.weights(t, 0));
-      reject_nan_weights(ids, &out.weights(t, 0), t, replay_row, fn);
-    }
+    });
     if (config_.capacity_factor)
       drop_over_capacity(out, num_e, *config_.capacity_factor, config_.drop_policy);
-    return out;
+  }
+
+  // No NaN or +inf in z[0, n), and (when `need_k`) at least k finite logits.
+  static bool row_is_valid(const Scalar* z, int n, int k, bool need_k) {
+    constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
+    bool ok = true;
+    int finite = 0;
+    for (int e = 0; e < n; ++e) {
+      ok &= z[e] < inf;  // false for NaN and +inf
+      finite += z[e] > -inf;
+    }
+    return ok && (!need_k || finite >= k);
+  }
+
+  // Copies a replayed row's ids and the logits they read (into w, for the weight pass), checking
+  // the ids (in range, distinct) and those logits (no NaN, no +inf) without branching per slot.
+  // Returns false when something is wrong; diagnose_row then says what.
+  bool gather_replayed_row(const Scalar* z, const std::int32_t* src, Eigen::Index t, std::int32_t* ids, Scalar* w,
+                           Workspace& ws) const {
+    constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
+    const int k = topk();
+    const auto num_e = static_cast<std::uint32_t>(num_experts());
+    const auto stamp = static_cast<std::uint32_t>(t) + 1;  // marks this row's experts (no clearing needed)
+    std::uint32_t* seen = ws.seen.data();
+    bool ok = true;
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t e = src[j];
+      const bool in_range = static_cast<std::uint32_t>(e) < num_e;
+      const std::uint32_t safe = in_range ? static_cast<std::uint32_t>(e) : 0u;
+      const Scalar v = z[safe];
+      ok &= in_range & (v < inf) & (seen[safe] != stamp);
+      seen[safe] = stamp;
+      ids[j] = e;
+      w[j] = v;
+    }
+    return ok;
+  }
+
+  // The checks of one row, in the order they are reported, throwing the first that fails.
+  void diagnose_row(const MatrixRef<Scalar>& logits, const ExpertIdsRef* replay_ids,
+                    std::span<const std::uint8_t> replay_mask, Eigen::Index t, const char* fn) const {
+    const int k = topk(), num_e = num_experts();
+    const Scalar* z = detail::row_ptr(logits, t);
+    const bool replay_row = replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
+    if (!replay_row || replay_reads_whole_row()) {
+      const int finite = reject_invalid_logits(z, num_e, t, fn);
+      // A top-k that must take a masked (-inf) expert is not a routing decision.
+      if (!replay_row && finite < k) [[unlikely]]
+        detail::throw_invalid_argument(fn, "logits row ", t, " has ", finite, " finite logits (the other ",
+                                       num_e - finite, " are -inf, masked) but k=", k,
+                                       " experts must be chosen: a row needs at least k unmasked experts");
+    }
+    if (!replay_row) return;
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t e = (*replay_ids)(t, j);
+      detail::require(e >= 0 && e < num_e, fn, "row ", t, " slot ", j, " has expert id ", e, " outside [0, ", num_e,
+                      ")");
+      for (int i = 0; i < j; ++i)
+        detail::require((*replay_ids)(t, i) != e, fn, "row ", t, " repeats expert id ", e, " in slots ", i, " and ",
+                        j);
+      if (std::isnan(z[e]) || z[e] == std::numeric_limits<Scalar>::infinity()) [[unlikely]]
+        detail::throw_invalid_argument(fn, "logits row ", t, " has ", z[e], " at expert ", e,
+                                       " (NaN and +inf are not valid logits)");
+    }
   }
 
   // Fills ids[0, k) for one token.
@@ -316,36 +434,76 @@ class TopKRouter {
     return {mx, (zz - mx).exp().sum()};
   }
 
-  // Weights of the k experts ids[0, k) of one token (DESIGN.md section 3).
-  void weights_row(const Scalar* z, const std::int32_t* ids, Scalar* w) const {
-    using std::exp;
+  // Weights of rows [first, end) (DESIGN.md section 3), in place: on entry weights(t, j) holds the
+  // logit z[t, ids(t, j)]. The exponentials and scores run vectorised over the whole tile; sums
+  // and maxima run per row in slot order.
+  void weights_tile(const MatrixRef<Scalar>& logits, Routing<Scalar>& out, Eigen::Index first, Eigen::Index end,
+                    Workspace& ws) const {
+    using Array = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
     const int k = topk();
+    const Eigen::Index n = (end - first) * k;
+    Scalar* w0 = &out.weights(first, 0);
+    Eigen::Map<Array> tile(w0, n);
+    std::vector<Scalar>& scale = ws.row_scale;  // per-row softmax denominators (full-row softmax)
+    scale.resize(static_cast<std::size_t>(end - first));
     switch (config_.score_function) {
-      case ScoreFunction::softmax:
-        if (config_.pre_softmax && !config_.normalizes()) {
-          const auto [mx, sum] = softmax_normalizer(z, num_experts());
-          for (int j = 0; j < k; ++j) w[j] = exp(z[ids[j]] - mx) / sum;
-        } else {
-          // Post-softmax, and pre-softmax renormalised over the k (the same function of z[ids]).
-          softmax_gathered(z, ids, k, w);
+      case ScoreFunction::softmax: {
+        const bool full_row = config_.pre_softmax && !config_.normalizes();
+        for (Eigen::Index t = first; t < end; ++t) {
+          Scalar* w = w0 + (t - first) * k;
+          Scalar mx;
+          if (full_row) {
+            const auto [m, sum] = softmax_normalizer(detail::row_ptr(logits, t), num_experts());
+            mx = m;
+            scale[static_cast<std::size_t>(t - first)] = sum;
+          } else {
+            mx = w[0];
+            for (int j = 1; j < k; ++j) mx = std::max(mx, w[j]);
+          }
+          for (int j = 0; j < k; ++j) w[j] -= mx;
         }
-        break;
-      case ScoreFunction::sigmoid:
-      case ScoreFunction::sqrt_softplus: {
-        for (int j = 0; j < k; ++j) w[j] = score(z[ids[j]]);
-        if (config_.normalizes()) {
-          Scalar sum = 0;
-          for (int j = 0; j < k; ++j) sum += w[j];
-          const Scalar denom = sum + Scalar(1e-20);
-          for (int j = 0; j < k; ++j) w[j] /= denom;
+        // Eigen's vectorised exp flushes at about -88, not to zero, but a masked (-inf) logit must
+        // weigh exactly 0: a tile holding one takes the scalar exp (decided per tile, so per row
+        // index, never per thread).
+        if (has_masked(w0, n)) [[unlikely]]
+          for (Eigen::Index i = 0; i < n; ++i) w0[i] = std::exp(w0[i]);
+        else
+          tile = tile.exp();
+        for (Eigen::Index t = first; t < end; ++t) {
+          Scalar* w = w0 + (t - first) * k;
+          Scalar sum = scale[static_cast<std::size_t>(t - first)];
+          if (!full_row) {
+            sum = 0;
+            for (int j = 0; j < k; ++j) sum += w[j];
+          }
+          for (int j = 0; j < k; ++j) w[j] /= sum;
         }
         break;
       }
+      case ScoreFunction::sigmoid:
+      case ScoreFunction::sqrt_softplus: {
+        if (config_.score_function == ScoreFunction::sigmoid && !has_masked(w0, n))
+          tile = (Scalar(1) + (-tile).exp()).inverse();
+        else
+          for (Eigen::Index i = 0; i < n; ++i) w0[i] = score(w0[i]);
+        if (config_.normalizes())
+          for (Eigen::Index t = first; t < end; ++t) {
+            Scalar* w = w0 + (t - first) * k;
+            Scalar sum = 0;
+            for (int j = 0; j < k; ++j) sum += w[j];
+            const Scalar denom = sum + Scalar(1e-20);
+            for (int j = 0; j < k; ++j) w[j] /= denom;
+          }
+        break;
+      }
     }
-    if (config_.scaling_factor) {
-      const auto s = static_cast<Scalar>(*config_.scaling_factor);
-      for (int j = 0; j < k; ++j) w[j] *= s;
-    }
+    if (config_.scaling_factor) tile *= static_cast<Scalar>(*config_.scaling_factor);
+  }
+
+  static bool has_masked(const Scalar* w, Eigen::Index n) {
+    bool masked = false;
+    for (Eigen::Index i = 0; i < n; ++i) masked |= w[i] == -std::numeric_limits<Scalar>::infinity();
+    return masked;
   }
 
   static void softmax_gathered(const Scalar* z, const std::int32_t* ids, int k, Scalar* w) {

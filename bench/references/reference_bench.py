@@ -1,0 +1,259 @@
+#!/usr/bin/python3
+"""Times the reference implementations mrr is measured against, on the CPU, with the shapes of
+mrr's C++ benchmarks: PyTorch (Debian's python3-torch), Megatron-Core's moe_utils and verl's
+core_algos, run as they are. The C++ benchmarks (bench_routing, bench_ppo) call this script and
+print its times beside their own, so both come from one run.
+
+The reference sources are not part of mrr. This script extracts the few files it needs, at the
+pinned commits below, from local git mirrors into a work directory (default: a temporary
+directory; the benchmarks pass their build directory) with `git archive`. Their heavy imports
+(Transformer Engine, Megatron's parallel state, omegaconf, tensordict, transformers, ...) are
+*stubbed* here: only the import statements are satisfied, and the functions timed below never
+call into a stub on the paths used (fused=False, no Transformer Engine, batch-invariant mode off).
+
+Output: one line per case, `REF <case> <microseconds>`, medians of repeated calls after warm-up
+(steady state: PyTorch's allocator reuses its buffers, as in training).
+
+Usage: reference_bench.py --suite routing|permute|ppo|all [--threads N] [--workdir DIR]
+"""
+import argparse
+import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import subprocess
+import sys
+import tarfile
+import io
+import time
+import types
+
+MEGATRON_GIT = os.environ.get("MRR_MEGATRON_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo")
+MEGATRON_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+MEGATRON_FILES = ["megatron/core/transformer/moe/moe_utils.py", "megatron/core/transformer/moe/router_replay.py"]
+VERL_GIT = os.environ.get("MRR_VERL_GIT", "/work/.mirror/volcengine+verl/repo")
+VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
+VERL_FILES = ["verl/trainer/ppo/core_algos.py", "verl/utils/torch_functional.py", "verl/utils/groupwise.py"]
+
+
+def extract(git_dir, commit, paths, dest):
+    """git archive <commit> <paths> | tar -x -C dest (skipped when already there at that commit)."""
+    stamp = os.path.join(dest, ".commit-" + commit)
+    if os.path.exists(stamp):
+        return
+    os.makedirs(dest, exist_ok=True)
+    data = subprocess.run(["git", "--git-dir", git_dir, "archive", commit] + paths, check=True,
+                          stdout=subprocess.PIPE).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest)
+    open(stamp, "w").close()
+
+
+# ---- import stubs (imports only; nothing timed calls into them) --------------------------------
+
+def _identity_decorator(*args, **kwargs):
+    if len(args) == 1 and callable(args[0]) and not kwargs:
+        return args[0]
+    return lambda f: f
+
+
+class _Anything:
+    """Stands for any stubbed name: a class to subclass or annotate with, never called on the timed paths."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def __getattr__(self, name):
+        return _Anything()
+
+    def __call__(self, *a, **k):
+        return _Anything()
+
+
+# Names whose value matters: Transformer Engine absent, batch-invariant mode and graph capture off.
+_STUB_VALUES = {
+    "HAVE_TE": False,
+    "is_batch_invariant_mode_enabled": lambda: False,
+    "is_graph_capturing": lambda: False,
+    "is_te_min_version": lambda *a, **k: False,
+    "deprecated": _identity_decorator,
+    "internal_api": _identity_decorator,
+    "get_device_name": lambda: "cpu",
+    "get_torch_device": lambda: __import__("torch").cpu,
+}
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _STUB_VALUES.get(name, _Anything)
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves a stub for every module under the given prefixes that is not a real extracted file."""
+
+    def __init__(self, prefixes, real_roots):
+        self.prefixes, self.real_roots = prefixes, real_roots
+
+    def find_spec(self, name, path=None, target=None):
+        if not any(name == p or name.startswith(p + ".") for p in self.prefixes):
+            return None
+        rel = name.replace(".", "/")
+        for root in self.real_roots:
+            if os.path.exists(os.path.join(root, rel + ".py")):
+                return None  # a real extracted module: the path finder loads it
+            if os.path.isdir(os.path.join(root, rel)):  # a package holding real modules: namespace-like stub
+                spec = importlib.machinery.ModuleSpec(name, self, is_package=True)
+                spec.submodule_search_locations = [os.path.join(r, rel) for r in self.real_roots]
+                return spec
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        return _StubModule(spec.name)
+
+    def exec_module(self, module):
+        if module.__spec__.submodule_search_locations is not None:
+            module.__path__ = list(module.__spec__.submodule_search_locations)
+
+
+def load_references(workdir):
+    mdir, vdir = os.path.join(workdir, "megatron"), os.path.join(workdir, "verl")
+    extract(MEGATRON_GIT, MEGATRON_COMMIT, MEGATRON_FILES, mdir)
+    extract(VERL_GIT, VERL_COMMIT, VERL_FILES, vdir)
+    sys.path[:0] = [mdir, vdir]
+    sys.meta_path.insert(0, _StubFinder(["megatron", "verl", "omegaconf", "tensordict", "transformers", "flash_attn",
+                                         "torch_npu"], [mdir, vdir]))
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    core_algos = importlib.import_module("verl.trainer.ppo.core_algos")
+    return moe_utils, core_algos
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+def time_us(fn, min_seconds=0.25, min_reps=5):
+    fn()  # warm-up
+    samples, start = [], time.perf_counter()
+    while len(samples) < min_reps or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+        if len(samples) >= 10000:
+            break
+    samples.sort()
+    return samples[len(samples) // 2] * 1e6
+
+
+def report(case, us):
+    print(f"REF {case} {us:.3f}", flush=True)
+
+
+def routing_suite(torch, mu):
+    T, k = 4096, 8
+    for E in (64, 128, 256):
+        g = torch.Generator().manual_seed(E)
+        logits = torch.randn(T, E, generator=g)
+        with torch.no_grad():
+            # Qwen3 gate in Megatron: top-k on logits, softmax over the k (moe_router_pre_softmax=False).
+            route = lambda: mu.topk_routing_with_score_function(logits, k, use_pre_softmax=False, score_function="softmax",
+                                                                 dense_output=True)
+            report(f"route_softmax_E{E}", time_us(route))
+            _, ids = route()
+            replay = lambda: mu.topk_routing_with_score_function(logits, k, use_pre_softmax=False,
+                                                                  score_function="softmax", dense_output=True,
+                                                                  precomputed_indices=ids)
+            report(f"replay_softmax_E{E}", time_us(replay))
+            report(f"replay_softmax_dense_E{E}", time_us(lambda: mu.topk_routing_with_score_function(
+                logits, k, use_pre_softmax=False, score_function="softmax", precomputed_indices=ids)))
+            report(f"replay_torch_gather_E{E}", time_us(lambda: torch.softmax(torch.gather(logits, 1, ids), dim=-1)))
+            if E == 256:
+                bias = torch.randn(E, generator=g) * 0.01
+                ds = lambda: mu.topk_routing_with_score_function(logits, k, use_pre_softmax=False, num_groups=8,
+                                                                  group_topk=4, scaling_factor=2.5,
+                                                                  score_function="sigmoid", expert_bias=bias,
+                                                                  dense_output=True)
+                report(f"route_deepseek_E{E}", time_us(ds))
+
+
+def permute_suite(torch, mu):
+    T, H, k, E = 4096, 1024, 8, 64
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(T, E, generator=g)
+    tokens = torch.randn(T, H, generator=g)
+    with torch.no_grad():
+        probs, routing_map = mu.topk_routing_with_score_function(logits, k, score_function="softmax")
+        perm = lambda: mu.permute(tokens, routing_map, probs=probs, num_out_tokens=T * k)
+        report(f"permute_T{T}_H{H}_k{k}", time_us(perm))
+        permuted, permuted_probs, sorted_indices, _, _ = perm()
+        report(f"unpermute_T{T}_H{H}_k{k}", time_us(lambda: mu.unpermute(permuted, sorted_indices, tokens.shape,
+                                                                           probs=probs, routing_map=routing_map)))
+
+
+class _ActorConfig(dict):
+    """The attributes compute_policy_loss_vanilla reads from verl's ActorConfig (defaults)."""
+
+    def __init__(self):
+        super().__init__(clip_ratio_c=3.0)
+        self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high = 0.2, 0.2, 0.28
+        self.global_batch_info = {}
+
+
+def ppo_suite(torch, ca):
+    import numpy as np
+
+    def batch(B, L, seed):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(L // 4, L + 1, (B,), generator=g)
+        mask = (torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)).float()
+        return g, mask, lengths
+
+    with torch.no_grad():
+        B, L = 512, 4096
+        g, mask, lengths = batch(B, L, 42)
+        rewards, values = 0.01 * torch.randn(B, L, generator=g), torch.randn(B, L, generator=g)
+        report(f"gae_B{B}_L{L}", time_us(lambda: ca.compute_gae_advantage_return(rewards, values, mask, 0.99, 0.95),
+                                          min_seconds=1.0, min_reps=3))
+        for B, L in ((4096, 1024), (512, 4096)):
+            g, mask, lengths = batch(B, L, 43)
+            outcome = torch.zeros(B, L)
+            outcome[torch.arange(B), lengths - 1] = torch.randint(0, 2, (B,), generator=g).float()
+            index = np.array([1000 + i // 8 for i in range(B)])
+            report(f"grpo_B{B}_L{L}", time_us(lambda: ca.compute_grpo_outcome_advantage(outcome, mask, index)))
+            report(f"grpo_vectorized_B{B}_L{L}",
+                   time_us(lambda: ca.compute_grpo_vectorized_outcome_advantage(outcome, mask, index)))
+        for B, L in ((512, 4096), (256, 1024)):
+            g, mask, _ = batch(B, L, 44)
+            logprob = -torch.rand(B, L, generator=g) * 3
+            ref = logprob + 0.1 * torch.randn(B, L, generator=g)
+            report(f"kl_low_var_kl_B{B}_L{L}", time_us(lambda: ca.kl_penalty(logprob, ref, "low_var_kl")))
+            adv = torch.randn(B, L, generator=g)
+            cfg = _ActorConfig()
+            report(f"policy_vanilla_token_mean_B{B}_L{L}", time_us(
+                lambda: ca.compute_policy_loss_vanilla(ref, logprob, adv, mask, "token-mean", cfg)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--suite", default="all", choices=["routing", "permute", "ppo", "all"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    import tempfile
+    import torch
+    torch.set_num_threads(args.threads)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="mrr-references-")
+    mu, ca = load_references(workdir)
+    print(f"REFINFO torch {torch.__version__} threads {torch.get_num_threads()} megatron {MEGATRON_COMMIT[:12]} "
+          f"verl {VERL_COMMIT[:12]}", flush=True)
+    if args.suite in ("routing", "all"):
+        routing_suite(torch, mu)
+    if args.suite in ("permute", "all"):
+        permute_suite(torch, mu)
+    if args.suite in ("ppo", "all"):
+        ppo_suite(torch, ca)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,564 @@
+// The GRPO trainer: rollout (bf16 engine, seeded sampling, routes recorded) -> rewards ->
+// group advantages -> old-log-prob pass -> (reference pass) -> PPO updates with AdamW, with
+// router replay disabled, R2 or R3 (verl's configuration keys), on one or more expert-parallel
+// ranks. Every rank runs run_rank(); metrics reach rank 0's callback.
+//
+// Bitwise independence of the number of ranks: a mini-batch's sequences are split contiguously
+// over the ranks (global order = rank order), the MoE layer is P-independent by construction,
+// dense layers run per sequence, and the replicated parameters' gradient is the sum of
+// per-sequence gradients gathered from every rank and added in global sequence order.
+#pragma once
+
+#include "model.hpp"
+
+#include <mrr/ppo/grpo_step.hpp>
+#include <mrr/replay/config.hpp>
+#include <mrr/replay/open_store.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace moe_grpo {
+
+struct TrainConfig {
+  ModelConfig model;
+  mrr::ReplayConfig replay;
+  mrr::ppo::GrpoStepConfig grpo;
+  std::uint64_t seed = 1;
+  int steps = 30;             // trainer.total_training_steps
+  int prompts = 16;           // data.train_batch_size
+  int group = 8;              // actor_rollout_ref.rollout.n
+  int mini_batch_prompts = 8; // actor_rollout_ref.actor.ppo_mini_batch_size (prompts)
+  int ppo_epochs = 1;         // actor_rollout_ref.actor.ppo_epochs
+  float lr = 3e-3f;           // actor_rollout_ref.actor.optim.lr
+  float weight_decay = 0.0f;  // actor_rollout_ref.actor.optim.weight_decay
+  int max_operand = 4;        // the task: a + b with a, b in [0, max_operand]
+  mrr::rollout::SamplingParams sampling;
+  bool rollout_bf16 = true;   // actor_rollout_ref.rollout.dtype: bf16 (vLLM-like) or fp32
+
+  int sequences() const { return prompts * group; }
+  int mini_batches() const { return prompts / mini_batch_prompts; }
+  int response_length() const { return model.max_seq - kPromptLength; }
+};
+
+struct StepMetrics {
+  int step = 0;
+  double reward = 0, accuracy = 0, response_length = 0;
+  // rollout vs training (old-log-prob pass): router decisions that differ, tokens with any layer differing
+  double rollout_mismatch_decisions = 0, rollout_mismatch_tokens = 0;
+  std::int64_t compared_rows = 0;  // (token, layer) rows the rollout has a route for
+  double k3 = 0, k1 = 0, max_abs_dlogp = 0, mean_abs_dlogp = 0;
+  // old-log-prob pass vs update passes: router decisions that differ
+  double update_mismatch_decisions = 0;
+  double loss = 0, pg_clipfrac = 0, ppo_kl = 0, kl_loss = 0;
+  double load_max_over_mean = 0;  // expert load (old-log-prob pass), worst layer
+  std::uint64_t replayed_rows = 0, native_rows = 0, recorded_rows = 0;
+  double wall_seconds = 0;
+  std::uint64_t params_digest = 0;
+  // A hash of every expert id the training passes used (old-log-prob and updates), sequence by
+  // sequence in global order: equal for equal routing whatever the number of ranks.
+  std::uint64_t routes_digest = 0;
+};
+
+namespace detail {
+
+inline std::uint64_t hash_ids(const mrr::ExpertIds& ids, Eigen::Index first_row, Eigen::Index rows, std::uint64_t h) {
+  for (Eigen::Index r = first_row; r < first_row + rows; ++r)
+    for (Eigen::Index j = 0; j < ids.cols(); ++j)
+      h = (h ^ static_cast<std::uint32_t>(ids(r, j))) * 1099511628211ull;
+  return h;
+}
+
+inline std::uint64_t hash_floats(const float* p, Eigen::Index n, std::uint64_t h = 1469598103934665603ull) {
+  for (Eigen::Index i = 0; i < n; ++i) {
+    std::uint32_t u;
+    std::memcpy(&u, p + i, 4);
+    h = (h ^ u) * 1099511628211ull;
+  }
+  return h;
+}
+
+// Experts in the two id sets that differ: k - |intersection|.
+inline int differing(const std::int32_t* a, const std::int32_t* b, int k) {
+  int same = 0;
+  for (int i = 0; i < k; ++i)
+    for (int j = 0; j < k; ++j) same += a[i] == b[j];
+  return k - same;
+}
+
+}  // namespace detail
+
+template <class Comm>
+class Trainer {
+ public:
+  using Callback = std::function<void(const StepMetrics&)>;
+
+  Trainer(const TrainConfig& cfg, Comm comm) : cfg_(cfg), comm_(comm) {
+    cfg_.replay.validate();
+    cfg_.grpo.validate();
+    cfg_.sampling.validate();
+    const int ranks = static_cast<int>(comm.size());
+    if (cfg.mini_batch_prompts <= 0 || cfg.prompts % cfg.mini_batch_prompts != 0)
+      throw mrr::ConfigError("data.train_batch_size (" + std::to_string(cfg.prompts) +
+                             ") must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (" +
+                             std::to_string(cfg.mini_batch_prompts) + ")");
+    if ((cfg.mini_batch_prompts * cfg.group) % ranks != 0)
+      throw mrr::ConfigError("a mini-batch of " + std::to_string(cfg.mini_batch_prompts * cfg.group) +
+                             " sequences does not split evenly over " + std::to_string(ranks) + " ranks");
+    if (cfg.model.experts % ranks != 0)
+      throw mrr::ConfigError(std::to_string(cfg.model.experts) + " experts do not split evenly over " +
+                             std::to_string(ranks) + " ranks");
+    if (cfg.steps < 0 || cfg.group < 1 || cfg.ppo_epochs < 1)
+      throw mrr::ConfigError("steps must be >= 0, rollout.n and ppo_epochs >= 1");
+    const mrr::RouteShape shape{cfg.model.experts, cfg.model.layers, cfg.model.topk};
+    // Route files: one per rank when there are several (a rank replays only its own sequences).
+    mrr::ReplayConfig files = cfg_.replay;
+    if (ranks > 1) {
+      const std::string suffix = ".rank" + std::to_string(comm.rank());
+      if (!files.record_file.empty()) files.record_file += suffix;
+      if (!files.replay_file.empty()) files.replay_file += suffix;
+    }
+    auto file = mrr::open_route_file(files, shape);
+    const auto mode = cfg_.replay.mode;
+    if (mode == mrr::ReplayMode::R3) {
+      // R3: the rollout records routes; training replays them (or those of replay_file).
+      if (file && files.replay_file.empty()) {
+        rollout_store_ = std::make_unique<AnyRouteStore>(std::move(*file));
+      } else {
+        rollout_store_ = std::make_unique<AnyRouteStore>(shape);
+        if (file) train_store_ = std::make_unique<AnyRouteStore>(std::move(*file));
+      }
+    } else {
+      rollout_store_ = std::make_unique<AnyRouteStore>(shape);
+      if (file) train_store_ = std::make_unique<AnyRouteStore>(std::move(*file));
+    }
+    if (!train_store_ && mode != mrr::ReplayMode::R3) train_store_ = std::make_unique<AnyRouteStore>(shape);
+    AnyRouteStore& train_store = train_store_ ? *train_store_ : *rollout_store_;
+    r2_replays_file_ = mode == mrr::ReplayMode::R2 && !files.replay_file.empty() && files.record_file.empty();
+    ref_store_ = std::make_unique<AnyRouteStore>(shape);
+    train_ = std::make_unique<Engine<Comm>>(cfg.model, comm, train_store, mode, false);
+    train_->replay().set_activation_recompute(false);  // the backward keeps activations
+    rollout_ = std::make_unique<Engine<Comm>>(cfg.model, comm, *rollout_store_, mrr::ReplayMode::R2, cfg.rollout_bf16);
+    if (cfg.grpo.use_kl_loss)
+      ref_ = std::make_unique<Engine<Comm>>(cfg.model, comm, *ref_store_, mrr::ReplayMode::disabled, false);
+    params_ = init_params(cfg.model, cfg.seed, train_->first_expert(), train_->local_experts());
+    train_->load(params_);
+    if (ref_) ref_->load(params_);
+    dense_opt_.lr = expert_opt_.lr = cfg.lr;
+    dense_opt_.weight_decay = expert_opt_.weight_decay = cfg.weight_decay;
+  }
+
+  void run(const Callback& on_step) {
+    for (int step = 0; step < cfg_.steps; ++step) on_step(train_step(step));
+  }
+
+  StepMetrics train_step(int step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    StepMetrics m;
+    m.step = step;
+    const int ranks = static_cast<int>(comm_.size()), rank = static_cast<int>(comm_.rank());
+    const int mb = cfg_.mini_batches(), per_mb = cfg_.mini_batch_prompts * cfg_.group, local_n = per_mb / ranks;
+    const int R = cfg_.response_length(), S = cfg_.model.max_seq, k = cfg_.model.topk, L = cfg_.model.layers;
+    const auto stats0 = train_->replay().stats();
+
+    // The rank's sequences, mini-batch by mini-batch: a contiguous slice of each.
+    std::vector<Batch> batches(static_cast<std::size_t>(mb));
+    for (int b = 0; b < mb; ++b) {
+      Batch& batch = batches[static_cast<std::size_t>(b)];
+      for (int i = 0; i < local_n; ++i) {
+        const int global = b * per_mb + rank * local_n + i;
+        batch.global.push_back(global);
+        batch.uids.push_back((static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint64_t>(global));
+        batch.problems.push_back(make_problem(cfg_.seed, step, global / cfg_.group, cfg_.max_operand));
+      }
+    }
+
+    // 1. Rollout with the rollout engine's numerics (weights synced, rounded), recording routes.
+    rollout_->load(params_);
+    rollout_->replay().set_action(mrr::RouterAction::record);
+    for (auto& batch : batches) rollout(batch);
+
+    // 2. Rewards and group advantages over the global batch (every rank computes all of them).
+    std::vector<float> scores_global(static_cast<std::size_t>(cfg_.sequences()));
+    std::vector<std::int64_t> lengths_global(static_cast<std::size_t>(cfg_.sequences()));
+    for (int b = 0; b < mb; ++b) {
+      const Batch& batch = batches[static_cast<std::size_t>(b)];
+      std::vector<float> s(batch.scores.begin(), batch.scores.end());
+      std::vector<std::int64_t> len(batch.response_lengths.begin(), batch.response_lengths.end());
+      comm_.all_gather(std::span<const float>(s), std::span<float>(scores_global.data() + b * per_mb, static_cast<std::size_t>(per_mb)));
+      comm_.all_gather(std::span<const std::int64_t>(len),
+                       std::span<std::int64_t>(lengths_global.data() + b * per_mb, static_cast<std::size_t>(per_mb)));
+    }
+    Mat mask_global = Mat::Zero(cfg_.sequences(), R);
+    Vec scores = Vec::Zero(cfg_.sequences());
+    std::vector<std::int64_t> prompt_of;
+    double correct = 0, length_sum = 0;
+    for (int i = 0; i < cfg_.sequences(); ++i) {
+      mask_global.row(i).head(lengths_global[static_cast<std::size_t>(i)]).setOnes();
+      scores[i] = scores_global[static_cast<std::size_t>(i)];
+      prompt_of.push_back(i / cfg_.group);
+      correct += scores[i] == 1.0f;
+      length_sum += static_cast<double>(lengths_global[static_cast<std::size_t>(i)]);
+    }
+    m.reward = scores.cast<double>().mean();
+    m.accuracy = correct / cfg_.sequences();
+    m.response_length = length_sum / cfg_.sequences();
+    const mrr::ppo::GroupIndex index(prompt_of);
+    const auto adv = mrr::ppo::compute_outcome_advantages<float>(scores, mask_global, index, cfg_.grpo);
+
+    // 3. Old-log-prob pass (R2 records, R3 replays the rollout's routes), compared with the rollout.
+    std::int64_t decisions = 0, differing_decisions = 0, tokens = 0, differing_tokens = 0;
+    std::vector<std::vector<std::int64_t>> load(static_cast<std::size_t>(L), std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.model.experts), 0));
+    double k3_sum = 0, k1_sum = 0, abs_sum = 0, lp_tokens = 0, max_abs = 0;
+    for (int b = 0; b < mb; ++b) {
+      Batch& batch = batches[static_cast<std::size_t>(b)];
+      batch.mask = Mat::Zero(local_n, R);
+      batch.advantages = Mat(local_n, R);
+      for (int i = 0; i < local_n; ++i) {
+        batch.mask.row(i).head(batch.response_lengths[static_cast<std::size_t>(i)]).setOnes();
+        batch.advantages.row(i) = adv.advantages.row(batch.global[static_cast<std::size_t>(i)]);
+      }
+      if (r2_replays_file_)
+        train_->replay().set_action(mrr::RouterAction::replay_forward, false);
+      else
+        train_->replay().begin_pass(mrr::TrainingPass::old_log_prob);
+      typename Engine<Comm>::Cache cache;
+      const auto logits = train_->forward(batch.tokens, batch.lengths, batch.uids, cache, &batch.old_routes);
+      batch.old_log_prob = log_probs(batch, logits);
+      batch.route_hash.assign(static_cast<std::size_t>(local_n), 1469598103934665603ull);
+      for (int i = 0; i < local_n; ++i)
+        for (int l = 0; l < L; ++l)
+          batch.route_hash[static_cast<std::size_t>(i)] = detail::hash_ids(
+              batch.old_routes[static_cast<std::size_t>(l)], static_cast<Eigen::Index>(i) * S, S, batch.route_hash[static_cast<std::size_t>(i)]);
+      const auto lm = mrr::ppo::logprob_mismatch<float>(batch.old_log_prob, batch.rollout_log_prob, batch.mask);
+      const auto lm_tokens = static_cast<double>(lm.tokens);
+      k3_sum += static_cast<double>(lm.k3) * lm_tokens;
+      k1_sum += static_cast<double>(lm.k1) * lm_tokens;
+      abs_sum += static_cast<double>(lm.mean_abs_diff) * lm_tokens;
+      lp_tokens += lm_tokens;
+      max_abs = std::max(max_abs, static_cast<double>(lm.max_abs_diff));
+      // Routes: the rollout has one for every position it fed (all but each sequence's last).
+      const mrr::TokenLayout& layout = train_->replay().micro_batch();
+      std::vector<std::uint8_t> any(layout.size(), 0);
+      for (int l = 0; l < L; ++l) {
+        mrr::ExpertIds rollout_ids;
+        std::vector<std::uint8_t> found;
+        rollout_store_->lookup(l, layout, rollout_ids, found);
+        const auto& used = batch.old_routes[static_cast<std::size_t>(l)];
+        for (std::size_t r = 0; r < layout.size(); ++r) {
+          if (layout[r].is_padding()) continue;
+          for (int j = 0; j < k; ++j) ++load[static_cast<std::size_t>(l)][static_cast<std::size_t>(used(static_cast<Eigen::Index>(r), j))];
+          if (!found[r]) continue;
+          const int d = detail::differing(&used(static_cast<Eigen::Index>(r), 0), &rollout_ids(static_cast<Eigen::Index>(r), 0), k);
+          decisions += k;
+          differing_decisions += d;
+          if (d > 0) any[r] = 1;
+          if (l == 0) ++tokens;
+        }
+      }
+      for (std::size_t r = 0; r < layout.size(); ++r) differing_tokens += any[r];
+      if (ref_) {
+        ref_->replay().begin_pass(mrr::TrainingPass::ref_log_prob);
+        typename Engine<Comm>::Cache ref_cache;
+        batch.ref_log_prob = log_probs(batch, ref_->forward(batch.tokens, batch.lengths, batch.uids, ref_cache, nullptr));
+      }
+    }
+
+    // 4. PPO updates, mini-batch by mini-batch (weights change between them).
+    std::int64_t update_decisions = 0, update_differing = 0;
+    double loss_sum = 0, clip_sum = 0, ppo_kl_sum = 0, kl_loss_sum = 0;
+    int updates = 0;
+    for (int epoch = 0; epoch < cfg_.ppo_epochs; ++epoch)
+      for (int b = 0; b < mb; ++b) {
+        Batch& batch = batches[static_cast<std::size_t>(b)];
+        train_->replay().begin_pass(mrr::TrainingPass::actor_update);
+        typename Engine<Comm>::Cache cache;
+        std::vector<mrr::ExpertIds> routes;
+        const auto logits = train_->forward(batch.tokens, batch.lengths, batch.uids, cache, &routes);
+        const Mat lp = log_probs(batch, logits);
+        for (int l = 0; l < L; ++l)
+          for (int i = 0; i < local_n; ++i)
+            for (int t = 0; t + 1 < batch.lengths[static_cast<std::size_t>(i)]; ++t) {
+              const Eigen::Index r = static_cast<Eigen::Index>(i) * S + t;
+              update_decisions += k;
+              update_differing += detail::differing(&routes[static_cast<std::size_t>(l)](r, 0),
+                                                    &batch.old_routes[static_cast<std::size_t>(l)](r, 0), k);
+            }
+        for (int i = 0; i < local_n; ++i)
+          for (int l = 0; l < L; ++l)
+            batch.route_hash[static_cast<std::size_t>(i)] = detail::hash_ids(
+                routes[static_cast<std::size_t>(l)], static_cast<Eigen::Index>(i) * S, S, batch.route_hash[static_cast<std::size_t>(i)]);
+        const LossOut lo = loss(batch, lp, b);
+        loss_sum += lo.loss;
+        clip_sum += lo.clipfrac;
+        ppo_kl_sum += lo.ppo_kl;
+        kl_loss_sum += lo.kl_loss;
+        ++updates;
+        std::vector<Mat> dlogits = logit_grads(batch, logits, lo.grad_log_prob);
+        auto g = train_->backward(batch.tokens, cache, dlogits);
+        apply(g);
+      }
+
+    // 5. Metrics over every rank.
+    std::vector<std::int64_t> counts = {decisions, differing_decisions, tokens, differing_tokens, update_decisions,
+                                        update_differing};
+    for (auto& per_layer : load)
+      for (auto c : per_layer) counts.push_back(c);
+    comm_.all_reduce_sum(std::span<std::int64_t>(counts));
+    std::vector<double> sums = {k3_sum, k1_sum, abs_sum, lp_tokens}, all(sums.size() * static_cast<std::size_t>(ranks));
+    comm_.all_gather(std::span<const double>(sums), std::span<double>(all));
+    std::vector<double> maxes(static_cast<std::size_t>(ranks));
+    comm_.all_gather(std::span<const double>(&max_abs, 1), std::span<double>(maxes));
+    double k3 = 0, k1 = 0, ab = 0, nt = 0;
+    for (int r = 0; r < ranks; ++r) {
+      k3 += all[static_cast<std::size_t>(r) * 4];
+      k1 += all[static_cast<std::size_t>(r) * 4 + 1];
+      ab += all[static_cast<std::size_t>(r) * 4 + 2];
+      nt += all[static_cast<std::size_t>(r) * 4 + 3];
+    }
+    m.k3 = nt > 0 ? k3 / nt : 0;
+    m.k1 = nt > 0 ? k1 / nt : 0;
+    m.mean_abs_dlogp = nt > 0 ? ab / nt : 0;
+    m.max_abs_dlogp = *std::max_element(maxes.begin(), maxes.end());
+    m.rollout_mismatch_decisions = counts[0] > 0 ? static_cast<double>(counts[1]) / static_cast<double>(counts[0]) : 0;
+    m.rollout_mismatch_tokens = counts[2] > 0 ? static_cast<double>(counts[3]) / static_cast<double>(counts[2]) : 0;
+    m.compared_rows = counts[0] / k;
+    m.update_mismatch_decisions = counts[4] > 0 ? static_cast<double>(counts[5]) / static_cast<double>(counts[4]) : 0;
+    for (int l = 0; l < L; ++l) {
+      double most = 0, total = 0;
+      for (int e = 0; e < cfg_.model.experts; ++e) {
+        const auto c = static_cast<double>(counts[6 + static_cast<std::size_t>(l * cfg_.model.experts + e)]);
+        most = std::max(most, c);
+        total += c;
+      }
+      if (total > 0) m.load_max_over_mean = std::max(m.load_max_over_mean, most / (total / cfg_.model.experts));
+    }
+    m.loss = loss_sum / updates;
+    m.pg_clipfrac = clip_sum / updates;
+    m.ppo_kl = ppo_kl_sum / updates;
+    m.kl_loss = kl_loss_sum / updates;
+    const auto& st = train_->replay().stats();
+    std::vector<std::int64_t> rows = {static_cast<std::int64_t>(st.replayed_rows - stats0.replayed_rows),
+                                      static_cast<std::int64_t>(st.native_rows - stats0.native_rows),
+                                      static_cast<std::int64_t>(st.recorded_rows - stats0.recorded_rows)};
+    comm_.all_reduce_sum(std::span<std::int64_t>(rows));
+    m.replayed_rows = static_cast<std::uint64_t>(rows[0]);
+    m.native_rows = static_cast<std::uint64_t>(rows[1]);
+    m.recorded_rows = static_cast<std::uint64_t>(rows[2]);
+    m.params_digest = digest();
+    std::uint64_t route_digest = 1469598103934665603ull;
+    for (const Batch& batch : batches) {
+      std::vector<std::int64_t> mine(batch.route_hash.begin(), batch.route_hash.end()), all_hashes(mine.size() * static_cast<std::size_t>(ranks));
+      comm_.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all_hashes));
+      for (const auto h : all_hashes) route_digest = (route_digest ^ static_cast<std::uint64_t>(h)) * 1099511628211ull;
+    }
+    m.routes_digest = route_digest;
+    rollout_store_->end_step();
+    if (train_store_) train_store_->end_step();
+    m.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return m;
+  }
+
+  // A hash of every parameter (replicated ones and each expert in global order): equal for equal
+  // models whatever the number of ranks.
+  std::uint64_t digest() const {
+    std::uint64_t h = detail::hash_floats(params_.dense.data(), params_.dense.size());
+    const int L = cfg_.model.layers, local = train_->local_experts(), ranks = static_cast<int>(comm_.size());
+    const Eigen::Index block = expert_block_size(cfg_.model);
+    std::vector<std::int64_t> mine;
+    for (int l = 0; l < L; ++l)
+      for (int e = 0; e < local; ++e)
+        mine.push_back(static_cast<std::int64_t>(
+            detail::hash_floats(params_.experts.data() + (static_cast<Eigen::Index>(l) * local + e) * block, block)));
+    std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(ranks));
+    comm_.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
+    for (int l = 0; l < L; ++l)
+      for (int r = 0; r < ranks; ++r)
+        for (int e = 0; e < local; ++e) {
+          const auto v = static_cast<std::uint64_t>(all[static_cast<std::size_t>((r * L + l) * local + e)]);
+          h = (h ^ v) * 1099511628211ull;
+        }
+    return h;
+  }
+
+  const Params& params() const { return params_; }
+
+ private:
+  struct Batch {
+    std::vector<int> global;
+    std::vector<mrr::SequenceId> uids;
+    std::vector<Problem> problems;
+    std::vector<std::vector<std::int32_t>> tokens;  // [max_seq], padded with EOS
+    std::vector<int> lengths;                       // prompt + response
+    std::vector<int> response_lengths;
+    std::vector<float> scores;
+    Mat rollout_log_prob, old_log_prob, ref_log_prob, mask, advantages;  // [n, response_length]
+    std::vector<mrr::ExpertIds> old_routes;                              // per layer, rows of the padded layout
+    std::vector<std::uint64_t> route_hash;                               // per sequence, routes of every training pass
+  };
+
+  void rollout(Batch& batch) {
+    const int n = static_cast<int>(batch.global.size());
+    const int S = cfg_.model.max_seq, R = cfg_.response_length();
+    batch.tokens.assign(static_cast<std::size_t>(n), std::vector<std::int32_t>(static_cast<std::size_t>(S), kEos));
+    for (int i = 0; i < n; ++i) {
+      const auto prompt = batch.problems[static_cast<std::size_t>(i)].prompt();
+      std::copy(prompt.begin(), prompt.end(), batch.tokens[static_cast<std::size_t>(i)].begin());
+    }
+    batch.lengths.assign(static_cast<std::size_t>(n), kPromptLength);
+    batch.rollout_log_prob = Mat::Zero(n, R);
+    std::vector<std::uint8_t> done(static_cast<std::size_t>(n), 0);
+    auto state = rollout_->start_decoding(n);
+    // Every rank runs every position (the MoE layers are collective), with its unfinished rows.
+    for (int position = 0; position + 1 < S; ++position) {
+      std::vector<int> active;
+      for (int i = 0; i < n; ++i)
+        if (!done[static_cast<std::size_t>(i)] && batch.lengths[static_cast<std::size_t>(i)] > position) active.push_back(i);
+      const Mat logits = rollout_->decode(batch.tokens, batch.uids, active, position, state, nullptr);
+      if (position + 1 < kPromptLength) continue;
+      std::vector<std::uint64_t> streams;
+      std::vector<std::int64_t> counters;
+      for (const int i : active) {
+        streams.push_back(batch.uids[static_cast<std::size_t>(i)]);
+        counters.push_back(position + 1);
+      }
+      const auto sampled = mrr::rollout::sample<float>(logits, cfg_.sampling, cfg_.seed, streams, counters);
+      for (std::size_t r = 0; r < active.size(); ++r) {
+        const auto i = static_cast<std::size_t>(active[r]);
+        batch.tokens[i][static_cast<std::size_t>(position + 1)] = sampled[r].token;
+        batch.rollout_log_prob(static_cast<Eigen::Index>(i), position + 1 - kPromptLength) = sampled[r].logprob;
+        batch.lengths[i] = position + 2;
+        if (sampled[r].token == kEos) done[i] = 1;
+      }
+    }
+    batch.response_lengths.clear();
+    batch.scores.clear();
+    for (int i = 0; i < n; ++i) {
+      const int len = batch.lengths[static_cast<std::size_t>(i)] - kPromptLength;
+      batch.response_lengths.push_back(len);
+      const auto& t = batch.tokens[static_cast<std::size_t>(i)];
+      batch.scores.push_back(static_cast<float>(
+          score_response(batch.problems[static_cast<std::size_t>(i)], std::span<const std::int32_t>(t).subspan(kPromptLength, static_cast<std::size_t>(len)))));
+    }
+  }
+
+  // log p of each response token (verl: logits / rollout temperature), [n, response_length].
+  Mat log_probs(const Batch& batch, const std::vector<Mat>& logits) const {
+    const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
+    Mat out(n, R);
+    const double t = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
+    for (int i = 0; i < n; ++i) {
+      const auto& tok = batch.tokens[static_cast<std::size_t>(i)];
+      const std::span<const std::int32_t> labels(tok.data() + kPromptLength, static_cast<std::size_t>(R));
+      out.row(i) = mrr::rollout::logprobs_from_logits<float>(logits[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R),
+                                                             labels, t)
+                       .transpose();
+    }
+    return out;
+  }
+
+  std::vector<Mat> logit_grads(const Batch& batch, const std::vector<Mat>& logits, const Mat& grad_log_prob) const {
+    const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
+    const double t = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
+    std::vector<Mat> out(static_cast<std::size_t>(n), Mat::Zero(cfg_.model.max_seq, cfg_.model.vocab));
+    for (int i = 0; i < n; ++i) {
+      const auto& tok = batch.tokens[static_cast<std::size_t>(i)];
+      const std::span<const std::int32_t> labels(tok.data() + kPromptLength, static_cast<std::size_t>(R));
+      const Vec g = grad_log_prob.row(i).transpose();
+      out[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R) = mrr::rollout::logprobs_from_logits_backward<float>(
+          logits[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R), labels, g, t);
+    }
+    return out;
+  }
+
+  struct LossOut {
+    double loss = 0, clipfrac = 0, ppo_kl = 0, kl_loss = 0;
+    Mat grad_log_prob;
+  };
+
+  // The mini-batch's loss, sequence by sequence with the global counts (so every term is the
+  // same whichever rank computes it), summed in global sequence order.
+  LossOut loss(const Batch& batch, const Mat& log_prob, int b) {
+    const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
+    const int ranks = static_cast<int>(comm_.size()), per_mb = n * ranks;
+    std::vector<std::int64_t> tokens_local = {static_cast<std::int64_t>(batch.mask.sum())};
+    comm_.all_reduce_sum(std::span<std::int64_t>(tokens_local));
+    mrr::ppo::GrpoStepConfig config = cfg_.grpo;
+    config.policy.global_batch_info.batch_num_tokens = static_cast<double>(tokens_local[0]);
+    config.policy.global_batch_info.global_batch_size = static_cast<double>(per_mb);
+    LossOut out;
+    out.grad_log_prob = Mat(n, R);
+    std::vector<float> terms(static_cast<std::size_t>(n) * 4);
+    for (int i = 0; i < n; ++i) {
+      const Mat old_row = batch.old_log_prob.row(i), lp_row = log_prob.row(i), adv_row = batch.advantages.row(i),
+                mask_row = batch.mask.row(i);
+      Mat ref_row;
+      mrr::ppo::OptionalMatrixView<float> ref;
+      if (ref_) {
+        ref_row = batch.ref_log_prob.row(i);
+        ref = ref_row;
+      }
+      const auto r = mrr::ppo::grpo_loss<float>(old_row, lp_row, adv_row, mask_row, ref, config);
+      out.grad_log_prob.row(i) = r.grad_log_prob;
+      const float t = mask_row.sum();
+      terms[static_cast<std::size_t>(i) * 4] = r.loss;
+      terms[static_cast<std::size_t>(i) * 4 + 1] = r.metric("actor/pg_clipfrac").value_or(0.f) * t;
+      terms[static_cast<std::size_t>(i) * 4 + 2] = r.metric("actor/ppo_kl").value_or(0.f) * t;
+      terms[static_cast<std::size_t>(i) * 4 + 3] = r.kl_loss;
+    }
+    std::vector<float> all(terms.size() * static_cast<std::size_t>(ranks));
+    comm_.all_gather(std::span<const float>(terms), std::span<float>(all));
+    (void)b;
+    float loss = 0, kl = 0;
+    double clip = 0, ppo_kl = 0;
+    for (int i = 0; i < per_mb; ++i) {
+      loss += all[static_cast<std::size_t>(i) * 4];
+      clip += static_cast<double>(all[static_cast<std::size_t>(i) * 4 + 1]);
+      ppo_kl += static_cast<double>(all[static_cast<std::size_t>(i) * 4 + 2]);
+      kl += all[static_cast<std::size_t>(i) * 4 + 3];
+    }
+    out.loss = static_cast<double>(loss);
+    out.kl_loss = static_cast<double>(kl);
+    out.clipfrac = tokens_local[0] > 0 ? clip / static_cast<double>(tokens_local[0]) : 0;
+    out.ppo_kl = tokens_local[0] > 0 ? ppo_kl / static_cast<double>(tokens_local[0]) : 0;
+    return out;
+  }
+
+  // Replicated gradient = per-sequence gradients of every rank added in global order, plus the
+  // gates'; experts are local. Then AdamW, and the training engine reloads.
+  void apply(typename Engine<Comm>::Gradients& g) {
+    const int ranks = static_cast<int>(comm_.size());
+    const Eigen::Index d = train_->layout().size;
+    const auto n = g.dense_per_sequence.size();
+    std::vector<float> mine(n * static_cast<std::size_t>(d));
+    for (std::size_t i = 0; i < n; ++i)
+      std::copy_n(g.dense_per_sequence[i].data(), d, mine.data() + i * static_cast<std::size_t>(d));
+    std::vector<float> all(mine.size() * static_cast<std::size_t>(ranks));
+    comm_.all_gather(std::span<const float>(mine), std::span<float>(all));
+    Vec dense = Vec::Zero(d);
+    for (std::size_t s = 0; s < n * static_cast<std::size_t>(ranks); ++s)
+      dense += Eigen::Map<const Vec>(all.data() + s * static_cast<std::size_t>(d), d);
+    dense += g.gates;
+    dense_opt_.step(params_.dense, dense);
+    expert_opt_.step(params_.experts, g.experts);
+    train_->load(params_);
+  }
+
+  TrainConfig cfg_;
+  Comm comm_;
+  std::unique_ptr<AnyRouteStore> rollout_store_, train_store_, ref_store_;
+  bool r2_replays_file_ = false;
+  std::unique_ptr<Engine<Comm>> train_, rollout_, ref_;
+  Params params_;
+  AdamW dense_opt_, expert_opt_;
+};
+
+}  // namespace moe_grpo

@@ -1,0 +1,65 @@
+// Row-parallel loops, as Eigen does it: OpenMP when the user compiles with -fopenmp, a plain loop
+// otherwise. Work is split into fixed tiles of rows whose boundaries depend only on the row index,
+// never on the thread count, so every tile computes the same bits whatever the number of threads
+// (vectorised tails included); reductions keep per-tile partials and sum them serially in order.
+#pragma once
+
+#include <mrr/detail/config.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+MRR_NAMESPACE_BEGIN
+namespace detail {
+
+// Threads a parallel region would use (1 without OpenMP).
+inline int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+inline std::int64_t tile_count(std::int64_t rows, std::int64_t tile) { return rows <= 0 ? 0 : (rows + tile - 1) / tile; }
+
+// Calls body(tile_index, first_row, end_row) for every tile of `tile` rows, in parallel under
+// OpenMP (static schedule) when there is more than one tile and `work` (a rough count of scalar
+// operations) is worth a fork. An exception thrown by a tile is rethrown on the calling thread
+// after the loop: the one of the lowest tile, so the error is the one a serial loop would raise.
+template <class Body>
+void parallel_tiles(std::int64_t rows, std::int64_t tile, std::int64_t work, Body&& body) {
+  const std::int64_t tiles = tile_count(rows, tile);
+#ifdef _OPENMP
+  if (tiles > 1 && work >= (std::int64_t{1} << 15) && omp_get_max_threads() > 1 && !omp_in_parallel()) {
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(tiles));
+    bool failed = false;
+#pragma omp parallel for schedule(static) reduction(|| : failed)
+    for (std::int64_t i = 0; i < tiles; ++i) {
+      try {
+        body(i, i * tile, std::min(rows, (i + 1) * tile));
+      } catch (...) {
+        errors[static_cast<std::size_t>(i)] = std::current_exception();
+        failed = true;
+      }
+    }
+    if (failed)
+      for (const auto& e : errors)
+        if (e) std::rethrow_exception(e);
+    return;
+  }
+#else
+  (void)work;
+#endif
+  for (std::int64_t i = 0; i < tiles; ++i) body(i, i * tile, std::min(rows, (i + 1) * tile));
+}
+
+}  // namespace detail
+MRR_NAMESPACE_END

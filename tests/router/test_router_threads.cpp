@@ -1,0 +1,71 @@
+// Routing, replay, permute and combine give the same bits with 1, 2 and 3 OpenMP threads (this
+// target is compiled with -fopenmp; the row tiles do not depend on the thread count).
+#include <mrr/router.hpp>
+
+#include <doctest/doctest.h>
+#include <omp.h>
+
+#include <random>
+
+namespace {
+
+mrr::RowMatrix<float> random_matrix(Eigen::Index rows, Eigen::Index cols, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.f, 1.f);
+  mrr::RowMatrix<float> m(rows, cols);
+  for (Eigen::Index i = 0; i < m.size(); ++i) m.data()[i] = n(rng);
+  return m;
+}
+
+template <class F>
+void same_for_thread_counts(F&& run) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const auto reference = run();
+  for (int threads : {2, 3}) {
+    omp_set_num_threads(threads);
+    CHECK(run() == reference);
+  }
+  omp_set_num_threads(saved);
+}
+
+}  // namespace
+
+TEST_CASE("route, replay, permute and combine are bitwise independent of the thread count") {
+  const int tokens = 3001, experts = 64, k = 8, hidden = 96;  // not a multiple of any tile
+  auto z = random_matrix(tokens, experts, 3);
+  for (int t = 0; t < tokens; t += 97) z(t, t % experts) = -std::numeric_limits<float>::infinity();
+  const auto x = random_matrix(tokens, hidden, 4);
+  for (const auto& config : {mrr::presets::qwen3_moe(experts, k), mrr::presets::deepseek_v3(experts, k, 8, 4, true, 2.5),
+                             mrr::presets::mixtral(experts, 2), mrr::presets::qwen2_moe(experts, 4)}) {
+    const mrr::TopKRouter<float> router(config);
+    same_for_thread_counts([&] {
+      const auto r = router.route(z);
+      return std::make_pair(r.ids, r.weights);
+    });
+    const auto ids = router.route(z).ids;
+    same_for_thread_counts([&] { return router.replay(z, ids).weights; });
+    const auto routing = router.route(z);
+    const auto dense = mrr::to_dense(routing, experts);
+    same_for_thread_counts([&] {
+      const auto p = mrr::permute<float>(x, dense.map, mrr::MatrixRef<float>(dense.probs));
+      return std::make_tuple(p.tokens, p.probs, p.sorted_indices);
+    });
+    const auto perm = mrr::make_expert_permutation(routing, experts);
+    const auto expert_out = mrr::permute_tokens<float>(x, perm);
+    same_for_thread_counts([&] { return mrr::combine<float>(expert_out, routing, perm); });
+  }
+}
+
+TEST_CASE("an invalid replayed id is reported for the first bad row whatever the thread count") {
+  const int tokens = 2000, experts = 32, k = 4;
+  const auto z = random_matrix(tokens, experts, 5);
+  const mrr::TopKRouter<float> router(mrr::presets::qwen3_moe(experts, k));
+  auto ids = router.route(z).ids;
+  ids(1500, 2) = ids(1500, 0);
+  ids(1900, 1) = experts;
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    CHECK_THROWS_WITH_AS(router.replay(z, ids), doctest::Contains("row 1500 repeats expert id"), mrr::InvalidArgument);
+  }
+}
