@@ -381,6 +381,17 @@ TEST_CASE("a dangling symlink or a symlink loop as the path says what it is") {
     CHECK_THROWS_WITH_AS(mrr::FileRouteStore::append(p, shape), doctest::Contains("symlink loop"), mrr::RouteFileError);
     CHECK_THROWS_WITH_AS(mrr::FileRouteStore::open(p, shape), doctest::Contains("symlink loop"), mrr::RouteFileError);
   }
+  // Through verl's configuration keys too: replay_file names the key and says what the path is.
+  mrr::ReplayConfig config;
+  config.mode = mrr::ReplayMode::R2;
+  config.replay_file = dangling.string();
+  CHECK_THROWS_WITH_AS(mrr::open_route_file(config, shape),
+                       doctest::Contains(("replay_file: cannot open route file " + dangling.string() +
+                                          ": it is a dangling symlink")
+                                             .c_str()),
+                       mrr::RouteFileError);
+  config.replay_file = (dir / "missing.mrr").string();
+  CHECK_THROWS_WITH_AS(mrr::open_route_file(config, shape), doctest::Contains("does not exist"), mrr::RouteFileError);
   // A symlink to a usable path is followed as before.
   const auto real = dir / "real.mrr", link = dir / "link.mrr";
   std::filesystem::create_symlink(real, link);
@@ -432,4 +443,16 @@ TEST_CASE("crafted .npy files are refused before anything is allocated; every er
   CHECK(mrr::read_npy(path).values.empty());
   write_text(path, npy(dict("<i8", "()"), 0) + std::string("\x07\0\0\0\0\0\0\0", 8));
   CHECK(mrr::read_npy(path).values == std::vector<std::int64_t>{7});
+}
+
+TEST_CASE("an empty routed_experts array imports into a route file as nothing (found by fuzz_npy)") {
+  // Shape (0, 2, 2): no tokens. The file store applied an offset to the empty span's null data().
+  mrr::test::TempDir dir;
+  const auto path = dir / "empty.npy";
+  write_text(path, npy(dict("<i4", "(0, 2, 2)"), 0));
+  auto store = mrr::FileRouteStore::create(dir / "r.mrr", mrr::RouteShape{8, 2, 2});
+  mrr::import_routed_experts_npy(store, 1, path);
+  CHECK(store.recorded_positions(1) == 0);
+  store.record_sequence(2, 5, 0, 0, 2, std::span<const std::int32_t>{});
+  CHECK(store.recorded_positions(2) == 0);
 }

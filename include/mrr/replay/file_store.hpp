@@ -2,7 +2,9 @@
 // replay_file, which verl declares but never implemented). Every record call reaches the OS in
 // one write before it returns, so a writer killed at any point loses at most the record it was
 // writing; reopening recovers every complete record and reports the torn tail. A damaged record
-// is an error when read, never wrong ids. Format: docs/route-file-format.md. Not thread-safe.
+// is an error when read, never wrong ids. Reads go through a read-only mapping of the file and
+// decode straight into the caller's output; the store keeps only where each sequence's rows are,
+// not a decoded copy. Format: docs/route-file-format.md. Not thread-safe.
 #pragma once
 
 #include <mrr/detail/checked.hpp>
@@ -16,19 +18,20 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <array>
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -115,11 +118,13 @@ class FileRouteStore {
         end_(other.end_),
         index_(std::move(other.index_)),
         order_(std::move(other.order_)),
-        cache_(std::move(other.cache_)),
         loaded_(std::move(other.loaded_)),
-        read_buffer_(std::move(other.read_buffer_)),
+        cache_(std::move(other.cache_)),
+        map_(std::exchange(other.map_, nullptr)),
+        map_len_(std::exchange(other.map_len_, 0)),
         write_buffer_(std::move(other.write_buffer_)),
         write_pending_(std::move(other.write_pending_)),
+        sorted_runs_(std::move(other.sorted_runs_)),
         recovery_(other.recovery_),
         damaged_index_(other.damaged_index_),
         index_dirty_(other.index_dirty_) {}
@@ -134,6 +139,7 @@ class FileRouteStore {
     } catch (...) {
       // The records are on disk; only the index may be missing, and reopening rescans.
     }
+    unmap();
   }
 
   const RouteShape& shape() const { return header_.shape; }
@@ -143,28 +149,56 @@ class FileRouteStore {
   bool is_open() const { return fd_ >= 0; }
   int id_width() const { return header_.id_width; }
 
+  // Records the ids [layout rows, k] that `layer` chose; padding rows are skipped. All rows are
+  // checked (range, conflicts with earlier records and within the batch) before anything is
+  // written; one record per run of new rows, all of them in one write.
   void record(int layer, const TokenLayout& layout, ExpertIdsRef ids) {
     constexpr const char* fn = "FileRouteStore::record";
     require_writable(fn);
-    for (const TokenRun& run : layout.runs()) ensure_loaded(run.uid);
-    // One record per run of new rows; all of them reach the file in one write.
+    cache_.check_layer(layer, fn);
+    const int k = shape().topk;
+    detail::require(static_cast<std::size_t>(ids.rows()) == layout.size() && ids.cols() == k, fn, "ids have shape ",
+                    detail::shape_of(ids), " for a layout of ", layout.size(), " rows and k=", k);
+    const auto stride = static_cast<std::size_t>(ids.outerStride());
+    auto row_ids = [&](std::size_t r) { return ids.data() + r * stride; };
+    check_batch_agrees(layout, row_ids, fn);
+    ensure_mapped();
     auto& buffer = write_buffer_;
     auto& pending = write_pending_;
     buffer.clear();
     pending.clear();
-    for (const TokenRun& run : cache_.new_runs(layer, layout, ids, fn)) {
-      auto* payload = begin_route_record(buffer, pending, run.uid, run.first_position,
-                                         static_cast<std::uint32_t>(run.count), layer, 1);
-      const int k = shape().topk;
-      for (std::size_t i = 0; i < run.count; ++i)
-        encode_ids(ids.data() + static_cast<Eigen::Index>(run.first_row + i) * ids.outerStride(), k,
-                   payload + i * static_cast<std::size_t>(k * header_.id_width));
-      finish_route_record(buffer, pending);
+    for (const TokenRun& run : layout.runs()) {
+      const SequenceIndex* seq = ensure_loaded(run.uid);
+      // Rows already in the file must hold the same ids (a no-op); the rest become records.
+      std::int64_t cursor = run.first_position;
+      const std::int64_t run_end = run.first_position + static_cast<std::int64_t>(run.count);
+      auto emit = [&](std::int64_t from, std::int64_t to) {
+        if (to <= from) return;
+        const auto count = static_cast<std::size_t>(to - from);
+        const std::size_t row = run.first_row + static_cast<std::size_t>(from - run.first_position);
+        auto* payload = begin_route_record(buffer, pending, run.uid, from, static_cast<std::uint32_t>(count), layer, 1);
+        if (!encode_rows(row_ids(row), stride, count, payload))  // range-checked while encoding
+          check_id_rows(row_ids(row), stride, count, fn, TokenRun{run.uid, from, row, count}, layer);
+        finish_route_record(buffer, pending);
+      };
+      if (seq != nullptr)
+        for_each_overlap(*seq, layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
+          const std::size_t row = run.first_row + static_cast<std::size_t>(a - run.first_position);
+          check_id_rows(row_ids(row), stride, static_cast<std::size_t>(b - a), fn, TokenRun{run.uid, a, row, 0}, layer);
+          for (std::int64_t pos = a; pos < b; ++pos)
+            if (!same_row(s, pos, row_ids(run.first_row + static_cast<std::size_t>(pos - run.first_position)), k))
+              detail::RouteTable::conflict(fn, run.uid, pos, layer);
+          emit(cursor, a);
+          cursor = std::max(cursor, b);
+        });
+      emit(cursor, run_end);
     }
+    check_sparse_before_write(pending, fn);
     commit(buffer, pending);
   }
 
   // A span of one sequence for a range of layers, ids laid out [tokens][layers][k] (vLLM order).
+  // An identical re-record is a no-op; otherwise the whole block is one record.
   void record_sequence(SequenceId uid, std::int64_t first_position, std::int64_t num_tokens, int first_layer,
                        int num_layers, std::span<const std::int32_t> ids) {
     constexpr const char* fn = "FileRouteStore::record_sequence";
@@ -172,29 +206,79 @@ class FileRouteStore {
     cache_.check_block_extent(first_position, num_tokens, first_layer, num_layers, ids.size(), fn);
     detail::require(num_tokens <= 0xffffffffLL, fn, "num_tokens ", num_tokens,
                     " does not fit a record (at most 2^32 - 1 tokens per call)");
-    ensure_loaded(uid);
-    if (!cache_.new_block(uid, first_position, num_tokens, first_layer, num_layers, ids, fn)) return;
+    if (num_tokens == 0) return;  // nothing to record (and an empty span's data() may be null)
+    const int k = shape().topk;
+    const auto row_stride = static_cast<std::size_t>(num_layers) * static_cast<std::size_t>(k);
+    for (int l = 0; l < num_layers; ++l)
+      check_id_rows(ids.data() + static_cast<std::size_t>(l) * static_cast<std::size_t>(k), row_stride,
+                    static_cast<std::size_t>(num_tokens), fn, TokenRun{uid, first_position, 0, 0}, first_layer + l);
+    ensure_mapped();
+    const SequenceIndex* seq = ensure_loaded(uid);
+    bool any_new = seq == nullptr;
+    const std::int64_t end = first_position + num_tokens;
+    if (seq != nullptr)
+      for (int l = 0; l < num_layers; ++l) {
+        std::int64_t cursor = first_position;
+        for_each_overlap(*seq, first_layer + l, first_position, end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
+          for (std::int64_t pos = a; pos < b; ++pos)
+            if (!same_row(s, pos, ids.data() + static_cast<std::size_t>(pos - first_position) * row_stride +
+                                      static_cast<std::size_t>(l) * static_cast<std::size_t>(k), k))
+              detail::RouteTable::conflict(fn, uid, pos, first_layer + l);
+          any_new = any_new || a > cursor;
+          cursor = std::max(cursor, b);
+        });
+        any_new = any_new || cursor < end;
+      }
+    if (!any_new) return;
     auto& buffer = write_buffer_;
     auto& pending = write_pending_;
     buffer.clear();
     pending.clear();
     auto* payload = begin_route_record(buffer, pending, uid, first_position, static_cast<std::uint32_t>(num_tokens),
                                        first_layer, num_layers);
-    encode_ids(ids.data(), static_cast<int>(ids.size()), payload);
+    (void)encode_ids(ids.data(), ids.size(), payload);  // range-checked above
     finish_route_record(buffer, pending);
+    check_sparse_before_write(pending, fn);
     commit(buffer, pending);
   }
 
-  // As MemoryRouteStore::lookup; sequences are read from the file (and checked) on first use.
+  // As MemoryRouteStore::lookup. Ids are decoded straight from the mapped file into `out`; each
+  // record is verified (checksum, id range, agreement with overlapping records) when its sequence
+  // is first used. No allocation once `out`, `found` and the sequence's index are sized.
   std::size_t lookup(int layer, const TokenLayout& layout, ExpertIds& out, std::vector<std::uint8_t>& found) const {
-    for (const TokenRun& run : layout.runs()) ensure_loaded(run.uid);
-    return cache_.lookup(layer, layout, out, found, "FileRouteStore::lookup");
+    constexpr const char* fn = "FileRouteStore::lookup";
+    cache_.check_layer(layer, fn);
+    const int k = shape().topk;
+    const std::size_t rows = layout.size();
+    if (out.rows() != static_cast<Eigen::Index>(rows) || out.cols() != k) out.resize(static_cast<Eigen::Index>(rows), k);
+    found.assign(rows, 0);
+    std::size_t hits = 0;
+    for (const TokenRun& run : layout.runs()) {
+      const SequenceIndex* seq = ensure_loaded(run.uid);
+      if (seq == nullptr) continue;
+      std::int64_t cursor = run.first_position;  // rows below it are filled (overlapping records agree)
+      const std::int64_t run_end = run.first_position + static_cast<std::int64_t>(run.count);
+      for_each_overlap(*seq, layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
+        a = std::max(a, cursor);
+        if (b <= a) return;
+        const std::size_t row = run.first_row + static_cast<std::size_t>(a - run.first_position);
+        const auto count = static_cast<std::size_t>(b - a);
+        decode_rows(map_ + s.payload + static_cast<std::uint64_t>(a - s.first) * s.stride, s.stride, count,
+                    out.data() + row * static_cast<std::size_t>(k));
+        std::memset(found.data() + row, 1, count);
+        hits += count;
+        cursor = b;
+      });
+    }
+    if (hits != rows)
+      for (std::size_t r = 0; r < rows; ++r)
+        if (found[r] == 0) std::fill_n(out.data() + r * static_cast<std::size_t>(k), k, -1);
+    return hits;
   }
 
   std::int64_t recorded_positions(SequenceId uid) const {
-    ensure_loaded(uid);
-    const SequenceRoutes* s = cache_.find(uid);
-    return s ? s->positions() : 0;
+    const SequenceIndex* s = ensure_loaded(uid);
+    return s != nullptr && !s->segments.empty() ? s->end : 0;
   }
   bool contains(SequenceId uid) const { return index_.count(uid) != 0; }
   std::size_t num_sequences() const { return index_.size(); }
@@ -205,13 +289,22 @@ class FileRouteStore {
     return out;
   }
 
-  // The routes of one sequence, read from the file and verified (throws RouteFileError if damaged).
+  // The routes of one sequence as a table, read from the file and verified (throws
+  // RouteFileError if damaged). lookup() does not need it: it decodes from the file directly.
   const SequenceRoutes* sequence(SequenceId uid) const {
-    ensure_loaded(uid);
+    const SequenceIndex* s = ensure_loaded(uid);
+    if (s == nullptr) return nullptr;
+    if (const SequenceRoutes* done = cache_.find(uid)) return done;
+    SequenceRoutes seq(shape());
+    if (s->end > s->first) seq.reserve(s->first, s->end);
+    for (const Segment& g : s->segments)
+      for (std::uint32_t t = 0; t < g.count; ++t) seq.put_encoded(g.first + t, g.layer, map_ + g.payload + std::uint64_t{t} * g.stride);
+    cache_.insert(uid, std::move(seq));
     return cache_.find(uid);
   }
 
-  // Forgets decoded sequences (the file keeps them); the next lookup reads them again.
+  // Forgets what was read of sequences (their record index and tables; the file keeps them): the
+  // next lookup reads and verifies their records again.
   void release_cache() const {
     cache_.clear();
     loaded_.clear();
@@ -231,10 +324,37 @@ class FileRouteStore {
       index_dirty_ = false;
       if (options_.sync_on_close) sync();
     }
+    // The mapping outlives the descriptor, so what was recorded stays readable after close().
+    if (recovery_.records > 0) {
+      try {
+        ensure_mapped();
+      } catch (const RouteFileError&) {
+        // Lookups after close() then report the failed mapping.
+      }
+    }
     ::close(std::exchange(fd_, -1));
   }
 
  private:
+  // A layer's rows in one record: `count` positions from `first`, the row of first + t at file
+  // offset payload + t * stride (R2 records hold one layer, so its rows are contiguous).
+  struct Segment {
+    std::int64_t first;
+    std::uint64_t payload;
+    std::uint64_t record;  // the record's offset, for messages
+    std::int32_t layer;
+    std::uint32_t count;
+    std::uint32_t stride;
+    std::int64_t end() const { return first + count; }
+  };
+  // Where a sequence's rows are in the file: its segments sorted by (layer, first position).
+  struct SequenceIndex {
+    std::vector<Segment> segments;
+    std::int64_t first = kMaxPositions, end = 0;  // positions its records span
+    std::uint64_t rows_held = 0;                  // (position, layer) rows its records hold
+    bool overlapping = false;                     // some segments of a layer overlap (and agree)
+  };
+
   // A record built in the write buffer and not yet on disk.
   struct Pending {
     route_file::RecordHeader header;
@@ -523,77 +643,298 @@ class FileRouteStore {
                                   ", past the end of the file (", end_, " bytes)"));
   }
 
-  // A reader sizes a sequence's table from its records' extent: positions [first, end) x layers.
-  // Records far apart (positions 0 and 2^31, say) would need a table out of all proportion to the
-  // file, so a table more than kSparseFactor times the rows the records hold, plus kSparseSlack
-  // bytes, is refused before it is allocated (docs/route-file-format.md, "Bounds").
+  // A reader indexes a sequence by its records' extent: positions [first, end) x layers.
+  // Records far apart (positions 0 and 2^31, say) would make a table (sequence()) out of all
+  // proportion to the file, so a sequence spanning more than kSparseFactor times the rows its
+  // records hold, plus kSparseSlack bytes, is refused (docs/route-file-format.md, "Bounds");
+  // writers refuse to create one.
   static constexpr std::uint64_t kSparseFactor = 32;
   static constexpr std::uint64_t kSparseSlack = std::uint64_t{1} << 20;
 
-  void ensure_loaded(SequenceId uid) const {
-    if (loaded_.count(uid) != 0) return;
-    auto it = index_.find(uid);
-    if (it == index_.end()) return;
-    // First every record header, checked; then the table, sized once; then the payloads.
-    std::vector<route_file::RecordHeader> headers(it->second.size());
-    std::vector<std::array<unsigned char, route_file::kRecordHeaderBytes>> header_bytes(it->second.size());
-    std::int64_t first = kMaxPositions, end = 0;
-    std::uint64_t rows_held = 0;
-    for (std::size_t i = 0; i < it->second.size(); ++i) {
-      const std::uint64_t offset = it->second[i];
-      route_file::RecordHeader& h = headers[i];
-      if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes)
-        damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
-      read_exact(header_bytes[i].data(), route_file::kRecordHeaderBytes, offset);
-      if (!route_file::decode(header_bytes[i].data(), h) || h.type != route_file::RecordType::routes || h.uid != uid)
-        damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
-      check_route_record(h, offset);
-      first = std::min(first, h.first_position);
-      end = std::max(end, h.first_position + std::int64_t{h.num_tokens});
-      rows_held += std::uint64_t{h.num_tokens} * h.num_layers;  // < 2^48 per record
-    }
-    SequenceRoutes seq(shape());
-    if (end > first) {
-      const auto per_row = static_cast<std::uint64_t>(1 + seq.row_bytes());
-      const std::uint64_t table =
-          static_cast<std::uint64_t>(end - first) * static_cast<std::uint64_t>(shape().num_layers);
-      std::uint64_t table_bytes = 0, held_bytes = 0;
-      if (!detail::checked_mul(table, per_row, table_bytes) || !detail::checked_mul(rows_held, per_row, held_bytes) ||
-          table_bytes / kSparseFactor > held_bytes + kSparseSlack / kSparseFactor)
-        damaged(it->second.front(),
-                detail::str("the records of sequence uid ", uid, " span positions [", first, ", ", end, ") but hold ",
-                            rows_held, " of its ", table, " (position, layer) rows; a table that sparse is refused"));
-      seq.reserve(first, end);
-    }
-    std::vector<unsigned char>& payload = read_buffer_;
-    for (std::size_t i = 0; i < headers.size(); ++i) {
-      const std::uint64_t offset = it->second[i];
-      const route_file::RecordHeader& h = headers[i];
-      payload.resize(static_cast<std::size_t>(h.payload_bytes));
-      read_exact(payload.data(), payload.size(), offset + route_file::kRecordHeaderBytes);
-      if (route_file::checksum(header_bytes[i].data(), payload.data(), payload.size()) != h.checksum)
-        damaged(offset, detail::str("a record of sequence uid ", uid, " fails its checksum"));
-      decode_into(seq, h, payload.data(), offset);
-    }
-    cache_.insert(uid, std::move(seq));
-    loaded_.insert(uid);
+  // Empty when a sequence spanning [first, end) and holding rows_held (position, layer) rows is
+  // within the bound, else why not.
+  std::string sparse_violation(SequenceId uid, std::int64_t first, std::int64_t end, std::uint64_t rows_held) const {
+    if (end <= first) return "";
+    const auto per_row = static_cast<std::uint64_t>(1 + shape().topk * header_.id_width);
+    const std::uint64_t table = static_cast<std::uint64_t>(end - first) * static_cast<std::uint64_t>(shape().num_layers);
+    std::uint64_t table_bytes = 0, held_bytes = 0;
+    if (detail::checked_mul(table, per_row, table_bytes) && detail::checked_mul(rows_held, per_row, held_bytes) &&
+        table_bytes / kSparseFactor <= held_bytes + kSparseSlack / kSparseFactor)
+      return "";
+    return detail::str("the records of sequence uid ", uid, " span positions [", first, ", ", end, ") but hold ",
+                       rows_held, " of its ", table, " (position, layer) rows; a table that sparse is refused");
   }
 
-  // Range-checked ids to their little-endian encoding (one loop per width, so it vectorises).
-  void encode_ids(const std::int32_t* ids, int n, unsigned char* out) const {
+  // Maps the file (read-only, shared: a writer's later appends show through) far enough to cover
+  // every complete record. Pointers into the map are never kept across calls, so a writer may
+  // remap when the file has grown past it.
+  void ensure_mapped() const {
+    if (end_ <= map_len_) return;
+    unmap();
+    const std::uint64_t want = writable_ ? std::max<std::uint64_t>(end_ + end_ / 2, std::uint64_t{1} << 20) : end_;
+    void* p = ::mmap(nullptr, static_cast<std::size_t>(want), PROT_READ, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED)
+      throw RouteFileError(detail::str("route file ", path_.string(), ": cannot map it for reading: ", std::strerror(errno)));
+    map_ = static_cast<const unsigned char*>(p);
+    map_len_ = want;
+  }
+  void unmap() const {
+    if (map_ != nullptr) ::munmap(const_cast<unsigned char*>(map_), static_cast<std::size_t>(map_len_));
+    map_ = nullptr;
+    map_len_ = 0;
+  }
+
+  // Calls f(segment, a, b) for each segment of `layer` holding positions [a, b) of [from, to),
+  // in order of first position.
+  template <class F>
+  static void for_each_overlap(const SequenceIndex& s, int layer, std::int64_t from, std::int64_t to, F&& f) {
+    const Segment* begin = s.segments.data();
+    const Segment* end = begin + s.segments.size();
+    const Segment* lo = std::lower_bound(begin, end, layer, [](const Segment& g, int l) { return g.layer < l; });
+    const Segment* hi = std::upper_bound(lo, end, layer, [](int l, const Segment& g) { return l < g.layer; });
+    const Segment* it = lo;
+    if (!s.overlapping) {  // disjoint: only the last segment starting at or before `from` can hold it
+      it = std::upper_bound(lo, hi, from, [](std::int64_t p, const Segment& g) { return p < g.first; });
+      if (it != lo) --it;
+    }
+    for (; it != hi && it->first < to; ++it)
+      if (it->end() > from) f(*it, std::max(from, it->first), std::min(to, it->end()));
+  }
+
+  // Whether the stored row of `pos` in segment s holds exactly these k ids.
+  bool same_row(const Segment& s, std::int64_t pos, const std::int32_t* ids, int k) const {
+    const unsigned char* p = map_ + s.payload + static_cast<std::uint64_t>(pos - s.first) * s.stride;
+    const int w = header_.id_width;
+    for (int j = 0; j < k; ++j)
+      if (detail::load_id(p + j * w, w) != static_cast<std::uint32_t>(ids[j])) return false;
+    return true;
+  }
+
+  // `rows` stored rows, `stride` bytes apart, to int32 ids (already range-checked when verified).
+  void decode_rows(const unsigned char* __restrict src, std::uint32_t stride, std::size_t rows,
+                   std::int32_t* __restrict out) const {
+    const auto k = static_cast<std::size_t>(shape().topk);
+    const int w = header_.id_width;
+    if (w == 1 && stride == k) {  // a contiguous block: one widening loop
+      const std::size_t n = rows * k;
+      for (std::size_t i = 0; i < n; ++i) out[i] = src[i];
+      return;
+    }
+    for (std::size_t r = 0; r < rows; ++r, src += stride, out += k) {
+      if (w == 1) {
+        for (std::size_t j = 0; j < k; ++j) out[j] = src[j];
+      } else if (w == 2) {
+        for (std::size_t j = 0; j < k; ++j) out[j] = route_file::detail::get<std::uint16_t>(src + 2 * j);
+      } else {
+        for (std::size_t j = 0; j < k; ++j)
+          out[j] = static_cast<std::int32_t>(route_file::detail::get<std::uint32_t>(src + 4 * j));
+      }
+    }
+  }
+
+  // `count` rows of k ids, `stride` ids apart, to their encoding (contiguous rows in one loop);
+  // false when an id is out of range.
+  [[nodiscard]] bool encode_rows(const std::int32_t* __restrict ids, std::size_t stride, std::size_t count,
+                                 unsigned char* __restrict out) const {
+    const auto k = static_cast<std::size_t>(shape().topk);
+    if (stride == k) return encode_ids(ids, count * k, out);
+    bool ok = true;
+    for (std::size_t r = 0; r < count; ++r) ok &= encode_ids(ids + r * stride, k, out + r * k * header_.id_width);
+    return ok;
+  }
+
+  // Range check of `count` rows (`stride` ids apart) of positions run.first_position...: one
+  // branch-free pass; the row-by-row check that names the bad id runs only when it fails.
+  void check_id_rows(const std::int32_t* ids, std::size_t stride, std::size_t count, const char* fn,
+                     const TokenRun& run, int layer) const {
+    const auto k = static_cast<std::size_t>(shape().topk);
+    const auto limit = static_cast<std::uint32_t>(shape().num_experts);
+    bool bad = false;
+    if (stride == k) {
+      for (std::size_t i = 0, n = count * k; i < n; ++i) bad |= static_cast<std::uint32_t>(ids[i]) >= limit;
+    } else {
+      for (std::size_t r = 0; r < count; ++r)
+        for (std::size_t j = 0; j < k; ++j) bad |= static_cast<std::uint32_t>(ids[r * stride + j]) >= limit;
+    }
+    if (!bad) [[likely]]
+      return;
+    for (std::size_t r = 0; r < count; ++r)
+      cache_.check_ids(ids + r * stride, fn, run.uid, run.first_position + static_cast<std::int64_t>(r), layer);
+  }
+
+  // Two runs of one batch covering the same tokens must agree.
+  template <class RowIds>
+  void check_batch_agrees(const TokenLayout& layout, RowIds&& row_ids, const char* fn) {
+    if (layout.runs().size() < 2) return;
+    auto& sorted = sorted_runs_;
+    sorted.assign(layout.runs().begin(), layout.runs().end());
+    std::sort(sorted.begin(), sorted.end(), [](const TokenRun& a, const TokenRun& b) {
+      return a.uid != b.uid ? a.uid < b.uid : a.first_position < b.first_position;
+    });
+    const int k = shape().topk;
+    std::int64_t reach = -1;  // furthest end so far among runs of the current uid
+    std::size_t reach_run = 0;
+    for (std::size_t i = 0; i < sorted.size(); ++i) {
+      const TokenRun& b = sorted[i];
+      if (i > 0 && sorted[i - 1].uid != b.uid) reach = -1;
+      const std::int64_t b_end = b.first_position + static_cast<std::int64_t>(b.count);
+      if (reach > b.first_position) {  // overlaps the run reaching furthest, which starts no later
+        const TokenRun& a = sorted[reach_run];
+        for (std::int64_t pos = b.first_position; pos < std::min(reach, b_end); ++pos) {
+          const auto* ra = row_ids(a.first_row + static_cast<std::size_t>(pos - a.first_position));
+          const auto* rb = row_ids(b.first_row + static_cast<std::size_t>(pos - b.first_position));
+          if (!std::equal(ra, ra + k, rb))
+            throw RouteStoreError(detail::str("mrr::", fn, ": two rows of the batch hold sequence ", a.uid,
+                                              " position ", pos, " but carry different experts"));
+        }
+      }
+      if (b_end > reach) {
+        reach = b_end;
+        reach_run = i;
+      }
+    }
+  }
+
+  // A writer never makes a sequence that readers would refuse as too sparse.
+  void check_sparse_before_write(const std::vector<Pending>& pending, const char* fn) const {
+    for (std::size_t i = 0; i < pending.size(); ++i) {
+      const SequenceId uid = pending[i].header.uid;
+      std::int64_t first = kMaxPositions, end = 0;
+      std::uint64_t rows = 0;
+      if (auto it = loaded_.find(uid); it != loaded_.end()) {
+        first = it->second.first;
+        end = it->second.end;
+        rows = it->second.rows_held;
+      }
+      bool seen_before = false;
+      for (std::size_t j = 0; j < pending.size(); ++j) {
+        const auto& h = pending[j].header;
+        if (h.uid != uid) continue;
+        if (j < i) seen_before = true;
+        first = std::min(first, h.first_position);
+        end = std::max(end, h.first_position + std::int64_t{h.num_tokens});
+        rows += std::uint64_t{h.num_tokens} * h.num_layers;
+      }
+      if (seen_before) continue;
+      if (const std::string why = sparse_violation(uid, first, end, rows); !why.empty())
+        detail::throw_invalid_argument(fn, "refusing to record: ", why, " by readers (docs/route-file-format.md)");
+    }
+  }
+
+  // The record index of a sequence: read (headers checked, records verified) on first use, kept
+  // up to date by this writer's appends. nullptr for a sequence the file does not hold.
+  const SequenceIndex* ensure_loaded(SequenceId uid) const {
+    if (auto found = loaded_.find(uid); found != loaded_.end()) return &found->second;
+    auto it = index_.find(uid);
+    if (it == index_.end()) return nullptr;
+    ensure_mapped();
+    SequenceIndex seq;
+    const int k = shape().topk, w = header_.id_width;
+    const auto row_bytes = static_cast<std::uint32_t>(k * w);
+    for (const std::uint64_t offset : it->second) {
+      if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes)
+        damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
+      const unsigned char* hb = map_ + offset;
+      route_file::RecordHeader h;
+      if (!route_file::decode(hb, h) || h.type != route_file::RecordType::routes || h.uid != uid)
+        damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
+      check_route_record(h, offset);
+      seq.first = std::min(seq.first, h.first_position);
+      seq.end = std::max(seq.end, h.first_position + std::int64_t{h.num_tokens});
+      seq.rows_held += std::uint64_t{h.num_tokens} * h.num_layers;  // < 2^48 per record
+    }
+    if (const std::string why = sparse_violation(uid, seq.first, seq.end, seq.rows_held); !why.empty())
+      damaged(it->second.front(), why);
+    seq.segments.reserve(it->second.size());
+    for (const std::uint64_t offset : it->second) {
+      const unsigned char* hb = map_ + offset;
+      route_file::RecordHeader h;
+      (void)route_file::decode(hb, h);
+      verify_record(h, hb, offset);
+      if (h.num_tokens == 0) continue;
+      for (std::uint32_t l = 0; l < h.num_layers; ++l)
+        seq.segments.push_back({h.first_position, offset + route_file::kRecordHeaderBytes + std::uint64_t{l} * row_bytes,
+                                offset, h.first_layer + static_cast<std::int32_t>(l), h.num_tokens,
+                                row_bytes * h.num_layers});
+    }
+    std::sort(seq.segments.begin(), seq.segments.end(), segment_order);
+    // Records covering the same (position, layer) must agree: each overlapped row is compared
+    // with the earlier segment reaching furthest (which holds it), so all copies agree in turn.
+    for (std::size_t i = 1, reach = 0; i < seq.segments.size(); ++i) {
+      const Segment& g = seq.segments[i];
+      if (seq.segments[reach].layer != g.layer) {
+        reach = i;
+        continue;
+      }
+      const Segment& r = seq.segments[reach];
+      if (r.end() > g.first) {
+        seq.overlapping = true;
+        for (std::int64_t pos = g.first; pos < std::min(r.end(), g.end()); ++pos)
+          if (std::memcmp(map_ + r.payload + static_cast<std::uint64_t>(pos - r.first) * r.stride,
+                          map_ + g.payload + static_cast<std::uint64_t>(pos - g.first) * g.stride, row_bytes) != 0)
+            damaged(g.record, detail::str("two records of sequence uid ", uid, " disagree at position ", pos, " layer ",
+                                          g.layer));
+      }
+      if (g.end() > r.end()) reach = i;
+    }
+    return &loaded_.insert_or_assign(uid, std::move(seq)).first->second;
+  }
+
+  static bool segment_order(const Segment& a, const Segment& b) {
+    return a.layer != b.layer ? a.layer < b.layer : a.first != b.first ? a.first < b.first : a.payload < b.payload;
+  }
+
+  // Checksum, and every id < num_experts (unless every value of the id width is a valid expert).
+  void verify_record(const route_file::RecordHeader& h, const unsigned char* hb, std::uint64_t offset) const {
+    const unsigned char* payload = hb + route_file::kRecordHeaderBytes;
+    const auto n = static_cast<std::size_t>(h.payload_bytes);
+    if (route_file::checksum(hb, payload, n) != h.checksum)
+      damaged(offset, detail::str("a record of sequence uid ", h.uid, " fails its checksum"));
+    const int w = header_.id_width;
+    if (shape().num_experts >= (std::int64_t{1} << (8 * w))) return;
+    const auto limit = static_cast<std::uint32_t>(shape().num_experts);
+    std::uint32_t top = 0;
+    if (w == 1) {
+      for (std::size_t i = 0; i < n; ++i) top = std::max<std::uint32_t>(top, payload[i]);
+    } else if (w == 2) {
+      for (std::size_t i = 0; i < n; i += 2) top = std::max<std::uint32_t>(top, route_file::detail::get<std::uint16_t>(payload + i));
+    } else {
+      for (std::size_t i = 0; i < n; i += 4) top = std::max(top, route_file::detail::get<std::uint32_t>(payload + i));
+    }
+    if (top >= limit)
+      damaged(offset, detail::str("a record of sequence uid ", h.uid, " holds expert id ", top, " >= num_experts ",
+                                  shape().num_experts));
+  }
+
+  // Ids to their little-endian encoding, range-checked in the same pass (one loop per width;
+  // __restrict lets it vectorise, since a byte store may otherwise alias the ids): false when one
+  // is outside [0, num_experts).
+  [[nodiscard]] bool encode_ids(const std::int32_t* __restrict ids, std::size_t n, unsigned char* __restrict out) const {
+    std::uint32_t top = 0;  // the largest id as unsigned: a negative id is huge
     switch (header_.id_width) {
       case 1:
-        for (int i = 0; i < n; ++i) out[i] = static_cast<unsigned char>(ids[i]);
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto v = static_cast<std::uint32_t>(ids[i]);
+          out[i] = static_cast<unsigned char>(v);
+          top = std::max(top, v);
+        }
         break;
       case 2:
-        for (int i = 0; i < n; ++i) {
-          out[2 * i] = static_cast<unsigned char>(ids[i]);
-          out[2 * i + 1] = static_cast<unsigned char>(ids[i] >> 8);
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto v = static_cast<std::uint32_t>(ids[i]);
+          out[2 * i] = static_cast<unsigned char>(v);
+          out[2 * i + 1] = static_cast<unsigned char>(v >> 8);
+          top = std::max(top, v);
         }
         break;
       default:
-        for (int i = 0; i < n; ++i) detail::store_id(out + 4 * i, 4, static_cast<std::uint32_t>(ids[i]));
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto v = static_cast<std::uint32_t>(ids[i]);
+          detail::store_id(out + 4 * i, 4, v);
+          top = std::max(top, v);
+        }
     }
+    return top < static_cast<std::uint32_t>(shape().num_experts);
   }
 
   // Reserves a route record in `buffer` and returns where its payload goes.
@@ -610,7 +951,11 @@ class FileRouteStore {
     h.first_layer = static_cast<std::uint16_t>(first_layer);
     h.num_layers = static_cast<std::uint16_t>(num_layers);
     const std::size_t at = buffer.size();
-    buffer.resize(at + static_cast<std::size_t>(route_file::record_bytes(h.payload_bytes)), 0);
+    const auto bytes = static_cast<std::size_t>(route_file::record_bytes(h.payload_bytes));
+    if (buffer.capacity() < at + bytes) buffer.reserve(std::max(at + bytes, 2 * buffer.capacity()));
+    buffer.resize(at + bytes);  // header and padding are written by encode / below, the payload by the caller
+    std::memset(buffer.data() + at + route_file::kRecordHeaderBytes + h.payload_bytes, 0,
+                bytes - route_file::kRecordHeaderBytes - static_cast<std::size_t>(h.payload_bytes));
     pending.push_back({h, at});
     return buffer.data() + at + route_file::kRecordHeaderBytes;
   }
@@ -625,44 +970,36 @@ class FileRouteStore {
   void commit(const std::vector<unsigned char>& buffer, const std::vector<Pending>& pending) {
     if (buffer.empty()) return;
     write_all(buffer.data(), buffer.size(), end_);
+    const auto row_bytes = static_cast<std::uint32_t>(shape().topk * header_.id_width);
     for (const Pending& p : pending) {
-      add_to_index(p.header.uid, end_ + p.at);
+      const std::uint64_t offset = end_ + p.at;
+      add_to_index(p.header.uid, offset);
       ++recovery_.records;
-      // Write-through: R2 replays what it recorded without reading the file back, and the
-      // conflict checks of later records need it (release_cache() frees it).
-      decode_into(cache_.get_or_add(p.header.uid), p.header, buffer.data() + p.at + route_file::kRecordHeaderBytes,
-                  end_ + p.at);
-      loaded_.insert(p.header.uid);
+      // The writer keeps its sequences' record index current: later records are checked against
+      // it, and lookups read the new rows back through the page cache (no decoded copy).
+      add_segments(loaded_[p.header.uid], p.header, offset, row_bytes);
+      cache_.erase(p.header.uid);
     }
     end_ += buffer.size();
     index_dirty_ = true;
   }
 
-  // Adds a verified record's rows to a sequence: ids are range-checked (unless every value of
-  // the id width is a valid expert) and a row that disagrees with an earlier record is damage.
-  void decode_into(SequenceRoutes& seq, const route_file::RecordHeader& h, const unsigned char* payload,
-                   std::uint64_t offset) const {
-    const int w = header_.id_width, k = shape().topk;
-    const auto row_bytes = static_cast<std::size_t>(k * w);
-    const bool check_range = shape().num_experts < (std::int64_t{1} << (8 * w));
-    const unsigned char* p = payload;
-    for (std::uint32_t t = 0; t < h.num_tokens; ++t)
-      for (int l = 0; l < h.num_layers; ++l, p += row_bytes) {
-        if (check_range)
-          for (int j = 0; j < k; ++j)
-            if (detail::load_id(p + j * w, w) >= static_cast<std::uint32_t>(shape().num_experts))
-              damaged(offset, detail::str("a record of sequence uid ", h.uid, " holds expert id ",
-                                          detail::load_id(p + j * w, w), " >= num_experts ", shape().num_experts));
-        const std::int64_t pos = h.first_position + t;
-        const int layer = h.first_layer + l;
-        if (seq.has(pos, layer)) {
-          if (std::memcmp(seq.row(pos, layer), p, row_bytes) != 0)
-            damaged(offset, detail::str("two records of sequence uid ", h.uid, " disagree at position ", pos,
-                                        " layer ", layer));
-          continue;
-        }
-        seq.put_encoded(pos, layer, p);
-      }
+  static void add_segments(SequenceIndex& s, const route_file::RecordHeader& h, std::uint64_t offset,
+                           std::uint32_t row_bytes) {
+    s.first = std::min(s.first, h.first_position);
+    s.end = std::max(s.end, h.first_position + std::int64_t{h.num_tokens});
+    s.rows_held += std::uint64_t{h.num_tokens} * h.num_layers;
+    if (h.num_tokens == 0) return;
+    for (std::uint32_t l = 0; l < h.num_layers; ++l) {
+      const Segment g{h.first_position, offset + route_file::kRecordHeaderBytes + std::uint64_t{l} * row_bytes, offset,
+                      h.first_layer + static_cast<std::int32_t>(l), h.num_tokens, row_bytes * h.num_layers};
+      auto at = std::upper_bound(s.segments.begin(), s.segments.end(), g, segment_order);
+      // Sorted disjoint segments stay disjoint unless the new one overlaps a neighbour.
+      if (at != s.segments.begin() && std::prev(at)->layer == g.layer && std::prev(at)->end() > g.first)
+        s.overlapping = true;
+      if (at != s.segments.end() && at->layer == g.layer && at->first < g.end()) s.overlapping = true;
+      s.segments.insert(at, g);
+    }
   }
 
   void write_index() {
@@ -699,11 +1036,13 @@ class FileRouteStore {
   std::uint64_t end_ = 0;  // where the next record goes
   std::unordered_map<SequenceId, std::vector<std::uint64_t>> index_;
   std::vector<std::pair<SequenceId, std::uint64_t>> order_;  // route records in file order
-  mutable detail::RouteTable cache_;
-  mutable std::unordered_set<SequenceId> loaded_;
-  mutable std::vector<unsigned char> read_buffer_;  // reused: large vectors cost page faults each time
-  std::vector<unsigned char> write_buffer_;
+  mutable std::unordered_map<SequenceId, SequenceIndex> loaded_;  // sequences read or written so far
+  mutable detail::RouteTable cache_;  // tables built by sequence(), and the shape checks
+  mutable const unsigned char* map_ = nullptr;  // the file, mapped read-only (see ensure_mapped)
+  mutable std::uint64_t map_len_ = 0;
+  std::vector<unsigned char> write_buffer_;  // reused across record calls
   std::vector<Pending> write_pending_;
+  std::vector<TokenRun> sorted_runs_;
   RouteFileRecovery recovery_;
   std::pair<std::uint64_t, std::uint64_t> damaged_index_{0, 0};  // [begin, end) of an index that failed its checks
   bool index_dirty_ = false;

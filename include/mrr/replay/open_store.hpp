@@ -21,8 +21,9 @@ inline std::optional<FileRouteStore> open_route_file(const ReplayConfig& config,
   try {
     if (!config.replay_file.empty()) {
       std::error_code ec;
-      if (!std::filesystem::exists(config.replay_file, ec))
-        throw RouteFileError(detail::str("route file ", config.replay_file, " does not exist"));
+      // A replay file must exist (append would create it); open() says what is wrong with the path:
+      // missing, a dangling symlink or a symlink loop.
+      if (!std::filesystem::exists(config.replay_file, ec)) return FileRouteStore::open(config.replay_file, model);
       if (config.record_file == config.replay_file) return FileRouteStore::append(config.replay_file, model, options);
       return FileRouteStore::open(config.replay_file, model);
     }
