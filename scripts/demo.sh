@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds the flagship example (examples/moe_grpo) and trains the same
-# MoE policy with GRPO three times — router replay disabled, R2 and R3 — for a fixed budget, then
-# prints a table, writes one CSV per mode and a plot (docs/flagship.md explains what they show).
-# Extra key=value arguments go to every run (e.g. steps=40 seed=3).
+# MoE policy with GRPO three times — router replay disabled, R2 and R3 — for a fixed budget, on
+# each of MRR_DEMO_SEEDS (default "1 2"), then prints a table, writes one CSV per mode and seed and
+# a plot (docs/flagship.md explains what they show).
+# Extra key=value arguments go to every run (e.g. steps=40; a seed= given here means one seed).
 set -euo pipefail
 # shellcheck source=configure.sh
 source "$(dirname "${BASH_SOURCE[0]}")/configure.sh"
@@ -11,30 +12,79 @@ cmake --build "$build" --parallel "$jobs" --target moe_grpo
 out="${MRR_DEMO_OUT:-$build/moe_grpo_demo}"
 mkdir -p "$out"
 steps="${MRR_DEMO_STEPS:-80}"
-summaries=()
-for mode in disabled R2 R3; do
-  line="$("$build/examples/moe_grpo/moe_grpo" mode="$mode" steps="$steps" out="$out" "$@" | grep '^summary')"
-  summaries+=("$line")
+read -r -a seeds <<<"${MRR_DEMO_SEEDS:-1 2}"
+for a in "$@"; do
+  case "$a" in seed=*|trainer.seed=*) seeds=("${a#*=}") ;; esac
+done
+modes=(disabled R2 R3)
+# The first seed's CSVs are <mode>.csv (plot.gp draws them), the others <mode>.seed<N>.csv.
+csv_name() { if [[ "$2" == "${seeds[0]}" ]]; then echo "$1"; else echo "$1.seed$2"; fi; }
+for seed in "${seeds[@]}"; do
+  for mode in "${modes[@]}"; do
+    "$build/examples/moe_grpo/moe_grpo" mode="$mode" steps="$steps" seed="$seed" out="$out" \
+      name="$(csv_name "$mode" "$seed")" "$@" | grep '^summary' >/dev/null
+  done
 done
 
+# Per mode, pooled over the seeds' CSVs: final reward (mean of the last quarter of the steps, per
+# seed), means and medians over steps. The median of a per-step value is robust to a single
+# outlier step (one bf16 step can dominate a mean).
+summarize() {
+  awk -F, -v mode="$1" '
+    function median(a, n,   i, j, t, b) {
+      for (i = 1; i <= n; ++i) b[i] = a[i]
+      for (i = 2; i <= n; ++i) { t = b[i]; for (j = i - 1; j >= 1 && b[j] > t; --j) b[j + 1] = b[j]; b[j + 1] = t }
+      return n % 2 ? b[(n + 1) / 2] : (b[n / 2] + b[n / 2 + 1]) / 2
+    }
+    FNR == 1 { ++f; for (i = 1; i <= NF; ++i) c[$i] = i; next }
+    {
+      ++n; rows[f]++; reward[f, rows[f]] = $c["reward"]
+      mis += $c["rollout_mismatch_decisions"]; tok += $c["rollout_mismatch_tokens"]
+      dlogp += $c["mean_abs_dlogp"]; upd += $c["update_mismatch_decisions"]; secs += $c["wall_seconds"]
+      k3[n] = $c["k3_kl"]; k3sum += $c["k3_kl"]
+      nat[n] = $c["paired_native_k3"]; rep[n] = $c["paired_replay_k3"]
+      natsum += $c["paired_native_k3"]; repsum += $c["paired_replay_k3"]; worse += ($c["paired_native_k3"] > $c["paired_replay_k3"])
+      if ($c["paired_replay_k3"] > 0) ratio[++nr] = $c["paired_native_k3"] / $c["paired_replay_k3"]
+    }
+    END {
+      per_seed = ""; total = 0
+      for (s = 1; s <= f; ++s) {
+        tail = int(rows[s] / 4); if (tail < 1) tail = 1
+        r = 0; for (i = rows[s] - tail + 1; i <= rows[s]; ++i) r += reward[s, i]
+        r /= tail; total += r; per_seed = per_seed (s > 1 ? "/" : "") sprintf("%.3f", r)
+      }
+      printf "%-9s %6.3f %-13s %8.3f%% %6.2f%%  %9.3e %9.3e %5.2fx  %9.3e %9.3e %5.2fx %4.0f%%  %9.3e %9.3e  %9.3e %7.3f%%  %s\n",
+        mode, total / f, "(" per_seed ")", 100 * mis / n, 100 * tok / n, median(nat, n), median(rep, n),
+        median(ratio, nr), natsum / n, repsum / n, (repsum > 0 ? natsum / repsum : 0), 100 * worse / n,
+        median(k3, n), k3sum / n, dlogp / n, 100 * upd / n, secs
+    }' "${@:2}"
+}
+
 echo
-printf '%-9s %13s %13s %19s %17s %12s %15s %9s\n' mode final_reward first_reward "mismatch(rollout)" "tokens w/ mismatch" "mean k3 KL" "mean |dlogp|" "old/upd"
-for line in "${summaries[@]}"; do
-  field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$line"; }
-  printf '%-9s %13.3f %13.3f %18.4f%% %16.2f%% %12.3e %15.3e %8.3f%%\n' \
-    "$(field mode)" "$(field final_reward)" "$(field first_reward)" \
-    "$(awk -v x="$(field mismatch_decisions)" 'BEGIN{print 100*x}')" \
-    "$(awk -v x="$(field mismatch_tokens)" 'BEGIN{print 100*x}')" \
-    "$(field k3_kl)" "$(field mean_abs_dlogp)" \
-    "$(awk -v x="$(field update_mismatch)" 'BEGIN{print 100*x}')"
+printf '%-9s %-20s %-17s  %-60s  %-19s  %-9s %8s\n' "" "final reward" "rollout mismatch" \
+  "paired k3 KL (same weights+tokens): native vs replayed routes" "own k3 KL" "mean" "old/upd"
+printf '%-9s %6s %-13s %9s %7s  %9s %9s %6s  %9s %9s %6s %5s  %9s %9s  %9s %8s\n' mode mean "(per seed)" decisions \
+  tokens "med nat" "med rep" ratio "mean nat" "mean rep" ratio "n>r" median mean "|dlogp|" ""
+total=0
+for mode in "${modes[@]}"; do
+  files=()
+  for seed in "${seeds[@]}"; do files+=("$out/$(csv_name "$mode" "$seed").csv"); done
+  line="$(summarize "$mode" "${files[@]}")"
+  echo "${line% *}"
+  total="$(awk -v a="$total" -v b="${line##* }" 'BEGIN{print a + b}')"
 done
-echo "(final_reward: mean over the last quarter of the steps; mismatch: router decisions of the training"
-echo " old-log-prob pass that differ from the rollout's; old/upd: old-log-prob vs update passes)"
+echo "(${#seeds[@]} seed(s): ${seeds[*]}; $steps steps per run; training time ${total%.*} s in total."
+echo " final reward: mean of the last quarter of the steps, per seed; rollout mismatch: router decisions"
+echo " / tokens of the mode's old-log-prob pass that differ from the rollout's; paired: on the step's"
+echo " weights and the rollout's tokens, the training engine routed natively vs replaying the rollout's"
+echo " routes, whatever the mode: medians over steps and the median of the per-step ratio, means and"
+echo " their ratio, n>r: steps where native routing's KL is the larger; own k3: the mode's old-log-prob"
+echo " pass vs the rollout; old/upd: old-log-prob vs update passes. Over the steps of every seed.)"
 echo
-echo "CSVs: $out/{disabled,R2,R3}.csv"
+echo "CSVs: $out/{disabled,R2,R3}[.seed<N>].csv"
 if command -v gnuplot >/dev/null 2>&1; then
   gnuplot -e "dir='$out'; out='$out/replay.png'" "$root/examples/moe_grpo/plot.gp"
-  echo "plot: $out/replay.png"
+  echo "plot: $out/replay.png (seed ${seeds[0]})"
 else
   echo "plot: skipped (gnuplot not found; apt-get install gnuplot-nox)"
 fi

@@ -57,6 +57,9 @@ int main(int argc, char** argv) {
   const double gbps = copy_gbps();
   std::printf("threads %d, memcpy bandwidth %.1f GB/s (read + write), T divided by %ld\n", omp_get_max_threads(), gbps,
               scale);
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr)
+    std::printf("note: OMP_WAIT_POLICY is unset; on a shared machine set it to passive, or threads spinning at each\n"
+                "      parallel region's end take the cores the others need\n");
   const long T = 65536 / scale;
   {  // softmax top-8 + renorm, E = 256
     const auto z = logits(T, 256, 1);
@@ -91,19 +94,22 @@ int main(int argc, char** argv) {
     std::vector<std::uint16_t> x(static_cast<std::size_t>(T * H), 7);
     const thrust::device_vector<std::uint16_t> dx(x.begin(), x.end());
     const thrust::device_vector<std::int32_t> did(routing.ids.data(), routing.ids.data() + routing.ids.size());
-    const auto p = mrr::device::make_expert_permutation(did, T, 8, 256);
+    // Both sides write into an output buffer kept across steps, as a training loop does.
+    thrust::device_vector<std::uint16_t> dout;
+    mrr::RowMatrix<std::uint16_t> out(T * 8, H);
     const double d = best_ms([&] {
       const auto pp = mrr::device::make_expert_permutation(did, T, 8, 256);
-      (void)mrr::device::permute_tokens<std::uint16_t>(dx, H, pp);
-    }, 2);
+      mrr::device::permute_tokens<std::uint16_t>(dx, H, pp, dout);
+    }, 3);
     const double c = best_ms([&] {
       const auto pp = mrr::make_expert_permutation(routing, 256);
-      mrr::RowMatrix<std::uint16_t> out(pp.rows(), H);
       for (std::int64_t r = 0; r < pp.rows(); ++r)
         std::memcpy(out.row(r).data(), x.data() + pp.source_token[static_cast<std::size_t>(r)] * H, H * 2);
-    }, 2);
+    }, 3);
     row("permute T=65536 H=2048 k=8 (2-byte)", d, c, static_cast<double>(T) * 8 * H * 2 * 2, gbps);
-    (void)p;
+    const double dp = best_ms([&] { (void)mrr::device::make_expert_permutation(did, T, 8, 256); });
+    const double cp = best_ms([&] { (void)mrr::make_expert_permutation(routing, 256); });
+    row("  permutation only (count, scan, place)", dp, cp, static_cast<double>(T) * 8 * 4 * 4, gbps);
   }
   {  // GAE B=512 L=4096 (double)
     const long B = 512 / scale, L = 4096;
@@ -118,7 +124,11 @@ int main(int argc, char** argv) {
         dm(m.data(), m.data() + m.size());
     const double d = best_ms([&] { (void)mrr::device::compute_gae_advantage_return<double>(dr, dv, dm, L, 0.99, 0.95); });
     const double c = best_ms([&] { (void)mrr::ppo::compute_gae_advantage_return<double>(r, v, m, 0.99, 0.95); });
-    row("GAE B=512 L=4096 double", d, c, static_cast<double>(B * L) * 8 * 5, gbps);
+    row("GAE B=512 L=4096 double (rows)", d, c, static_cast<double>(B * L) * 8 * 5, gbps);
+    const double ds = best_ms([&] {
+      (void)mrr::device::compute_gae_advantage_return<double>(dr, dv, dm, L, 0.99, 0.95, mrr::device::GaeAlgorithm::scan);
+    });
+    row("  GAE as the GPU's parallel scan", ds, c, static_cast<double>(B * L) * 8 * 5, gbps);
   }
   return 0;
 }

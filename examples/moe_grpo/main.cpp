@@ -10,6 +10,7 @@
 // Writes <trainer.default_local_dir>/<experiment>.csv (one row per step) and prints a summary.
 #include "options.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -31,19 +32,24 @@ using moe_grpo::StepMetrics;
 constexpr const char* kCsvHeader =
     "step,reward,accuracy,response_length,rollout_mismatch_decisions,rollout_mismatch_tokens,compared_rows,"
     "k3_kl,k1_kl,max_abs_dlogp,mean_abs_dlogp,update_mismatch_decisions,loss,pg_clipfrac,ppo_kl,kl_loss,"
-    "load_max_over_mean,replayed_rows,native_rows,recorded_rows,wall_seconds,params_digest,routes_digest";
+    "load_max_over_mean,replayed_rows,native_rows,recorded_rows,wall_seconds,params_digest,routes_digest,"
+    "paired_native_mismatch_decisions,paired_native_mismatch_tokens,paired_native_k3,paired_native_mean_abs_dlogp,"
+    "paired_replay_mismatch_decisions,paired_replay_k3,paired_replay_mean_abs_dlogp,paired_replayed_rows";
 
 void write_csv_row(std::ostream& out, const StepMetrics& m) {
-  char line[1024];
+  char line[1536];
   std::snprintf(line, sizeof line,
                 "%d,%.6g,%.6g,%.4g,%.6g,%.6g,%lld,%.6g,%.6g,%.6g,%.6g,%.6g,%.9g,%.6g,%.6g,%.6g,%.4g,%llu,%llu,%llu,%.4f,"
-                "%016llx,%016llx\n",
+                "%016llx,%016llx,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%llu\n",
                 m.step, m.reward, m.accuracy, m.response_length, m.rollout_mismatch_decisions, m.rollout_mismatch_tokens,
                 static_cast<long long>(m.compared_rows), m.k3, m.k1, m.max_abs_dlogp, m.mean_abs_dlogp,
                 m.update_mismatch_decisions, m.loss, m.pg_clipfrac, m.ppo_kl, m.kl_loss, m.load_max_over_mean,
                 static_cast<unsigned long long>(m.replayed_rows), static_cast<unsigned long long>(m.native_rows),
                 static_cast<unsigned long long>(m.recorded_rows), m.wall_seconds,
-                static_cast<unsigned long long>(m.params_digest), static_cast<unsigned long long>(m.routes_digest));
+                static_cast<unsigned long long>(m.params_digest), static_cast<unsigned long long>(m.routes_digest),
+                m.paired_native_mismatch_decisions, m.paired_native_mismatch_tokens, m.paired_native_k3,
+                m.paired_native_mean_abs_dlogp, m.paired_replay_mismatch_decisions, m.paired_replay_k3,
+                m.paired_replay_mean_abs_dlogp, static_cast<unsigned long long>(m.paired_replayed_rows));
   out << line;
   out.flush();
 }
@@ -76,6 +82,27 @@ class Progress {
   std::string name_;
   bool tty_;
 };
+
+double mean_of(const std::vector<double>& v) {
+  double s = 0;
+  for (const double x : v) s += x;
+  return v.empty() ? 0 : s / static_cast<double>(v.size());
+}
+
+double median_of(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+
+// One value per step.
+template <class F>
+std::vector<double> per_step(const std::vector<StepMetrics>& ms, F f) {
+  std::vector<double> v;
+  for (const auto& m : ms) v.push_back(f(m));
+  return v;
+}
 
 void print_help() {
   std::puts(
@@ -137,29 +164,36 @@ int main(int argc, char** argv) {
     group.run([&](const mrr::InProcessComm& comm) { run_rank(o, comm, &metrics); });
 #endif
     if (rank != 0 || metrics.empty()) return 0;
-    double mismatch = 0, tokens = 0, k3 = 0, dlogp = 0, update = 0, seconds = 0;
-    for (const auto& m : metrics) {
-      mismatch += m.rollout_mismatch_decisions;
-      tokens += m.rollout_mismatch_tokens;
-      k3 += m.k3;
-      dlogp += m.mean_abs_dlogp;
-      update += m.update_mismatch_decisions;
-      seconds += m.wall_seconds;
-    }
-    const double n = static_cast<double>(metrics.size());
+    const auto& ms = metrics;
+    const auto k3 = per_step(ms, [](const StepMetrics& m) { return m.k3; });
+    const auto native = per_step(ms, [](const StepMetrics& m) { return m.paired_native_k3; });
+    const auto replayed = per_step(ms, [](const StepMetrics& m) { return m.paired_replay_k3; });
+    std::vector<double> ratio;  // native / replayed, step by step (the same weights and tokens)
+    for (const auto& m : ms)
+      if (m.paired_replay_k3 > 0) ratio.push_back(m.paired_native_k3 / m.paired_replay_k3);
+    double seconds = 0;
+    for (const auto& m : ms) seconds += m.wall_seconds;
     // Final reward: mean of the last quarter of the steps (one step's reward is noisy).
-    const std::size_t tail = std::max<std::size_t>(1, metrics.size() / 4);
+    const std::size_t tail = std::max<std::size_t>(1, ms.size() / 4);
     double final_reward = 0;
-    for (std::size_t i = metrics.size() - tail; i < metrics.size(); ++i) final_reward += metrics[i].reward;
+    for (std::size_t i = ms.size() - tail; i < ms.size(); ++i) final_reward += ms[i].reward;
     final_reward /= static_cast<double>(tail);
     std::printf(
         "summary mode=%s ranks=%d steps=%zu final_reward=%.4f first_reward=%.4f mismatch_decisions=%.6f "
-        "mismatch_tokens=%.6f k3_kl=%.4e mean_abs_dlogp=%.4e update_mismatch=%.6f seconds=%.1f digest=%016llx "
-        "routes=%016llx csv=%s\n",
-        std::string(mrr::to_string(o.train.replay.mode)).c_str(), ranks, metrics.size(), final_reward,
-        metrics.front().reward, mismatch / n, tokens / n, k3 / n, dlogp / n, update / n, seconds,
-        static_cast<unsigned long long>(metrics.back().params_digest),
-        static_cast<unsigned long long>(metrics.back().routes_digest), (std::filesystem::path(o.output_dir) / (o.experiment + ".csv")).string().c_str());
+        "mismatch_tokens=%.6f k3_kl=%.4e k3_kl_median=%.4e mean_abs_dlogp=%.4e update_mismatch=%.6f "
+        "paired_native_mismatch=%.6f paired_native_k3=%.4e paired_native_k3_median=%.4e paired_replay_mismatch=%.6f "
+        "paired_replay_k3=%.4e paired_replay_k3_median=%.4e paired_k3_ratio_median=%.4f seconds=%.1f "
+        "digest=%016llx routes=%016llx csv=%s\n",
+        std::string(mrr::to_string(o.train.replay.mode)).c_str(), ranks, ms.size(), final_reward, ms.front().reward,
+        mean_of(per_step(ms, [](const StepMetrics& m) { return m.rollout_mismatch_decisions; })),
+        mean_of(per_step(ms, [](const StepMetrics& m) { return m.rollout_mismatch_tokens; })), mean_of(k3),
+        median_of(k3), mean_of(per_step(ms, [](const StepMetrics& m) { return m.mean_abs_dlogp; })),
+        mean_of(per_step(ms, [](const StepMetrics& m) { return m.update_mismatch_decisions; })),
+        mean_of(per_step(ms, [](const StepMetrics& m) { return m.paired_native_mismatch_decisions; })), mean_of(native),
+        median_of(native), mean_of(per_step(ms, [](const StepMetrics& m) { return m.paired_replay_mismatch_decisions; })),
+        mean_of(replayed), median_of(replayed), median_of(ratio), seconds,
+        static_cast<unsigned long long>(ms.back().params_digest), static_cast<unsigned long long>(ms.back().routes_digest),
+        (std::filesystem::path(o.output_dir) / (o.experiment + ".csv")).string().c_str());
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe_grpo: %s\n", e.what());

@@ -43,6 +43,12 @@ struct TrainConfig {
   int max_operand = 4;        // the task: a + b with a, b in [0, max_operand]
   mrr::rollout::SamplingParams sampling;
   bool rollout_bf16 = true;   // actor_rollout_ref.rollout.dtype: bf16 (vLLM-like) or fp32
+  // The paired, counterfactual measurement (StepMetrics::paired_*): every step, the rollout's
+  // tokens are scored on the step's weights twice, routed natively and replaying the rollout's
+  // routes. paired_reuse takes one of the two from the mode's own old-log-prob pass when that pass
+  // is exactly it (the same forward on the same weights: bitwise equal, one forward saved).
+  bool paired_metrics = true;
+  bool paired_reuse = true;
 
   int sequences() const { return prompts * group; }
   int mini_batches() const { return prompts / mini_batch_prompts; }
@@ -56,6 +62,15 @@ struct StepMetrics {
   double rollout_mismatch_decisions = 0, rollout_mismatch_tokens = 0;
   std::int64_t compared_rows = 0;  // (token, layer) rows the rollout has a route for
   double k3 = 0, k1 = 0, max_abs_dlogp = 0, mean_abs_dlogp = 0;
+  // The paired measurement, the same in every mode: on the step's weights (before any update) and
+  // the rollout's tokens, a no-gradient pass of the training engine routed natively and one
+  // replaying the rollout's routes (R3-style), each against the rollout: routing mismatch over the
+  // rows the rollout has a route for, k3 KL and mean |delta log p|. The replayed pass's mismatch is
+  // 0 by construction (a check); the difference between the two is what routing alone contributes.
+  double paired_native_mismatch_decisions = 0, paired_native_mismatch_tokens = 0;
+  double paired_native_k3 = 0, paired_native_mean_abs_dlogp = 0;
+  double paired_replay_mismatch_decisions = 0, paired_replay_k3 = 0, paired_replay_mean_abs_dlogp = 0;
+  std::uint64_t paired_replayed_rows = 0;  // rows the replayed pass took from the rollout
   // old-log-prob pass vs update passes: router decisions that differ
   double update_mismatch_decisions = 0;
   double loss = 0, pg_clipfrac = 0, ppo_kl = 0, kl_loss = 0;
@@ -93,6 +108,13 @@ inline int differing(const std::int32_t* a, const std::int32_t* b, int k) {
     for (int j = 0; j < k; ++j) same += a[i] == b[j];
   return k - same;
 }
+
+// One training-engine pass compared with the rollout: routing counts over the rows the rollout
+// has a route for, and the log-prob divergence sums (token-weighted).
+struct RolloutComparison {
+  std::int64_t decisions = 0, differing_decisions = 0, tokens = 0, differing_tokens = 0;
+  double k3_sum = 0, k1_sum = 0, abs_sum = 0, lp_tokens = 0, max_abs = 0;
+};
 
 }  // namespace detail
 
@@ -149,6 +171,17 @@ class Trainer {
     rollout_ = std::make_unique<Engine<Comm>>(cfg.model, comm, *rollout_store_, mrr::ReplayMode::R2, cfg.rollout_bf16);
     if (cfg.grpo.use_kl_loss)
       ref_ = std::make_unique<Engine<Comm>>(cfg.model, comm, *ref_store_, mrr::ReplayMode::disabled, false);
+    if (cfg.paired_metrics) {
+      // Its own RoutingReplay (R3: replays what the rollout recorded, each sequence's last token
+      // natively) over the rollout's store, which it only reads: the run's queues and stores are
+      // untouched. Which side the mode's old-log-prob pass already is, if any:
+      paired_ = std::make_unique<Engine<Comm>>(cfg.model, comm, *rollout_store_, mrr::ReplayMode::R3, false);
+      paired_->replay().set_activation_recompute(false);
+      if (cfg.paired_reuse) {
+        old_is_native_ = mode == mrr::ReplayMode::disabled || (mode == mrr::ReplayMode::R2 && !r2_replays_file_);
+        old_is_replay_ = mode == mrr::ReplayMode::R3 && &train_store == rollout_store_.get();
+      }
+    }
     params_ = init_params(cfg.model, cfg.seed, train_->first_expert(), train_->local_experts());
     train_->load(params_);
     if (ref_) ref_->load(params_);
@@ -214,10 +247,11 @@ class Trainer {
     const mrr::ppo::GroupIndex index(prompt_of);
     const auto adv = mrr::ppo::compute_outcome_advantages<float>(scores, mask_global, index, cfg_.grpo);
 
-    // 3. Old-log-prob pass (R2 records, R3 replays the rollout's routes), compared with the rollout.
-    std::int64_t decisions = 0, differing_decisions = 0, tokens = 0, differing_tokens = 0;
+    // 3. Old-log-prob pass (R2 records, R3 replays the rollout's routes), compared with the rollout;
+    //    then the paired passes (native and replayed, no gradient) on the same weights.
+    detail::RolloutComparison own, native, replayed;
+    std::uint64_t paired_replayed_rows = 0;
     std::vector<std::vector<std::int64_t>> load(static_cast<std::size_t>(L), std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.model.experts), 0));
-    double k3_sum = 0, k1_sum = 0, abs_sum = 0, lp_tokens = 0, max_abs = 0;
     for (int b = 0; b < mb; ++b) {
       Batch& batch = batches[static_cast<std::size_t>(b)];
       batch.mask = Mat::Zero(local_n, R);
@@ -238,33 +272,34 @@ class Trainer {
         for (int l = 0; l < L; ++l)
           batch.route_hash[static_cast<std::size_t>(i)] = detail::hash_ids(
               batch.old_routes[static_cast<std::size_t>(l)], static_cast<Eigen::Index>(i) * S, S, batch.route_hash[static_cast<std::size_t>(i)]);
-      const auto lm = mrr::ppo::logprob_mismatch<float>(batch.old_log_prob, batch.rollout_log_prob, batch.mask);
-      const auto lm_tokens = static_cast<double>(lm.tokens);
-      k3_sum += static_cast<double>(lm.k3) * lm_tokens;
-      k1_sum += static_cast<double>(lm.k1) * lm_tokens;
-      abs_sum += static_cast<double>(lm.mean_abs_diff) * lm_tokens;
-      lp_tokens += lm_tokens;
-      max_abs = std::max(max_abs, static_cast<double>(lm.max_abs_diff));
-      // Routes: the rollout has one for every position it fed (all but each sequence's last).
       const mrr::TokenLayout& layout = train_->replay().micro_batch();
-      std::vector<std::uint8_t> any(layout.size(), 0);
-      for (int l = 0; l < L; ++l) {
-        mrr::ExpertIds rollout_ids;
-        std::vector<std::uint8_t> found;
-        rollout_store_->lookup(l, layout, rollout_ids, found);
-        const auto& used = batch.old_routes[static_cast<std::size_t>(l)];
+      const detail::RolloutComparison c = compare_with_rollout(batch, layout, batch.old_routes, batch.old_log_prob);
+      accumulate(own, c);
+      for (int l = 0; l < L; ++l)
         for (std::size_t r = 0; r < layout.size(); ++r) {
           if (layout[r].is_padding()) continue;
+          const auto& used = batch.old_routes[static_cast<std::size_t>(l)];
           for (int j = 0; j < k; ++j) ++load[static_cast<std::size_t>(l)][static_cast<std::size_t>(used(static_cast<Eigen::Index>(r), j))];
-          if (!found[r]) continue;
-          const int d = detail::differing(&used(static_cast<Eigen::Index>(r), 0), &rollout_ids(static_cast<Eigen::Index>(r), 0), k);
-          decisions += k;
-          differing_decisions += d;
-          if (d > 0) any[r] = 1;
-          if (l == 0) ++tokens;
+        }
+      if (paired_) {
+        // The same weights (params_, which the rollout synced and no update has moved yet).
+        if (b == 0) paired_->load(params_);
+        if (old_is_native_) {
+          accumulate(native, c);
+        } else {
+          paired_->replay().set_action(mrr::RouterAction::native);
+          accumulate(native, paired_pass(batch));
+        }
+        if (old_is_replay_) {
+          accumulate(replayed, c);
+          paired_replayed_rows += rows_with_route(layout, L);
+        } else {
+          const auto before = paired_->replay().stats().replayed_rows;
+          paired_->replay().begin_pass(mrr::TrainingPass::old_log_prob);  // R3: replay_forward, queues cleared
+          accumulate(replayed, paired_pass(batch));
+          paired_replayed_rows += paired_->replay().stats().replayed_rows - before;
         }
       }
-      for (std::size_t r = 0; r < layout.size(); ++r) differing_tokens += any[r];
       if (ref_) {
         ref_->replay().begin_pass(mrr::TrainingPass::ref_log_prob);
         typename Engine<Comm>::Cache ref_cache;
@@ -307,35 +342,71 @@ class Trainer {
         apply(g);
       }
 
-    // 5. Metrics over every rank.
-    std::vector<std::int64_t> counts = {decisions, differing_decisions, tokens, differing_tokens, update_decisions,
-                                        update_differing};
+    // 5. Metrics over every rank (sums added in rank order: the same for any number of ranks).
+    const detail::RolloutComparison* passes[3] = {&own, &native, &replayed};
+    std::vector<std::int64_t> counts = {update_decisions, update_differing, static_cast<std::int64_t>(paired_replayed_rows)};
+    for (const auto* p : passes)
+      for (const auto c : {p->decisions, p->differing_decisions, p->tokens, p->differing_tokens}) counts.push_back(c);
     for (auto& per_layer : load)
       for (auto c : per_layer) counts.push_back(c);
     comm_.all_reduce_sum(std::span<std::int64_t>(counts));
-    std::vector<double> sums = {k3_sum, k1_sum, abs_sum, lp_tokens}, all(sums.size() * static_cast<std::size_t>(ranks));
-    comm_.all_gather(std::span<const double>(sums), std::span<double>(all));
-    std::vector<double> maxes(static_cast<std::size_t>(ranks));
-    comm_.all_gather(std::span<const double>(&max_abs, 1), std::span<double>(maxes));
-    double k3 = 0, k1 = 0, ab = 0, nt = 0;
-    for (int r = 0; r < ranks; ++r) {
-      k3 += all[static_cast<std::size_t>(r) * 4];
-      k1 += all[static_cast<std::size_t>(r) * 4 + 1];
-      ab += all[static_cast<std::size_t>(r) * 4 + 2];
-      nt += all[static_cast<std::size_t>(r) * 4 + 3];
+    std::vector<double> sums, maxes_local;
+    for (const auto* p : passes) {
+      for (const double v : {p->k3_sum, p->k1_sum, p->abs_sum, p->lp_tokens}) sums.push_back(v);
+      maxes_local.push_back(p->max_abs);
     }
-    m.k3 = nt > 0 ? k3 / nt : 0;
-    m.k1 = nt > 0 ? k1 / nt : 0;
-    m.mean_abs_dlogp = nt > 0 ? ab / nt : 0;
-    m.max_abs_dlogp = *std::max_element(maxes.begin(), maxes.end());
-    m.rollout_mismatch_decisions = counts[0] > 0 ? static_cast<double>(counts[1]) / static_cast<double>(counts[0]) : 0;
-    m.rollout_mismatch_tokens = counts[2] > 0 ? static_cast<double>(counts[3]) / static_cast<double>(counts[2]) : 0;
-    m.compared_rows = counts[0] / k;
-    m.update_mismatch_decisions = counts[4] > 0 ? static_cast<double>(counts[5]) / static_cast<double>(counts[4]) : 0;
+    std::vector<double> all(sums.size() * static_cast<std::size_t>(ranks)), maxes(maxes_local.size() * static_cast<std::size_t>(ranks));
+    comm_.all_gather(std::span<const double>(sums), std::span<double>(all));
+    comm_.all_gather(std::span<const double>(maxes_local), std::span<double>(maxes));
+    struct Reduced {
+      double k3 = 0, k1 = 0, mean_abs = 0, max_abs = 0, mismatch_decisions = 0, mismatch_tokens = 0;
+      std::int64_t rows = 0;
+    };
+    const auto ratio = [](std::int64_t num, std::int64_t den) {
+      return den > 0 ? static_cast<double>(num) / static_cast<double>(den) : 0.0;
+    };
+    Reduced red[3];
+    for (std::size_t p = 0; p < 3; ++p) {
+      double k3 = 0, k1 = 0, ab = 0, nt = 0;
+      for (std::size_t r = 0; r < static_cast<std::size_t>(ranks); ++r) {
+        const std::size_t at = r * sums.size() + p * 4;
+        k3 += all[at];
+        k1 += all[at + 1];
+        ab += all[at + 2];
+        nt += all[at + 3];
+        red[p].max_abs = std::max(red[p].max_abs, maxes[r * maxes_local.size() + p]);
+      }
+      red[p].k3 = nt > 0 ? k3 / nt : 0;
+      red[p].k1 = nt > 0 ? k1 / nt : 0;
+      red[p].mean_abs = nt > 0 ? ab / nt : 0;
+      const std::size_t at = 3 + p * 4;
+      red[p].mismatch_decisions = ratio(counts[at + 1], counts[at]);
+      red[p].mismatch_tokens = ratio(counts[at + 3], counts[at + 2]);
+      red[p].rows = counts[at] / k;
+    }
+    m.k3 = red[0].k3;
+    m.k1 = red[0].k1;
+    m.mean_abs_dlogp = red[0].mean_abs;
+    m.max_abs_dlogp = red[0].max_abs;
+    m.rollout_mismatch_decisions = red[0].mismatch_decisions;
+    m.rollout_mismatch_tokens = red[0].mismatch_tokens;
+    m.compared_rows = red[0].rows;
+    m.update_mismatch_decisions = ratio(counts[1], counts[0]);
+    if (paired_) {
+      m.paired_native_mismatch_decisions = red[1].mismatch_decisions;
+      m.paired_native_mismatch_tokens = red[1].mismatch_tokens;
+      m.paired_native_k3 = red[1].k3;
+      m.paired_native_mean_abs_dlogp = red[1].mean_abs;
+      m.paired_replay_mismatch_decisions = red[2].mismatch_decisions;
+      m.paired_replay_k3 = red[2].k3;
+      m.paired_replay_mean_abs_dlogp = red[2].mean_abs;
+      m.paired_replayed_rows = static_cast<std::uint64_t>(counts[2]);
+    }
+    constexpr std::size_t load_at = 3 + 3 * 4;
     for (int l = 0; l < L; ++l) {
       double most = 0, total = 0;
       for (int e = 0; e < cfg_.model.experts; ++e) {
-        const auto c = static_cast<double>(counts[6 + static_cast<std::size_t>(l * cfg_.model.experts + e)]);
+        const auto c = static_cast<double>(counts[load_at + static_cast<std::size_t>(l * cfg_.model.experts + e)]);
         most = std::max(most, c);
         total += c;
       }
@@ -450,6 +521,69 @@ class Trainer {
     }
   }
 
+  // Compares one pass (its routes per layer over `layout`, its log-probs) with the rollout.
+  detail::RolloutComparison compare_with_rollout(const Batch& batch, const mrr::TokenLayout& layout,
+                                                 const std::vector<mrr::ExpertIds>& routes, const Mat& log_prob) const {
+    detail::RolloutComparison c;
+    const int L = cfg_.model.layers, k = cfg_.model.topk;
+    const auto lm = mrr::ppo::logprob_mismatch<float>(log_prob, batch.rollout_log_prob, batch.mask);
+    c.lp_tokens = static_cast<double>(lm.tokens);
+    c.k3_sum = static_cast<double>(lm.k3) * c.lp_tokens;
+    c.k1_sum = static_cast<double>(lm.k1) * c.lp_tokens;
+    c.abs_sum = static_cast<double>(lm.mean_abs_diff) * c.lp_tokens;
+    c.max_abs = static_cast<double>(lm.max_abs_diff);
+    // Routes: the rollout has one for every position it fed (all but each sequence's last).
+    std::vector<std::uint8_t> any(layout.size(), 0);
+    for (int l = 0; l < L; ++l) {
+      mrr::ExpertIds rollout_ids;
+      std::vector<std::uint8_t> found;
+      rollout_store_->lookup(l, layout, rollout_ids, found);
+      const auto& used = routes[static_cast<std::size_t>(l)];
+      for (std::size_t r = 0; r < layout.size(); ++r) {
+        if (layout[r].is_padding() || !found[r]) continue;
+        const int d = detail::differing(&used(static_cast<Eigen::Index>(r), 0), &rollout_ids(static_cast<Eigen::Index>(r), 0), k);
+        c.decisions += k;
+        c.differing_decisions += d;
+        if (d > 0) any[r] = 1;
+        if (l == 0) ++c.tokens;
+      }
+    }
+    for (std::size_t r = 0; r < layout.size(); ++r) c.differing_tokens += any[r];
+    return c;
+  }
+
+  static void accumulate(detail::RolloutComparison& into, const detail::RolloutComparison& c) {
+    into.decisions += c.decisions;
+    into.differing_decisions += c.differing_decisions;
+    into.tokens += c.tokens;
+    into.differing_tokens += c.differing_tokens;
+    into.k3_sum += c.k3_sum;
+    into.k1_sum += c.k1_sum;
+    into.abs_sum += c.abs_sum;
+    into.lp_tokens += c.lp_tokens;
+    into.max_abs = std::max(into.max_abs, c.max_abs);
+  }
+
+  // (token, layer) rows of `layout` the rollout has a route for.
+  std::uint64_t rows_with_route(const mrr::TokenLayout& layout, int layers) const {
+    std::uint64_t n = 0;
+    for (int l = 0; l < layers; ++l) {
+      mrr::ExpertIds ids;
+      std::vector<std::uint8_t> found;
+      rollout_store_->lookup(l, layout, ids, found);
+      for (std::size_t r = 0; r < layout.size(); ++r) n += !layout[r].is_padding() && found[r];
+    }
+    return n;
+  }
+
+  // A no-gradient pass of the paired engine with the action already set, compared with the rollout.
+  detail::RolloutComparison paired_pass(const Batch& batch) {
+    typename Engine<Comm>::Cache cache;
+    std::vector<mrr::ExpertIds> routes;
+    const auto logits = paired_->forward(batch.tokens, batch.lengths, batch.uids, cache, &routes);
+    return compare_with_rollout(batch, paired_->replay().micro_batch(), routes, log_probs(batch, logits));
+  }
+
   // log p of each response token (verl: logits / rollout temperature), [n, response_length].
   Mat log_probs(const Batch& batch, const std::vector<Mat>& logits) const {
     const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
@@ -556,7 +690,8 @@ class Trainer {
   Comm comm_;
   std::unique_ptr<AnyRouteStore> rollout_store_, train_store_, ref_store_;
   bool r2_replays_file_ = false;
-  std::unique_ptr<Engine<Comm>> train_, rollout_, ref_;
+  std::unique_ptr<Engine<Comm>> train_, rollout_, ref_, paired_;
+  bool old_is_native_ = false, old_is_replay_ = false;  // the old-log-prob pass is that paired pass
   Params params_;
   AdamW dense_opt_, expert_opt_;
 };

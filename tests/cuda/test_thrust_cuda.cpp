@@ -2,6 +2,7 @@
 // kernel against the Thrust path. Exits 77 (ctest: skipped) without a GPU.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <mrr/ppo/advantage.hpp>
+#include <mrr/ppo/policy_loss.hpp>
 #include <mrr/router.hpp>
 
 #include <doctest/doctest.h>
@@ -10,6 +11,8 @@
 #include "thrust_cuda.hpp"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <cstdio>
 #include <random>
 
@@ -82,12 +85,71 @@ TEST_CASE("CUDA GAE scan equals the CPU recurrence") {
     m.data()[i] = (i % cols) < cols - 100 * (i / cols) ? 1.0 : 0.0;
   }
   const auto host = mrr::ppo::compute_gae_advantage_return<double>(r, v, m, 0.99, 0.95);
-  std::vector<double> a, ret;
-  REQUIRE(mrr::test::cuda_gae({r.data(), r.data() + r.size()}, {v.data(), v.data() + v.size()},
-                              {m.data(), m.data() + m.size()}, cols, 0.99, 0.95, a, ret) == "");
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - host.advantages.data()[i]));
-  CHECK(worst <= 1e-10);
+  for (int algorithm : {0, 1, 2}) {  // automatic (the scan), the scan, the per-row recurrence
+    CAPTURE(algorithm);
+    std::vector<double> a, ret;
+    REQUIRE(mrr::test::cuda_gae({r.data(), r.data() + r.size()}, {v.data(), v.data() + v.size()},
+                                {m.data(), m.data() + m.size()}, cols, 0.99, 0.95, a, ret, algorithm) == "");
+    double worst = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - host.advantages.data()[i]));
+    CHECK(worst <= 1e-10);
+  }
+}
+
+TEST_CASE("CUDA bf16 logits route like the CPU router on the bf16-rounded logits; BackendRouter like TopKRouter") {
+  const long tokens = 16384;
+  const int experts = 128, k = 8;
+  for (int distinct : {0, 5}) {
+    const auto z = random_logits(tokens * experts, 13, distinct);
+    std::vector<float> rounded(z.size());
+    for (std::size_t i = 0; i < z.size(); ++i) {  // round to nearest even at bit 16
+      std::uint32_t u;
+      std::memcpy(&u, &z[i], 4);
+      u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+      std::memcpy(&rounded[i], &u, 4);
+    }
+    mrr::TopKRouter<float> cpu(mrr::presets::qwen3_moe(experts, k, true));
+    const auto host = cpu.route(Eigen::Map<const mrr::RowMatrix<float>>(rounded.data(), tokens, experts));
+    const auto dev = mrr::test::cuda_route_bf16(z, experts, k, "softmax", true);
+    REQUIRE(dev.error == "");
+    CHECK(std::equal(dev.ids.begin(), dev.ids.end(), host.ids.data()));
+    const auto exact = cpu.route(Eigen::Map<const mrr::RowMatrix<float>>(z.data(), tokens, experts));
+    const auto adapter = mrr::test::cuda_backend_router_route(z, experts, k);
+    REQUIRE(adapter.error == "");
+    CHECK(std::equal(adapter.ids.begin(), adapter.ids.end(), exact.ids.data()));
+  }
+}
+
+TEST_CASE("CUDA vanilla policy loss equals the CPU's") {
+  const long rows = 64, cols = 1000;
+  std::mt19937 rng(17);
+  std::normal_distribution<double> n(0.0, 1.0);
+  mrr::RowMatrix<double> old_lp(rows, cols), lp(rows, cols), adv(rows, cols), mask(rows, cols);
+  for (long i = 0; i < lp.size(); ++i) {
+    old_lp.data()[i] = -std::abs(n(rng));
+    lp.data()[i] = old_lp.data()[i] + 0.3 * n(rng);
+    adv.data()[i] = n(rng);
+    mask.data()[i] = (i % cols) < cols - 7 * (i / cols) ? 1.0 : 0.0;
+  }
+  auto vec = [](const mrr::RowMatrix<double>& m) { return std::vector<double>(m.data(), m.data() + m.size()); };
+  for (const char* mode : {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum"}) {
+    CAPTURE(mode);
+    mrr::ppo::PolicyLossConfig config;
+    config.clip_ratio = 0.2;
+    config.clip_ratio_c = 3.0;
+    const auto host = mrr::ppo::compute_policy_loss_vanilla<double>(old_lp, lp, adv, mask,
+                                                                    mrr::ppo::parse_loss_agg_mode(mode), config);
+    const auto dev = mrr::test::cuda_policy_loss_vanilla(vec(old_lp), vec(lp), vec(adv), vec(mask), cols, mode, 0.2, 3.0);
+    REQUIRE(dev.error == "");
+    CHECK(std::abs(dev.loss - host.loss) <= 1e-10 * (1 + std::abs(host.loss)));
+    double worst = 0;
+    for (std::size_t i = 0; i < dev.grad_log_prob.size(); ++i)
+      worst = std::max(worst, std::abs(dev.grad_log_prob[i] - host.grad_log_prob.data()[i]));
+    CHECK(worst <= 1e-12);
+    CHECK(std::abs(dev.clipfrac - *host.metric("actor/pg_clipfrac")) <= 1e-12);
+    CHECK(std::abs(dev.clipfrac_lower - *host.metric("actor/pg_clipfrac_lower")) <= 1e-12);
+    CHECK(std::abs(dev.ppo_kl - *host.metric("actor/ppo_kl")) <= 1e-12);
+  }
 }
 
 TEST_CASE("CUDA permute + combine equal the CPU's bit for bit") {

@@ -1,7 +1,11 @@
 // The same Thrust operations the OpenMP tests check, instantiated for the CUDA system, and the
 // fused routing + replay kernel. Compiled by nvcc in every CI run; run where a GPU is.
 #include <mrr/cuda/fused_routing.cuh>
+#include <mrr/router/presets.hpp>
+#include <mrr/thrust/backend_router.hpp>
+#include <mrr/thrust/bf16.hpp>
 #include <mrr/thrust/permute.hpp>
+#include <mrr/thrust/policy_loss.hpp>
 #include <mrr/thrust/ppo.hpp>
 #include <mrr/thrust/routing.hpp>
 
@@ -70,12 +74,14 @@ DeviceRoute cuda_route(const std::vector<float>& logits, int experts, int k, con
 
 std::string cuda_gae(const std::vector<double>& rewards, const std::vector<double>& values,
                      const std::vector<double>& mask, long cols, double gamma, double lam,
-                     std::vector<double>& advantages, std::vector<double>& returns) {
+                     std::vector<double>& advantages, std::vector<double>& returns, int algorithm) {
   try {
     const auto r = device::compute_gae_advantage_return<double>(
         thrust::device_vector<double>(rewards.begin(), rewards.end()),
         thrust::device_vector<double>(values.begin(), values.end()),
-        thrust::device_vector<double>(mask.begin(), mask.end()), cols, gamma, lam);
+        thrust::device_vector<double>(mask.begin(), mask.end()), cols, gamma, lam,
+        algorithm == 1 ? device::GaeAlgorithm::scan
+                       : (algorithm == 2 ? device::GaeAlgorithm::rows : device::GaeAlgorithm::automatic));
     advantages = to_host(r.advantages);
     returns = to_host(r.returns);
   } catch (const std::exception& e) {
@@ -97,6 +103,66 @@ std::string cuda_permute_combine(const std::vector<std::int32_t>& ids, long toke
     return e.what();
   }
   return {};
+}
+
+DeviceRoute cuda_route_bf16(const std::vector<float>& logits, int experts, int k, const std::string& score,
+                            bool pre_softmax) {
+  DeviceRoute out;
+  try {
+    RouterConfig cfg;
+    cfg.num_experts = experts;
+    cfg.topk = k;
+    cfg.score_function = parse_score_function(score);
+    cfg.pre_softmax = pre_softmax;
+    device::TopKRouter<float> router(cfg);
+    std::vector<bf16> half(logits.size());
+    for (std::size_t i = 0; i < logits.size(); ++i) half[i] = bf16::from_float(logits[i]);
+    const auto r = router.route(thrust::device_vector<bf16>(half.begin(), half.end()));
+    out.ids = to_host(r.ids);
+    out.weights = to_host(r.weights);
+  } catch (const std::exception& e) {
+    out.error = e.what();
+  }
+  return out;
+}
+
+DeviceRoute cuda_backend_router_route(const std::vector<float>& logits, int experts, int k) {
+  DeviceRoute out;
+  try {
+    const device::BackendRouter<float> router(presets::qwen3_moe(experts, k, true));
+    const long tokens = static_cast<long>(logits.size()) / experts;
+    const auto r = router.route(Eigen::Map<const RowMatrix<float>>(logits.data(), tokens, experts));
+    out.ids.assign(r.ids.data(), r.ids.data() + r.ids.size());
+    out.weights.assign(r.weights.data(), r.weights.data() + r.weights.size());
+  } catch (const std::exception& e) {
+    out.error = e.what();
+  }
+  return out;
+}
+
+DevicePolicyLoss cuda_policy_loss_vanilla(const std::vector<double>& old_log_prob, const std::vector<double>& log_prob,
+                                          const std::vector<double>& advantages, const std::vector<double>& mask,
+                                          long cols, const std::string& loss_agg_mode, double clip_ratio,
+                                          double clip_ratio_c) {
+  DevicePolicyLoss out;
+  try {
+    ppo::PolicyLossConfig config;
+    config.clip_ratio = clip_ratio;
+    config.clip_ratio_c = clip_ratio_c;
+    using V = thrust::device_vector<double>;
+    const auto r = device::compute_policy_loss_vanilla<double>(
+        V(old_log_prob.begin(), old_log_prob.end()), V(log_prob.begin(), log_prob.end()),
+        V(advantages.begin(), advantages.end()), V(mask.begin(), mask.end()), cols,
+        ppo::parse_loss_agg_mode(loss_agg_mode), config);
+    out.loss = r.loss;
+    out.grad_log_prob = to_host(r.grad_log_prob);
+    out.clipfrac = *r.metric("actor/pg_clipfrac");
+    out.clipfrac_lower = *r.metric("actor/pg_clipfrac_lower");
+    out.ppo_kl = *r.metric("actor/ppo_kl");
+  } catch (const std::exception& e) {
+    out.error = e.what();
+  }
+  return out;
 }
 
 }  // namespace mrr::test

@@ -20,10 +20,31 @@ DeviceRoute cuda_route(const std::vector<float>& logits, int experts, int k, con
                        const std::vector<float>& bias, const std::vector<std::int32_t>& replay_ids,
                        const std::vector<std::uint8_t>& replay_mask, bool fused);
 
-// GAE on the CUDA system (Thrust scans): advantages then returns, [rows * cols] each.
+// GAE on the CUDA system: advantages then returns, [rows * cols] each. algorithm: 0 automatic (the
+// scan on CUDA), 1 the scan, 2 the per-row recurrence (the OpenMP system's choice).
 std::string cuda_gae(const std::vector<double>& rewards, const std::vector<double>& values,
                      const std::vector<double>& mask, long cols, double gamma, double lam,
-                     std::vector<double>& advantages, std::vector<double>& returns);
+                     std::vector<double>& advantages, std::vector<double>& returns, int algorithm = 0);
+
+// Routing of bf16 logits (the given floats rounded to bf16 on the host) on the CUDA system.
+DeviceRoute cuda_route_bf16(const std::vector<float>& logits, int experts, int k, const std::string& score,
+                            bool pre_softmax);
+
+// The same routing through device::BackendRouter (the mrr::Router face MoELayer takes): host
+// logits in, host ids and weights out, through pinned staging buffers.
+DeviceRoute cuda_backend_router_route(const std::vector<float>& logits, int experts, int k);
+
+struct DevicePolicyLoss {
+  double loss = 0, clipfrac = 0, clipfrac_lower = 0, ppo_kl = 0;
+  std::vector<double> grad_log_prob;
+  std::string error;
+};
+
+// verl's vanilla policy loss (dual clip) on the CUDA system, in double.
+DevicePolicyLoss cuda_policy_loss_vanilla(const std::vector<double>& old_log_prob, const std::vector<double>& log_prob,
+                                          const std::vector<double>& advantages, const std::vector<double>& mask,
+                                          long cols, const std::string& loss_agg_mode, double clip_ratio,
+                                          double clip_ratio_c);
 
 // Expert-major permutation + combine on the CUDA system; returns the combined [tokens, hidden].
 std::string cuda_permute_combine(const std::vector<std::int32_t>& ids, long tokens, int k, int experts,

@@ -3,6 +3,7 @@
 // GAE as a parallel scan, GRPO / RLOO group statistics, masked reductions, KL penalties.
 #include <mrr/ppo/advantage.hpp>
 #include <mrr/ppo/kl.hpp>
+#include <mrr/thrust/policy_loss.hpp>
 #include <mrr/thrust/ppo.hpp>
 
 #include "../ppo/ppo_golden.hpp"
@@ -11,7 +12,9 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -52,14 +55,16 @@ dvec<std::int32_t> dense_groups(const GoldenCase& c, int& num_groups) {
 }
 
 template <class T>
-bool run_advantage(const GoldenCase& c, OutputChecker<T>& check) {
+bool run_advantage(const GoldenCase& c, OutputChecker<T>& check,
+                   mrr::device::GaeAlgorithm gae = mrr::device::GaeAlgorithm::automatic) {
   const long cols = cols_of(c, "token_level_rewards");
   const auto rewards = input<T>(c, "token_level_rewards");
   const auto mask = input<T>(c, "response_mask");
   mrr::device::AdvantageResult<T> out;
   if (c.fn == "gae") {
     out = mrr::device::compute_gae_advantage_return<T>(rewards, input<T>(c, "values"), mask, cols,
-                                                       c.param<double>("gamma", 1.0), c.param<double>("lam", 1.0));
+                                                       c.param<double>("gamma", 1.0), c.param<double>("lam", 1.0),
+                                                       gae);
   } else if (c.fn == "grpo" || c.fn == "rloo" || c.fn == "rloo_vectorized") {
     int groups = 0;
     const auto group = dense_groups(c, groups);
@@ -135,12 +140,70 @@ void for_cases(const std::string& file, const std::vector<std::string>& fns, Run
   CHECK(ran > 0);
 }
 
+// verl's vanilla policy loss (dual clip) on the device: loss, grad_log_prob and exactly verl's metrics.
+template <class T>
+void run_vanilla(const GoldenCase& c, OutputChecker<T>& check) {
+  mrr::ppo::PolicyLossConfig config;
+  config.clip_ratio = c.param<double>("clip_ratio", config.clip_ratio);
+  if (c.has_param("clip_ratio_low")) config.clip_ratio_low = c.param<double>("clip_ratio_low");
+  if (c.has_param("clip_ratio_high")) config.clip_ratio_high = c.param<double>("clip_ratio_high");
+  config.clip_ratio_c = c.param<double>("clip_ratio_c", config.clip_ratio_c);
+  auto& info = config.global_batch_info;
+  info.dp_size = c.param<std::int64_t>("dp_size", 1);
+  if (c.has_param("batch_num_tokens")) info.batch_num_tokens = c.param<double>("batch_num_tokens");
+  if (c.has_param("global_batch_size")) info.global_batch_size = c.param<double>("global_batch_size");
+  if (c.has_param("loss_scale_factor")) info.loss_scale_factor = c.param<double>("loss_scale_factor");
+  const long cols = cols_of(c, "log_prob");
+  std::optional<dvec<T>> weights;
+  if (c.has_input("rollout_is_weights")) weights = input<T>(c, "rollout_is_weights");
+  const auto out = mrr::device::compute_policy_loss_vanilla<T>(
+      input<T>(c, "old_log_prob"), input<T>(c, "log_prob"), input<T>(c, "advantages"), input<T>(c, "response_mask"),
+      cols, mrr::ppo::parse_loss_agg_mode(c.param<std::string>("loss_agg_mode", "token-mean")), config,
+      weights ? &*weights : nullptr);
+  check.scalar("loss", static_cast<double>(out.loss));
+  check.matrix("grad_log_prob", as_matrix(out.grad_log_prob, cols));
+  std::set<std::string> golden_metrics;
+  for (const auto& key : check.keys_with_prefix("metric:")) {
+    const std::string name = key.substr(7);
+    golden_metrics.insert(name);
+    const auto value = out.metric(name);
+    if (!value) {
+      FAIL_CHECK("metric '" << name << "' is not reported");
+      continue;
+    }
+    check.scalar(key, static_cast<double>(*value));
+  }
+  for (const auto& [name, value] : out.metrics)
+    if (golden_metrics.count(name) == 0) FAIL_CHECK("metric '" << name << "' is reported but verl has none");
+}
+
 }  // namespace
 
 TEST_SUITE("golden") {
+  TEST_CASE_TEMPLATE("device: policy_loss.json vanilla (dual clip) loss, gradient and metrics", T, double, float) {
+    std::size_t ran = 0;
+    for (const auto& c : mrr::test::load_golden("policy_loss.json")) {
+      if (c.fn != "policy_loss" || c.param<std::string>("policy_loss") != "vanilla") continue;
+      INFO("policy_loss.json case '" << c.name << "' (" << std::string(mrr::test::ppo::type_name<T>()) << ")");
+      OutputChecker<T> check(c);
+      run_vanilla<T>(c, check);
+      check.finish();
+      ++ran;
+    }
+    MESSAGE("policy_loss.json: " << ran << " vanilla cases run on the device in "
+                                 << std::string(mrr::test::ppo::type_name<T>()));
+    CHECK(ran > 0);
+  }
   TEST_CASE_TEMPLATE("device: advantage.json gae, grpo, rloo, rloo_vectorized", T, double, float) {
     for_cases<T>("advantage.json", {"gae", "grpo", "rloo", "rloo_vectorized"},
                  [](const GoldenCase& c, OutputChecker<T>& check) { return run_advantage<T>(c, check); });
+  }
+  TEST_CASE_TEMPLATE("device: advantage.json gae, both algorithms (the GPU's scan, the CPU threads' rows)", T, double,
+                     float) {
+    for (const auto algorithm : {mrr::device::GaeAlgorithm::scan, mrr::device::GaeAlgorithm::rows})
+      for_cases<T>("advantage.json", {"gae"}, [&](const GoldenCase& c, OutputChecker<T>& check) {
+        return run_advantage<T>(c, check, algorithm);
+      });
   }
   TEST_CASE_TEMPLATE("device: masked.json masked mean, row mean, var, whiten", T, double, float) {
     for_cases<T>("masked.json", {"masked_mean", "masked_var", "masked_whiten"},
@@ -151,7 +214,7 @@ TEST_SUITE("golden") {
   }
 }
 
-TEST_CASE("device: GAE as a parallel scan equals the CPU's sequential recurrence on a large batch") {
+TEST_CASE("device: GAE (scan and rows) equals the CPU's sequential recurrence on a large batch") {
   const long rows = 64, cols = 3000;
   std::mt19937 rng(9);
   std::normal_distribution<double> n(0.0, 1.0);
@@ -163,10 +226,13 @@ TEST_CASE("device: GAE as a parallel scan equals the CPU's sequential recurrence
       m(i, j) = (j < cols - i * 17 && (j % 13) != 5) ? 1.0 : 0.0;  // padding and observation tokens
     }
   const auto host = mrr::ppo::compute_gae_advantage_return<double>(r, v, m, 0.99, 0.95);
-  const auto dev = mrr::device::compute_gae_advantage_return<double>(
-      dvec<double>(r.data(), r.data() + r.size()), dvec<double>(v.data(), v.data() + v.size()),
-      dvec<double>(m.data(), m.data() + m.size()), cols, 0.99, 0.95);
-  const auto a = as_matrix(dev.advantages, cols), ret = as_matrix(dev.returns, cols);
-  CHECK((a - host.advantages).cwiseAbs().maxCoeff() <= 1e-10);
-  CHECK((ret - host.returns).cwiseAbs().maxCoeff() <= 1e-10);
+  for (const auto algorithm : {mrr::device::GaeAlgorithm::scan, mrr::device::GaeAlgorithm::rows}) {
+    CAPTURE(static_cast<int>(algorithm));
+    const auto dev = mrr::device::compute_gae_advantage_return<double>(
+        dvec<double>(r.data(), r.data() + r.size()), dvec<double>(v.data(), v.data() + v.size()),
+        dvec<double>(m.data(), m.data() + m.size()), cols, 0.99, 0.95, algorithm);
+    const auto a = as_matrix(dev.advantages, cols), ret = as_matrix(dev.returns, cols);
+    CHECK((a - host.advantages).cwiseAbs().maxCoeff() <= 1e-10);
+    CHECK((ret - host.returns).cwiseAbs().maxCoeff() <= 1e-10);
+  }
 }

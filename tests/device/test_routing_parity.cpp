@@ -3,6 +3,7 @@
 // tie-heavy logits; replay with a mask, the router backward, and the expert-major permutation.
 #include <mrr/concepts.hpp>
 #include <mrr/router.hpp>
+#include <mrr/thrust/bf16.hpp>
 #include <mrr/thrust/permute.hpp>
 #include <mrr/thrust/routing.hpp>
 
@@ -94,10 +95,10 @@ Compared compare(const mrr::RouterConfig& cfg, const mrr::RowMatrix<T>& logits, 
   return c;
 }
 
-// The CPU router evaluates exp with Eigen's vectorised kernel (within ~2 ulps) and the device with
-// std::exp (within 1); a weight is one exp divided by a sum of k of them, so the two can differ
-// by up to about 2 + k/2 ulps in the worst case — 8 for k <= 12 — and by more when the sum runs
-// over all E experts (pre-softmax without renormalisation). Ids are compared exactly.
+// A few ulps: 8 (the CPU router computes the weights' exponentials vectorised with Eigen, the
+// device with the scalar exp: each is within about 1 ulp, and a softmax over k divides by their
+// sum), plus E/8 when a weight divides by a sum over all E experts (pre-softmax without
+// renormalisation), whose order also differs.
 double ulp_bound(const mrr::RouterConfig& cfg) {
   const bool full_sum = cfg.score_function == mrr::ScoreFunction::softmax && cfg.pre_softmax && !cfg.normalizes();
   return 8.0 + (full_sum ? cfg.num_experts / 8.0 : 0.0);
@@ -167,7 +168,7 @@ mrr::RowMatrix<float> random_logits(long rows, int experts, unsigned seed, int d
 }  // namespace
 
 TEST_SUITE("golden") {
-  TEST_CASE("device: router.json routing and replay equal the CPU router (ids exact, weights within 4 ulps)") {
+  TEST_CASE("device: router.json routing and replay equal the CPU router (ids exact, weights within 8 ulps)") {
     for (const auto& c : load_golden("router.json")) {
       CAPTURE(c.name);
       golden_router_case<float>(c);
@@ -327,6 +328,190 @@ TEST_CASE("device: expert-major permutation and slot-order combine equal the CPU
   CHECK(std::equal(dp.begin(), dp.end(), permuted.data()));
   const auto dc = to_host(mrr::device::combine<float>(to_device(expert_out), hidden, to_device(routing.weights), p));
   CHECK(std::equal(dc.begin(), dc.end(), combined.data()));
+}
+
+namespace {
+
+// Replay weights at given ids and the router backward, device against CPU, on `z`: the ids are
+// the CPU's route of perturbed logits (what a training engine replays), every score function.
+void replay_and_backward_parity(const mrr::RowMatrix<float>& z, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.f, 1.f);
+  mrr::RowMatrix<float> rollout = z;
+  for (Eigen::Index i = 0; i < rollout.size(); ++i) rollout.data()[i] += 0.3f * n(rng);
+  mrr::RowMatrix<float> g(z.rows(), 8);
+  for (Eigen::Index i = 0; i < g.size(); ++i) g.data()[i] = n(rng);
+  const auto dz = to_device(z);
+  const auto dg = to_device(g);
+  struct Case {
+    mrr::ScoreFunction score;
+    bool pre, normalize;
+  };
+  for (const Case c : {Case{mrr::ScoreFunction::softmax, false, false}, Case{mrr::ScoreFunction::softmax, true, true},
+                       Case{mrr::ScoreFunction::softmax, true, false}, Case{mrr::ScoreFunction::sigmoid, false, true},
+                       Case{mrr::ScoreFunction::sqrt_softplus, false, true}}) {
+    mrr::RouterConfig cfg;
+    cfg.num_experts = static_cast<int>(z.cols());
+    cfg.topk = 8;
+    cfg.score_function = c.score;
+    cfg.pre_softmax = c.pre;
+    cfg.normalize_topk = c.normalize;
+    cfg.scaling_factor = 2.5;
+    CAPTURE(mrr::to_string(c.score));
+    CAPTURE(c.pre);
+    CAPTURE(c.normalize);
+    mrr::TopKRouter<float> cpu(cfg);
+    mrr::device::TopKRouter<float> dev(cfg);
+    const mrr::ExpertIds ids = cpu.route(rollout).ids;
+    const auto r = compare<float>(cfg, z, nullptr, &ids);
+    CHECK(r.differing_rows == 0);
+    CHECK(r.worst_ulps <= ulp_bound(cfg));
+    const auto routing = cpu.replay(z, ids);
+    const auto host = cpu.backward(z, routing, g);
+    const auto device =
+        to_host(dev.backward(dz, dvec<std::int32_t>(ids.data(), ids.data() + ids.size()), dg));
+    double worst = 0;
+    for (std::size_t i = 0; i < device.size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::abs(device[i] - host.data()[i])));
+    CHECK(worst <= 1e-5);  // gradients of order 1, float
+  }
+}
+
+}  // namespace
+
+TEST_CASE("device: replay weights and the router backward equal the CPU's on 1 M random tokens") {
+  replay_and_backward_parity(random_logits(1 << 20, 64, 51, 0), 52);
+}
+
+TEST_CASE("device: replay weights and the router backward equal the CPU's on tie-heavy logits") {
+  replay_and_backward_parity(random_logits(65536, 64, 53, 5), 54);
+}
+
+TEST_CASE("device: the counting-sort permutation equals the CPU's on 1 M tokens of 256 experts") {
+  const long tokens = 1 << 20;
+  const int experts = 256, k = 8;
+  mrr::ExpertIds ids(tokens, k);
+  std::mt19937 rng(61);
+  std::uniform_int_distribution<int> skew(0, experts * 4 - 1);  // uneven loads, some experts empty
+  for (Eigen::Index t = 0; t < tokens; ++t)
+    for (int j = 0; j < k; ++j) {
+      int e = skew(rng);
+      e = e < experts ? e : (e % 17) * 3;
+      for (int i = 0; i < j; ++i)
+        if (ids(t, i) == e) {
+          e = (e + 1) % experts;
+          i = -1;
+        }
+      ids(t, j) = e;
+    }
+  mrr::Routing<float> routing{ids, mrr::RowMatrix<float>::Ones(tokens, k), {}};
+  const auto perm = mrr::make_expert_permutation(routing, experts);
+  const auto p = mrr::device::make_expert_permutation(dvec<std::int32_t>(ids.data(), ids.data() + ids.size()), tokens,
+                                                      k, experts);
+  const auto src = to_host(p.source_token);
+  CHECK(std::equal(src.begin(), src.end(), perm.source_token.begin(), perm.source_token.end()));
+  const auto counts = to_host(mrr::device::tokens_per_expert(p));
+  CHECK(std::equal(counts.begin(), counts.end(), perm.tokens_per_expert.begin(), perm.tokens_per_expert.end()));
+  const auto rows = to_host(p.row_of_slot);
+  bool inverse = true;
+  for (std::size_t s = 0; s < rows.size(); ++s)
+    inverse = inverse && src[static_cast<std::size_t>(rows[s])] == static_cast<std::int32_t>(s / k);
+  CHECK(inverse);
+  mrr::ExpertIds bad = ids.topRows(4);
+  bad(2, 3) = experts;
+  CHECK_THROWS_AS(mrr::device::make_expert_permutation(dvec<std::int32_t>(bad.data(), bad.data() + bad.size()), 4, k,
+                                                       experts),
+                  std::invalid_argument);
+}
+
+TEST_CASE("device: bf16 storage rounds to nearest even and widens exactly") {
+  auto bits = [](float f) { return mrr::bf16::from_float(f).bits; };
+  CHECK(bits(1.0f) == 0x3f80);
+  CHECK(bits(-2.0f) == 0xc000);
+  CHECK(bits(std::numeric_limits<float>::infinity()) == 0x7f80);
+  CHECK(bits(-std::numeric_limits<float>::infinity()) == 0xff80);
+  CHECK(bits(std::numeric_limits<float>::max()) == 0x7f80);  // rounds past the largest bf16
+  CHECK(std::isnan(mrr::bf16::from_float(std::numeric_limits<float>::quiet_NaN()).to_float()));
+  // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1); 1 + 3 * 2^-8 ties up to 1 + 2^-6.
+  CHECK(bits(1.0f + 0x1p-8f) == 0x3f80);
+  CHECK(bits(1.0f + 3 * 0x1p-8f) == 0x3f82);
+  CHECK(bits(1.0f + 0x1p-8f + 0x1p-20f) == 0x3f81);  // above halfway rounds up
+  for (std::uint32_t b = 0; b < 0x10000; b += 7) {   // every bf16 value round-trips
+    const auto h = mrr::bf16::from_bits(static_cast<std::uint16_t>(b));
+    if (!std::isnan(h.to_float())) CHECK_EQ(mrr::bf16::from_float(h.to_float()).bits, h.bits);
+  }
+}
+
+TEST_CASE("device: bf16 logits route like the CPU router on the bf16-rounded fp32 logits") {
+  const auto z = random_logits(65536, 128, 71, 0);
+  const auto ties = random_logits(16384, 128, 72, 5);
+  for (const auto* logits : {&z, &ties}) {
+    std::vector<mrr::bf16> half(static_cast<std::size_t>(logits->size()));
+    mrr::RowMatrix<float> rounded(logits->rows(), logits->cols());
+    for (Eigen::Index i = 0; i < logits->size(); ++i) {
+      half[static_cast<std::size_t>(i)] = mrr::bf16::from_float(logits->data()[i]);
+      rounded.data()[i] = half[static_cast<std::size_t>(i)].to_float();
+    }
+    const dvec<mrr::bf16> dh(half.begin(), half.end());
+    for (const auto& cfg : {mrr::presets::qwen3_moe(128, 8, true), mrr::presets::mixtral(128, 2),
+                            mrr::presets::deepseek_v3(128, 8, 8, 4, true, 2.5)}) {
+      mrr::TopKRouter<float> cpu(cfg);
+      mrr::device::TopKRouter<float> dev(cfg);
+      const auto host = cpu.route(rounded);
+      const auto device = dev.route(dh);
+      const auto ids = to_host(device.ids);
+      CHECK(std::equal(ids.begin(), ids.end(), host.ids.data()));
+      CHECK(max_ulps(to_host(device.weights), host.weights) <= ulp_bound(cfg));
+      const auto replayed = dev.replay(dh, device.ids);
+      CHECK(max_ulps(to_host(replayed.weights), host.weights) <= ulp_bound(cfg));
+    }
+  }
+}
+
+TEST_CASE("device: capacity dropping (probs and position) equals the CPU router's, backward included") {
+  const long tokens = 8192;
+  const auto z = random_logits(tokens, 16, 81, 0);
+  const auto ties = random_logits(tokens, 16, 82, 5);
+  std::mt19937 rng(83);
+  std::normal_distribution<float> n(0.f, 1.f);
+  mrr::RowMatrix<float> g(tokens, 2);
+  for (Eigen::Index i = 0; i < g.size(); ++i) g.data()[i] = n(rng);
+  for (const auto* logits : {&z, &ties})
+    for (const auto drop : {mrr::DropPolicy::probs, mrr::DropPolicy::position})
+      for (const double factor : {0.5, 1.0, 1.5}) {
+        auto cfg = mrr::presets::mixtral(16, 2);
+        cfg.capacity_factor = factor;
+        cfg.drop_policy = drop;
+        CAPTURE(factor);
+        CAPTURE(drop == mrr::DropPolicy::probs);
+        CAPTURE(logits == &ties);
+        mrr::TopKRouter<float> cpu(cfg);
+        mrr::device::TopKRouter<float> dev(cfg);
+        const auto host = cpu.route(*logits);
+        const auto dz = to_device(*logits);
+        const auto device = dev.route(dz);
+        REQUIRE(device.has_capacity_mask());
+        const auto ids = to_host(device.ids);
+        const auto kept = to_host(device.kept);
+        CHECK(std::equal(ids.begin(), ids.end(), host.ids.data()));
+        long differ = 0, dropped = 0;
+        for (std::size_t i = 0; i < kept.size(); ++i) {
+          differ += kept[i] != host.kept.data()[i] ? 1 : 0;
+          dropped += kept[i] == 0 ? 1 : 0;
+        }
+        CHECK(differ == 0);
+        if (factor < 1.0) CHECK(dropped > 0);
+        CHECK(max_ulps(to_host(device.weights), host.weights) <= ulp_bound(cfg));
+        const auto grad = to_host(dev.backward(dz, device.ids, to_device(g), device.kept));
+        const auto host_grad = cpu.backward(*logits, host, g);
+        double worst = 0;
+        for (std::size_t i = 0; i < grad.size(); ++i)
+          worst = std::max(worst, static_cast<double>(std::abs(grad[i] - host_grad.data()[i])));
+        CHECK(worst <= 1e-5);
+        const auto replayed = dev.replay(dz, device.ids);  // replay applies the capacity too, as the CPU's
+        const auto replay_kept = to_host(replayed.kept);
+        CHECK(std::equal(replay_kept.begin(), replay_kept.end(), kept.begin()));
+      }
 }
 
 TEST_CASE("device: the backend models the Backend concept") {

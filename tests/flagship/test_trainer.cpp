@@ -1,5 +1,6 @@
 // Short GRPO runs of the flagship trainer, asserting what router replay does: R3 replays the
-// rollout's routes exactly, disabled differs from the rollout under its bf16 numerics, R2 removes
+// rollout's routes exactly, disabled differs from the rollout under its bf16 numerics, the paired
+// passes (native vs replaying the rollout's routes, same weights) show both in any mode, R2 removes
 // the old-log-prob vs update mismatch, a route file recorded in one run is replayed bit for bit
 // in another, and 1 and 2 expert-parallel ranks train bitwise the same model.
 #include "trainer.hpp"
@@ -77,6 +78,68 @@ TEST_CASE("R3: zero routing mismatch on replayed rows, and none between old-log-
   MESSAGE("k3(train||rollout) summed over 3 steps: R3 ", k3_r3, ", disabled ", k3_off);
 }
 
+TEST_CASE("paired passes: replaying the rollout's routes matches them exactly, native routing does not (bf16)") {
+  for (const auto mode : {mrr::ReplayMode::disabled, mrr::ReplayMode::R2, mrr::ReplayMode::R3}) {
+    CAPTURE(mrr::to_string(mode));
+    const TrainConfig c = small(mode);
+    const auto runs = train(c);
+    REQUIRE(runs.size() == 3);
+    double native_mismatch = 0, native_tokens = 0;
+    for (std::size_t s = 0; s < runs.size(); ++s) {
+      CAPTURE(s);
+      const StepMetrics& m = runs[s];
+      // The replayed pass used the rollout's routes on every row the rollout has one for.
+      CHECK(m.paired_replayed_rows == static_cast<std::uint64_t>(m.compared_rows));
+      CHECK(m.paired_replayed_rows > 0);
+      CHECK(m.paired_replay_mismatch_decisions == 0.0);
+      CHECK(m.paired_native_k3 > 0);
+      CHECK(m.paired_replay_k3 > 0);  // bf16 numerics differ beyond routing
+      native_mismatch += m.paired_native_mismatch_decisions;
+      native_tokens += m.paired_native_mismatch_tokens;
+      // Where the mode's own old-log-prob pass is one of the paired passes, it is the same numbers.
+      if (mode == mrr::ReplayMode::R3) {
+        CHECK(m.paired_replay_k3 == m.k3);
+        CHECK(m.paired_replay_mean_abs_dlogp == m.mean_abs_dlogp);
+      } else {
+        CHECK(m.paired_native_k3 == m.k3);
+        CHECK(m.paired_native_mismatch_decisions == m.rollout_mismatch_decisions);
+        CHECK(m.paired_native_mismatch_tokens == m.rollout_mismatch_tokens);
+      }
+    }
+    // Natively routed, the training engine picks other experts than the bf16 rollout for some tokens.
+    CHECK(native_mismatch > 0);
+    CHECK(native_tokens > 0);
+
+    // Computing both paired passes (no reuse of the old-log-prob pass) gives bitwise the same
+    // numbers, and the paired passes leave the run itself untouched.
+    TrainConfig both = c;
+    both.paired_reuse = false;
+    TrainConfig none = c;
+    none.paired_metrics = false;
+    const auto computed = train(both);
+    const auto unmeasured = train(none);
+    for (std::size_t s = 0; s < runs.size(); ++s) {
+      CAPTURE(s);
+      CHECK(computed[s].paired_native_k3 == runs[s].paired_native_k3);
+      CHECK(computed[s].paired_native_mismatch_decisions == runs[s].paired_native_mismatch_decisions);
+      CHECK(computed[s].paired_native_mismatch_tokens == runs[s].paired_native_mismatch_tokens);
+      CHECK(computed[s].paired_native_mean_abs_dlogp == runs[s].paired_native_mean_abs_dlogp);
+      CHECK(computed[s].paired_replay_k3 == runs[s].paired_replay_k3);
+      CHECK(computed[s].paired_replay_mean_abs_dlogp == runs[s].paired_replay_mean_abs_dlogp);
+      CHECK(computed[s].paired_replayed_rows == runs[s].paired_replayed_rows);
+      for (const auto* other : {&computed[s], &unmeasured[s]}) {
+        CHECK(other->params_digest == runs[s].params_digest);
+        CHECK(other->routes_digest == runs[s].routes_digest);
+        CHECK(other->loss == runs[s].loss);
+        CHECK(other->replayed_rows == runs[s].replayed_rows);
+        CHECK(other->native_rows == runs[s].native_rows);
+        CHECK(other->recorded_rows == runs[s].recorded_rows);
+      }
+      CHECK(unmeasured[s].paired_replayed_rows == 0);
+    }
+  }
+}
+
 TEST_CASE("R2: zero mismatch between the old-log-prob and update passes; the rollout still differs") {
   const auto r2 = train(small(mrr::ReplayMode::R2));
   double rollout_mismatch = 0;
@@ -146,6 +209,8 @@ TEST_CASE("1 rank and 2 expert-parallel ranks: bitwise the same losses, routes a
       CHECK(one[s].routes_digest == two[s].routes_digest);
       CHECK(one[s].params_digest == two[s].params_digest);
       CHECK(one[s].rollout_mismatch_decisions == two[s].rollout_mismatch_decisions);
+      CHECK(one[s].paired_native_mismatch_decisions == two[s].paired_native_mismatch_decisions);
+      CHECK(one[s].paired_replayed_rows == two[s].paired_replayed_rows);
     }
     CHECK(one.back().params_digest != one.front().params_digest);  // it trained
   }

@@ -114,9 +114,10 @@ __global__ void fused_route_replay(device::RouterParams p, const float* __restri
 
 }  // namespace kernels
 
-// Whether the fused kernel handles this router (no group limits, E <= 1024, k <= 32).
+// Whether the fused kernel handles this router (no group limits, no capacity dropping: that is a
+// pass over the whole batch, device::TopKRouter's; E <= 1024, k <= 32).
 inline bool fused_routing_supports(const device::RouterParams& p) {
-  return !p.grouped && p.num_experts <= 1024 && p.topk <= 32;
+  return !p.grouped && !p.drops_over_capacity && p.num_experts <= 1024 && p.topk <= 32;
 }
 
 // Routes (replay_ids null) or replays (rows with replay_mask 0, or all when it is null) `tokens`

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <mrr/concepts.hpp>
+#include <mrr/cpu/backend.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 #include <mrr/replay/layout.hpp>
@@ -24,6 +25,39 @@ enum class MissingRoutes {
   error,                 // every token must have a route (R2: all were recorded)
   native_last_position,  // only a sequence's final token may lack one (R3: vLLM returns n-1 rows)
   native,                // route any token without a route natively
+};
+
+template <class Scalar>
+class TopKRouter;  // mrr/router/topk_router.hpp
+
+// The router a backend runs: what MoELayer and RoutingReplay take for it. TopKRouter on the CPU;
+// a backend's header specialises it (mrr/thrust/backend_router.hpp: device::BackendRouter for
+// every ThrustBackend).
+template <class Backend, class Scalar>
+struct RouterFor {
+  static_assert(!sizeof(Backend*),
+                "mrr::RouterFor<Backend, Scalar>: no router is registered for this backend; include the backend's "
+                "router header (mrr/thrust/backend_router.hpp for mrr::ThrustBackend)");
+};
+template <class Scalar>
+struct RouterFor<CpuBackend, Scalar> {
+  using type = TopKRouter<Scalar>;
+};
+template <class Backend, class Scalar>
+using router_for_t = typename RouterFor<Backend, Scalar>::type;
+
+// A router whose logits and routing stay in a backend's memory (a GPU's, or Thrust's OpenMP
+// system): RoutingReplay::route_resident moves only ids, to the host route store and back.
+template <class R>
+concept ResidentRouter = requires(const R& r, const typename R::resident_logits& logits, const ExpertIds& ids,
+                                  const std::vector<std::uint8_t>& found,
+                                  const typename R::resident_routing& routing, ExpertIds& host_ids) {
+  { r.num_experts() } -> std::convertible_to<int>;
+  { r.topk() } -> std::convertible_to<int>;
+  { r.resident_rows(logits) } -> std::convertible_to<long>;
+  { r.route_resident(logits) } -> std::same_as<typename R::resident_routing>;
+  { r.replay_resident(logits, ids, found) } -> std::same_as<typename R::resident_routing>;
+  r.copy_ids_to_host(routing, host_ids);
 };
 
 struct ReplayStats {
@@ -88,12 +122,7 @@ class RoutingReplay {
   Routing<typename R::scalar_type> route(const R& router, int layer, MatrixRef<typename R::scalar_type> logits) {
     constexpr const char* fn = "RoutingReplay::route";
     if (action_ == RouterAction::native) return router.route(logits);
-    const RouteShape& shape = store_->shape();
-    detail::require(layer >= 0 && layer < shape.num_layers, fn, "layer ", layer, " outside the store's [0, ",
-                    shape.num_layers, ")");
-    detail::require(router.num_experts() == shape.num_experts && router.topk() == shape.topk, fn, "layer ", layer,
-                    ": the router has ", router.num_experts(), " experts and k=", router.topk(), " but the store holds ",
-                    shape.to_string());
+    check_router(router, layer, fn);
     auto& queue = queues_[static_cast<std::size_t>(layer)];
     if (action_ == RouterAction::replay_backward) {
       if (queue.empty())
@@ -125,7 +154,56 @@ class RoutingReplay {
     return routing;
   }
 
+  // The same, for logits resident in a backend's memory (a ResidentRouter, e.g.
+  // device::BackendRouter with Thrust vectors): the routing stays there; recorded ids are copied
+  // to the host store (through pinned buffers on CUDA), replayed ids from it.
+  template <ResidentRouter R>
+  typename R::resident_routing route_resident(const R& router, int layer, const typename R::resident_logits& logits) {
+    constexpr const char* fn = "RoutingReplay::route_resident";
+    if (action_ == RouterAction::native) return router.route_resident(logits);
+    check_router(router, layer, fn);
+    auto& queue = queues_[static_cast<std::size_t>(layer)];
+    const long rows = router.resident_rows(logits);
+    if (action_ == RouterAction::replay_backward) {
+      if (queue.empty())
+        throw RouteStoreError(detail::str("mrr::", fn, ": layer ", layer,
+                                          " has no queued routes to recompute with: replay_backward consumes, in "
+                                          "order, the ids of earlier replay_forward calls of the same layer"));
+      Queued q = std::move(queue.front());
+      queue.pop_front();
+      detail::require(q.ids.rows() == rows, fn, "layer ", layer, ": the recomputed forward has ", rows,
+                      " rows but the forward it replays had ", q.ids.rows(), " (recompute must follow the forward order)");
+      return router.replay_resident(logits, q.ids, q.found);
+    }
+    detail::require(layout_.size() == static_cast<std::size_t>(rows), fn, "layer ", layer, ": logits have ", rows,
+                    " rows but the micro-batch layout has ", layout_.size(), " (call set_micro_batch before the forward)");
+    if (action_ == RouterAction::record) {
+      auto routing = router.route_resident(logits);
+      ExpertIds ids;
+      router.copy_ids_to_host(routing, ids);
+      store_->record(layer, layout_, ids);
+      stats_.recorded_rows += layout_.real_tokens();
+      return routing;
+    }
+    Queued q;
+    store_->lookup(layer, layout_, q.ids, q.found);
+    check_missing(layer, q.found);
+    auto routing = router.replay_resident(logits, q.ids, q.found);
+    if (queue_) queue.push_back(std::move(q));
+    return routing;
+  }
+
  private:
+  template <class R>
+  void check_router(const R& router, int layer, const char* fn) const {
+    const RouteShape& shape = store_->shape();
+    detail::require(layer >= 0 && layer < shape.num_layers, fn, "layer ", layer, " outside the store's [0, ",
+                    shape.num_layers, ")");
+    detail::require(router.num_experts() == shape.num_experts && router.topk() == shape.topk, fn, "layer ", layer,
+                    ": the router has ", router.num_experts(), " experts and k=", router.topk(), " but the store holds ",
+                    shape.to_string());
+  }
+
   struct Queued {
     ExpertIds ids;
     std::vector<std::uint8_t> found;
@@ -185,6 +263,10 @@ class RoutingReplay<NoRouteStore> {
   template <Router R>
   Routing<typename R::scalar_type> route(const R& router, int, MatrixRef<typename R::scalar_type> logits) const {
     return router.route(logits);
+  }
+  template <ResidentRouter R>
+  typename R::resident_routing route_resident(const R& router, int, const typename R::resident_logits& logits) const {
+    return router.route_resident(logits);
   }
 };
 

@@ -1,9 +1,10 @@
 // mrr-requires: mrr_thrust_omp
 // Expert-major permutation of a top-k routing on a Thrust system (the device mirror of
 // make_expert_permutation / permute_tokens / combine in router/permute.hpp): rows for expert 0
-// first, each expert's tokens in ascending token order (a stable sort of the slots by expert),
-// and a combine that accumulates each token's k expert outputs in slot order, in Accum precision,
-// so the result never depends on how rows were produced or arrived.
+// first, each expert's tokens in ascending token order (a counting sort of the slots by expert:
+// count, scan, place; stable by construction), and a combine that accumulates each token's k
+// expert outputs in slot order, in Accum precision, so the result never depends on how rows were
+// produced or arrived.
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -11,15 +12,18 @@
 #include <mrr/thrust/backend.hpp>
 
 #include <thrust/adjacent_difference.h>
-#include <thrust/binary_search.h>
-#include <thrust/copy.h>
 #include <thrust/for_each.h>
+#include <thrust/functional.h>
 #include <thrust/iterator/counting_iterator.h>
-#include <thrust/logical.h>
-#include <thrust/sequence.h>
-#include <thrust/sort.h>
+#include <thrust/reduce.h>
+#include <thrust/scan.h>
+
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_OMP
+#include <omp.h>
+#endif
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 MRR_NAMESPACE_BEGIN
@@ -38,26 +42,64 @@ struct ExpertPermutation {
 
 namespace kernels {
 
-struct OutOfRange {
-  int num_experts;
-  MRR_HOST_DEVICE bool operator()(std::int32_t e) const { return e < 0 || e >= num_experts; }
-};
-
-// sorted slot s = t * k + j at row r: source_token[r] = t, row_of_slot[s] = r.
-struct ScatterSlots {
-  const std::int32_t* sorted_slots;
-  std::int32_t* source_token;
-  std::int32_t* row_of_slot;
-  int k;
-  MRR_HOST_DEVICE void operator()(long r) const {
-    const std::int32_t s = sorted_slots[r];
-    source_token[r] = s / k;
-    row_of_slot[s] = static_cast<std::int32_t>(r);
+// The permutation is a counting sort of the slots by expert, stable by construction: the slots
+// are cut into chunks; each chunk counts its experts (histogram [experts, chunks], expert-major);
+// one exclusive scan of that histogram gives every (expert, chunk) its first row; each chunk then
+// places its slots in slot order. Three passes over the ids and no comparison sort.
+struct CountChunk {
+  const std::int32_t* ids;
+  std::int32_t* histogram;  // [experts, chunks]
+  std::uint8_t* bad;        // [chunks] 1 where an id is outside [0, experts)
+  long slots, chunk;
+  int num_experts, chunks;
+  MRR_HOST_DEVICE void operator()(int c) const {
+    for (int e = 0; e < num_experts; ++e) histogram[static_cast<long>(e) * chunks + c] = 0;
+    const long lo = c * chunk, hi = lo + chunk < slots ? lo + chunk : slots;
+    bool out_of_range = false;
+    for (long s = lo; s < hi; ++s) {
+      const std::int32_t e = ids[s];
+      if (e < 0 || e >= num_experts) {
+        out_of_range = true;
+        continue;
+      }
+      ++histogram[static_cast<long>(e) * chunks + c];
+    }
+    bad[c] = out_of_range ? 1 : 0;
   }
 };
 
-// Rows are copied in chunks of kChunk contiguous elements: long unit-stride loops on CPU threads,
-// many independent work items on a GPU.
+struct PlaceChunk {
+  const std::int32_t* ids;
+  const std::int32_t* first_row;  // [experts, chunks] exclusive scan of the histogram
+  std::int32_t* source_token;
+  std::int32_t* row_of_slot;
+  long slots, chunk;
+  int num_experts, chunks, k;
+  MRR_HOST_DEVICE void operator()(int c) const {
+    std::int32_t next[1024];  // kMaxExperts of the router
+    for (int e = 0; e < num_experts; ++e) next[e] = first_row[static_cast<long>(e) * chunks + c];
+    const long lo = c * chunk, hi = lo + chunk < slots ? lo + chunk : slots;
+    for (long s = lo; s < hi; ++s) {
+      const std::int32_t r = next[ids[s]]++;
+      source_token[r] = static_cast<std::int32_t>(s / k);
+      row_of_slot[s] = r;
+    }
+  }
+};
+
+// expert_offsets[e] = first_row[e, 0]; expert_offsets[experts] = slots.
+struct ExpertOffsets {
+  const std::int32_t* first_row;
+  std::int32_t* offsets;
+  int chunks, num_experts;
+  std::int32_t slots;
+  MRR_HOST_DEVICE void operator()(int e) const {
+    offsets[e] = e == num_experts ? slots : first_row[static_cast<long>(e) * chunks];
+  }
+};
+
+// Rows are copied in chunks of kChunk contiguous elements: many independent work items on a GPU;
+// on CPU threads a gathered row is one work item and one memcpy.
 inline constexpr long kChunk = 256;
 
 template <class T>
@@ -67,13 +109,23 @@ struct GatherRows {
   T* out;
   long hidden, chunks_per_row;
   MRR_HOST_DEVICE void operator()(long item) const {
-    const long r = item / chunks_per_row, lo = (item % chunks_per_row) * kChunk;
-    const long hi = lo + kChunk < hidden ? lo + kChunk : hidden;
+    const long length = (hidden + chunks_per_row - 1) / chunks_per_row;
+    const long r = item / chunks_per_row, lo = (item % chunks_per_row) * length;
+    const long hi = lo + length < hidden ? lo + length : hidden;
     const T* src = tokens + static_cast<long>(source_token[r]) * hidden;
     T* dst = out + r * hidden;
+#if defined(__CUDA_ARCH__)
     for (long h = lo; h < hi; ++h) dst[h] = src[h];
+#else
+    std::memcpy(dst + lo, src + lo, static_cast<std::size_t>(hi - lo) * sizeof(T));
+#endif
   }
 };
+
+// Chunks per row for GatherRows: one on the OpenMP and host systems (rows are work items enough).
+inline long gather_chunks_per_row(long hidden, bool host_system) {
+  return host_system ? 1 : (hidden + kChunk - 1) / kChunk;
+}
 
 template <class T, class Accum>
 struct CombineRows {
@@ -101,7 +153,20 @@ struct CombineRows {
 
 }  // namespace kernels
 
-// The permutation of ids [tokens, k] (int32, every slot dispatched).
+// Chunks of the counting sort: a few per OpenMP thread (each a long sequential run), or one per
+// 256 slots on a GPU (many independent work items).
+inline int permutation_chunks(long slots) {
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_OMP
+  const long wanted = 4L * omp_get_max_threads();
+#else
+  const long wanted = (slots + 255) / 256;
+#endif
+  const long at_least_1k = (slots + 1023) / 1024;  // never chunks so small the histogram dominates
+  const long chunks = wanted < at_least_1k ? wanted : at_least_1k;
+  return static_cast<int>(chunks < 1 ? 1 : chunks);
+}
+
+// The permutation of ids [tokens, k] (int32, every slot dispatched). Experts <= 1024.
 template <class Backend = ThrustDeviceBackend>
 ExpertPermutation<Backend> make_expert_permutation(const typename Backend::template vector<std::int32_t>& ids,
                                                    long tokens, int topk, int num_experts) {
@@ -110,25 +175,36 @@ ExpertPermutation<Backend> make_expert_permutation(const typename Backend::templ
   mrr::detail::require(ids.size() == slots, fn, "'ids' has ", ids.size(), " values, expected [", tokens, ", ", topk,
                        "]");
   mrr::detail::require(slots < (std::size_t(1) << 31), fn, "tokens * k = ", slots, " exceeds the int32 row index");
+  mrr::detail::require(num_experts > 0 && num_experts <= 1024, fn, "num_experts=", num_experts,
+                       " outside the device limit [1, 1024]");
   const auto policy = Backend::policy();
-  mrr::detail::require(!thrust::any_of(policy, ids.begin(), ids.end(), kernels::OutOfRange{num_experts}), fn,
-                       "an expert id is outside [0, ", num_experts, ")");
   ExpertPermutation<Backend> p;
   p.tokens = tokens;
   p.topk = topk;
-  typename Backend::template vector<std::int32_t> keys(ids.begin(), ids.end()), sorted_slots(slots);
-  thrust::sequence(policy, sorted_slots.begin(), sorted_slots.end());
-  // Stable: within an expert, slots (hence tokens) stay ascending.
-  thrust::stable_sort_by_key(policy, keys.begin(), keys.end(), sorted_slots.begin());
+  const int chunks = permutation_chunks(static_cast<long>(slots));
+  const long chunk = (static_cast<long>(slots) + chunks - 1) / chunks;
+  typename Backend::template vector<std::int32_t> histogram(static_cast<std::size_t>(num_experts) * chunks);
+  typename Backend::template vector<std::uint8_t> bad(static_cast<std::size_t>(chunks));
+  const auto* id = thrust::raw_pointer_cast(ids.data());
+  thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(chunks),
+                   kernels::CountChunk{id, thrust::raw_pointer_cast(histogram.data()),
+                                       thrust::raw_pointer_cast(bad.data()), static_cast<long>(slots), chunk,
+                                       num_experts, chunks});
+  mrr::detail::require(thrust::reduce(policy, bad.begin(), bad.end(), 0, thrust::maximum<int>()) == 0, fn,
+                       "an expert id is outside [0, ", num_experts, ")");
+  thrust::exclusive_scan(policy, histogram.begin(), histogram.end(), histogram.begin());
   p.expert_offsets.resize(static_cast<std::size_t>(num_experts) + 1);
-  thrust::lower_bound(policy, keys.begin(), keys.end(), thrust::counting_iterator<std::int32_t>(0),
-                      thrust::counting_iterator<std::int32_t>(num_experts + 1), p.expert_offsets.begin());
+  thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(num_experts + 1),
+                   kernels::ExpertOffsets{thrust::raw_pointer_cast(histogram.data()),
+                                          thrust::raw_pointer_cast(p.expert_offsets.data()), chunks, num_experts,
+                                          static_cast<std::int32_t>(slots)});
   p.source_token.resize(slots);
   p.row_of_slot.resize(slots);
-  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(static_cast<long>(slots)),
-                   kernels::ScatterSlots{thrust::raw_pointer_cast(sorted_slots.data()),
-                                         thrust::raw_pointer_cast(p.source_token.data()),
-                                         thrust::raw_pointer_cast(p.row_of_slot.data()), topk});
+  thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(chunks),
+                   kernels::PlaceChunk{id, thrust::raw_pointer_cast(histogram.data()),
+                                       thrust::raw_pointer_cast(p.source_token.data()),
+                                       thrust::raw_pointer_cast(p.row_of_slot.data()), static_cast<long>(slots), chunk,
+                                       num_experts, chunks, topk});
   return p;
 }
 
@@ -141,18 +217,27 @@ typename Backend::template vector<std::int32_t> tokens_per_expert(const ExpertPe
   return counts;
 }
 
-// tokens [tokens, hidden] -> [rows, hidden], expert-major.
+// tokens [tokens, hidden] -> out [rows, hidden], expert-major, into a buffer the caller keeps
+// across steps (a fresh Thrust vector is zero-filled first: one more write of the whole output).
 template <class T, class Backend = ThrustDeviceBackend>
-typename Backend::template vector<T> permute_tokens(const typename Backend::template vector<T>& tokens, long hidden,
-                                                    const ExpertPermutation<Backend>& p) {
+void permute_tokens(const typename Backend::template vector<T>& tokens, long hidden, const ExpertPermutation<Backend>& p,
+                    typename Backend::template vector<T>& out) {
   mrr::detail::require(tokens.size() == static_cast<std::size_t>(p.tokens * hidden), "device::permute_tokens",
                        "'tokens' has ", tokens.size(), " values, expected [", p.tokens, ", ", hidden, "]");
-  typename Backend::template vector<T> out(static_cast<std::size_t>(p.rows() * hidden));
-  const long chunks = (hidden + kernels::kChunk - 1) / kernels::kChunk;
+  if (out.size() != static_cast<std::size_t>(p.rows() * hidden)) out.resize(static_cast<std::size_t>(p.rows() * hidden));
+  const long chunks = kernels::gather_chunks_per_row(hidden, !Backend::is_device);
   thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(p.rows() * chunks),
                    kernels::GatherRows<T>{thrust::raw_pointer_cast(tokens.data()),
                                           thrust::raw_pointer_cast(p.source_token.data()),
                                           thrust::raw_pointer_cast(out.data()), hidden, chunks});
+}
+
+// tokens [tokens, hidden] -> [rows, hidden], expert-major.
+template <class T, class Backend = ThrustDeviceBackend>
+typename Backend::template vector<T> permute_tokens(const typename Backend::template vector<T>& tokens, long hidden,
+                                                    const ExpertPermutation<Backend>& p) {
+  typename Backend::template vector<T> out;
+  permute_tokens<T, Backend>(tokens, hidden, p, out);
   return out;
 }
 

@@ -1,8 +1,9 @@
 // mrr-requires: mrr_thrust_omp
 // PPO / GRPO utilities on a Thrust system (the device mirror of ppo/advantage.hpp, masked.hpp and
-// kl.hpp, same verl semantics). GAE runs as two segmented reverse scans of affine maps
+// kl.hpp, same verl semantics). GAE on a GPU runs as two segmented reverse scans of affine maps
 // x_t = a_t x_{t+1} + b_t (one for the carried next value, one for the advantage), so time is
-// parallel too; results equal the sequential recurrence up to floating-point reassociation.
+// parallel too (results equal the sequential recurrence up to floating-point reassociation); on
+// CPU threads (the OpenMP system) as the sequential recurrence over blocks of rows.
 // Tensors are row-major [rows, cols] Thrust vectors; sums behind means run in double.
 #pragma once
 
@@ -27,6 +28,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 MRR_NAMESPACE_BEGIN
 namespace device {
@@ -99,6 +101,52 @@ struct WriteAdvantage {
     const long i = n - 1 - j;
     advantages[i] = scanned[j].b;
     returns[i] = scanned[j].b + values[i];
+  }
+};
+
+// GAE for a block of kGaeRows rows by the sequential recurrence, one row after the other (rows
+// of a power-of-two length sit at the same cache set: interleaving them thrashes L1), each step
+// one fused multiply-add on the carried value (last = a last + b, a and b free of it), with the
+// block's masked count, sum and M2 about the block mean of the advantages for the whitening
+// statistics. The OpenMP system's algorithm: rows are spread over threads, time stays sequential.
+inline constexpr int kGaeRows = 8;
+
+template <class T>
+struct GaeRowBlock {
+  const T *rewards, *values, *mask;
+  T *advantages, *returns;
+  double* moments;  // [blocks, 3]: count, sum, M2
+  long rows, cols;
+  T gamma, gamma_lambda;
+  MRR_HOST_DEVICE void operator()(long block) const {
+    const long r0 = block * kGaeRows, r1 = r0 + kGaeRows < rows ? r0 + kGaeRows : rows;
+    double count = 0, sum = 0;
+    for (long r = r0; r < r1; ++r) {
+      T next_value = 0, last_gae = 0;
+      for (long at = r * cols + cols - 1; at >= r * cols; --at) {
+        const T m = mask[at], v = values[at];
+        const T delta = rewards[at] + gamma * next_value - v;
+        last_gae = (m * gamma_lambda + (T(1) - m)) * last_gae + m * delta;
+        next_value = (T(1) - m) * next_value + m * v;
+        advantages[at] = last_gae;
+        returns[at] = last_gae + v;
+      }
+    }
+    for (long at = r0 * cols; at < r1 * cols; ++at) {
+      const double m = static_cast<double>(mask[at]);
+      count += m;
+      sum += m != 0 ? static_cast<double>(advantages[at]) * m : 0.0;
+    }
+    const double mean = count != 0 ? sum / count : 0.0;
+    double m2 = 0;
+    for (long at = r0 * cols; at < r1 * cols; ++at) {
+      const double m = static_cast<double>(mask[at]);
+      const double d = static_cast<double>(advantages[at]) - mean;
+      m2 += m != 0 ? d * d * m : 0.0;
+    }
+    moments[3 * block] = count;
+    moments[3 * block + 1] = sum;
+    moments[3 * block + 2] = m2;
   }
 };
 
@@ -349,19 +397,79 @@ typename Backend::template vector<T> masked_row_mean(const typename Backend::tem
   return out;
 }
 
+// verl whitens GAE advantages with its own statistics (count epsilon in the mean, variance around
+// that mean), from the masked count w, sum s and M2 about the exact mean s / w.
+template <class T, class Backend>
+void whiten_advantages(typename Backend::template vector<T>& advantages, double w, double s, double m2,
+                       const char* fn) {
+  mrr::detail::require(w != 0, fn, "'response_mask' selects no element; whitening is undefined");
+  mrr::detail::require(w != 1, fn, "'response_mask' selects a single element; the unbiased variance divides by zero");
+  const double mean = s / (w + kMaskCountEpsilon), offset = s / w - mean;
+  const double var = (m2 + w * offset * offset) / (w + kMaskCountEpsilon) * (w / (w - 1));
+  using std::sqrt;
+  const T inv_std = T(1) / sqrt(static_cast<T>(var) + T(kWhitenVarianceEpsilon));
+  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0),
+                   thrust::counting_iterator<long>(static_cast<long>(advantages.size())),
+                   kernels::Whiten<T>{ppo_detail::raw(advantages), static_cast<T>(mean), inv_std, T(0)});
+}
+
+// How GAE walks time: `scan` (two segmented reverse scans of affine maps, parallel over time: what
+// a GPU needs) or `rows` (the sequential recurrence, blocks of rows in parallel: what CPU threads
+// need). `automatic` picks rows on the OpenMP and host systems and scan on CUDA.
+enum class GaeAlgorithm { automatic, scan, rows };
+
+template <class Backend>
+constexpr GaeAlgorithm resolve_gae_algorithm(GaeAlgorithm a) {
+  if (a != GaeAlgorithm::automatic) return a;
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
+  return std::is_same_v<Backend, ThrustBackend<ThrustHostSystem>> ? GaeAlgorithm::rows : GaeAlgorithm::scan;
+#else
+  return GaeAlgorithm::rows;
+#endif
+}
+
 // verl "gae": advantages whitened over the mask (every element), returns = advantages + values
 // before whitening. Inputs [rows, cols].
 template <class T, class Backend = ThrustDeviceBackend>
 AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend::template vector<T>& rewards,
                                                          const typename Backend::template vector<T>& values,
                                                          const typename Backend::template vector<T>& mask, long cols,
-                                                         double gamma, double lam) {
+                                                         double gamma, double lam,
+                                                         GaeAlgorithm algorithm = GaeAlgorithm::automatic) {
   constexpr const char* fn = "device::compute_gae_advantage_return";
   using ppo_detail::raw;
   const long n = static_cast<long>(rewards.size());
   mrr::detail::require(cols > 0 && n % cols == 0 && values.size() == rewards.size() && mask.size() == rewards.size(), fn,
                        "rewards, values and mask must all be [rows, ", cols, "]");
   const auto policy = Backend::policy();
+  if (resolve_gae_algorithm<Backend>(algorithm) == GaeAlgorithm::rows) {
+    const long rows = n / cols, blocks = (rows + kernels::kGaeRows - 1) / kernels::kGaeRows;
+    AdvantageResult<T, Backend> out{typename Backend::template vector<T>(static_cast<std::size_t>(n)),
+                                    typename Backend::template vector<T>(static_cast<std::size_t>(n))};
+    typename Backend::template vector<double> moments(static_cast<std::size_t>(3 * blocks));
+    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(blocks),
+                     kernels::GaeRowBlock<T>{raw(rewards), raw(values), raw(mask), raw(out.advantages),
+                                             raw(out.returns), raw(moments), rows, cols, static_cast<T>(gamma),
+                                             static_cast<T>(gamma * lam)});
+    // Merge the blocks' moments in block order (Chan et al.): deterministic for any thread count.
+    const thrust::host_vector<double> h(moments);
+    double w = 0, s = 0, m2 = 0;
+    for (long b = 0; b < blocks; ++b) {
+      const double wb = h[static_cast<std::size_t>(3 * b)], sb = h[static_cast<std::size_t>(3 * b + 1)],
+                   m2b = h[static_cast<std::size_t>(3 * b + 2)];
+      if (wb == 0) continue;
+      if (w != 0) {
+        const double d = sb / wb - s / w;
+        m2 += m2b + d * d * w * wb / (w + wb);
+      } else {
+        m2 = m2b;
+      }
+      w += wb;
+      s += sb;
+    }
+    whiten_advantages<T, Backend>(out.advantages, w, s, m2, fn);
+    return out;
+  }
   const auto keys = thrust::make_transform_iterator(thrust::counting_iterator<long>(0), kernels::ReverseRowKey{n, cols});
   typename Backend::template vector<kernels::Affine<T>> next_value(static_cast<std::size_t>(n)),
       scanned(static_cast<std::size_t>(n));
@@ -378,17 +486,9 @@ AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend:
                                   typename Backend::template vector<T>(static_cast<std::size_t>(n))};
   thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(n),
                    kernels::WriteAdvantage<T>{raw(scanned), raw(values), raw(out.advantages), raw(out.returns), n});
-  // verl whitens with its own statistics (count epsilon in the mean, variance around that mean).
   double w = 0, s = 0, m2 = 0;
   ppo_detail::masked_sums<T, Backend>(out.advantages, mask, w, s, &m2);
-  mrr::detail::require(w != 0, fn, "'response_mask' selects no element; whitening is undefined");
-  mrr::detail::require(w != 1, fn, "'response_mask' selects a single element; the unbiased variance divides by zero");
-  const double mean = s / (w + kMaskCountEpsilon), offset = s / w - mean;
-  const double var = (m2 + w * offset * offset) / (w + kMaskCountEpsilon) * (w / (w - 1));
-  using std::sqrt;
-  const T inv_std = T(1) / sqrt(static_cast<T>(var) + T(kWhitenVarianceEpsilon));
-  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(n),
-                   kernels::Whiten<T>{raw(out.advantages), static_cast<T>(mean), inv_std, T(0)});
+  whiten_advantages<T, Backend>(out.advantages, w, s, m2, fn);
   return out;
 }
 

@@ -12,11 +12,22 @@
 #include <mrr/error.hpp>
 #include <mrr/router/config.hpp>
 #include <mrr/thrust/backend.hpp>
+#include <mrr/thrust/bf16.hpp>
+#include <mrr/thrust/permute.hpp>
 
+#include <cuda/std/limits>
+
+#include <thrust/find.h>
 #include <thrust/for_each.h>
+#include <thrust/functional.h>
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/logical.h>
+#include <thrust/reduce.h>
+#include <thrust/sort.h>
+#include <thrust/transform.h>
+#include <thrust/tuple.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -37,6 +48,7 @@ struct RouterParams {
   int num_groups = 0, group_topk = 0, group_score_topk = 0, experts_per_group = 0;
   bool has_bias = false, has_scale = false;
   double scale = 1.0;
+  bool drops_over_capacity = false;  // applied after the per-token pass (TopKRouter::drop_over_capacity)
 };
 
 inline RouterParams resolve(const RouterConfig& c) {
@@ -56,6 +68,7 @@ inline RouterParams resolve(const RouterConfig& c) {
   p.has_bias = c.use_expert_bias;
   p.has_scale = c.scaling_factor.has_value();
   p.scale = c.scaling_factor.value_or(1.0);
+  p.drops_over_capacity = c.capacity_factor.has_value();
   return p;
 }
 
@@ -91,12 +104,25 @@ MRR_HOST_DEVICE inline T sum_of_top(const T* v, int n, int m) {
   return sum;
 }
 
+// Top k of v[0, n) (lower index wins ties). On the host (the OpenMP system) the block-bounded
+// selection the CPU router uses, about twice as fast for long rows; on a GPU the plain insertion,
+// which needs no n-sized scratch. Both return the same ids.
+template <class T, class Index>
+MRR_HOST_DEVICE MRR_FORCEINLINE void topk_row(const T* v, int n, int k, Index* ids, T* vals) {
+#if defined(__CUDA_ARCH__)
+  mrr::detail::topk_desc(v, n, k, ids, vals);
+#else
+  int scratch[kMaxExperts];
+  mrr::detail::topk_desc_bounded(v, n, k, ids, vals, scratch);
+#endif
+}
+
 template <class T>
 MRR_HOST_DEVICE inline void select_row(const RouterParams& p, const T* z, const T* bias, std::int32_t* ids) {
   const int k = p.topk, n = p.num_experts;
   T vals[kMaxTopK];
   if (p.selects_on_logits) {
-    mrr::detail::topk_desc(z, n, k, ids, vals);
+    topk_row(z, n, k, ids, vals);
     return;
   }
   T s[kMaxExperts];
@@ -120,7 +146,7 @@ MRR_HOST_DEVICE inline void select_row(const RouterParams& p, const T* z, const 
   if (p.has_bias)
     for (int e = 0; e < n; ++e) s[e] += bias[e];
   if (!p.grouped) {
-    mrr::detail::topk_desc(s, n, k, ids, vals);
+    topk_row(s, n, k, ids, vals);
     return;
   }
   const int groups = p.num_groups, per = p.experts_per_group, gk = p.group_topk;
@@ -149,7 +175,7 @@ MRR_HOST_DEVICE inline void select_row(const RouterParams& p, const T* z, const 
       cand_id[count++] = e;
     }
   }
-  mrr::detail::topk_desc(cand, count, k, ids, vals);
+  topk_row(cand, count, k, ids, vals);
   for (int j = 0; j < k; ++j) ids[j] = cand_id[ids[j]];
 }
 
@@ -199,26 +225,124 @@ MRR_HOST_DEVICE inline void weights_row(const RouterParams& p, const T* z, const
     for (int j = 0; j < k; ++j) w[j] *= static_cast<T>(p.scale);
 }
 
-// One token of route / replay: replayed rows copy their ids, the others select natively.
+// Why a row could not be routed (0: it was). Checked in the same pass that routes, so valid
+// inputs cost no extra read; the host turns the first nonzero code into the CPU router's error.
+enum RowStatus : std::uint8_t { row_ok = 0, row_invalid_logit = 1, row_invalid_replay = 2, row_too_few_finite = 3 };
+
+// Scans a row once: NaN or +inf makes it invalid (-inf is a valid mask); counts finite logits.
+// Two compares per value and no branch, so the host compiler vectorises the scan.
 template <class T>
+MRR_HOST_DEVICE inline bool valid_logits(const T* z, int n, int& finite) {
+  constexpr T largest = cuda::std::numeric_limits<T>::max();
+  int bad = 0, count = 0;
+  for (int e = 0; e < n; ++e) {
+    const T x = z[e];
+    bad |= x <= largest ? 0 : 1;      // NaN or +inf
+    count += x >= -largest ? 1 : 0;  // finite (not -inf, not NaN)
+  }
+  finite = count;
+  return bad == 0;
+}
+
+MRR_HOST_DEVICE inline bool valid_replay_row(const std::int32_t* id, int k, int num_experts) {
+  for (int j = 0; j < k; ++j) {
+    if (id[j] < 0 || id[j] >= num_experts) return false;
+    for (int i = 0; i < j; ++i)
+      if (id[i] == id[j]) return false;
+  }
+  return true;
+}
+
+template <class T, class In>
+MRR_HOST_DEVICE MRR_FORCEINLINE T widen(In x) {
+  return static_cast<T>(x);
+}
+template <class T>
+MRR_HOST_DEVICE MRR_FORCEINLINE T widen(bf16 x) {
+  return static_cast<T>(x.to_float());
+}
+
+// Logits stored as In (T, or bf16 widened exactly to T): a row pointer to T values.
+template <class T, class In>
+struct RowOfLogits {
+  T buffer[std::is_same_v<T, In> ? 1 : kMaxExperts];
+  MRR_HOST_DEVICE const T* load(const In* z, int n) {
+    if constexpr (std::is_same_v<T, In>) {
+      (void)n;
+      return z;
+    } else {
+      for (int e = 0; e < n; ++e) buffer[e] = widen<T>(z[e]);
+      return buffer;
+    }
+  }
+};
+
+inline constexpr long kReplayPrefetchRows = 4;
+
+// One token of route / replay: replayed rows copy their ids, the others select natively.
+template <class T, class In = T>
 struct RouteRows {
   RouterParams p;
-  const T* logits;
+  const In* logits;
   const T* bias;                    // null without expert bias
   const std::int32_t* replay_ids;   // null for native routing
   const std::uint8_t* replay_mask;  // null: every row replays (when replay_ids is set)
   std::int32_t* ids;
   T* weights;
+  std::uint8_t* status;  // [tokens] RowStatus
+  long tokens;
 
   MRR_HOST_DEVICE void operator()(long t) const {
-    const T* z = logits + t * p.num_experts;
-    std::int32_t* id = ids + t * p.topk;
+    const int k = p.topk, n = p.num_experts;
+    RowOfLogits<T, In> row;
+    const T* z = row.load(logits + t * n, n);
+    std::int32_t* id = ids + t * k;
+    T* w = weights + t * k;
+    int finite = 0;
     if (replay_ids != nullptr && (replay_mask == nullptr || replay_mask[t] != 0)) {
-      for (int j = 0; j < p.topk; ++j) id[j] = replay_ids[t * p.topk + j];
+      // A replayed row reads only its k logits (as the CPU router's replay), unless the weights
+      // are unrenormalised pre-softmax probabilities over all E.
+      const std::int32_t* given = replay_ids + t * k;
+#if !defined(__CUDA_ARCH__) && (defined(__GNUC__) || defined(__clang__))
+      // A replayed row reads k scattered logits: on CPU threads the loads of a row a few ahead
+      // overlap this row's arithmetic (rows of one thread are consecutive): about 2 x measured.
+      if (t + kReplayPrefetchRows < tokens && std::is_same_v<T, In>)
+        for (int j = 0; j < k; ++j) {
+          const long ahead = t + kReplayPrefetchRows;
+          const std::int32_t e = replay_ids[ahead * k + j];
+          if (e >= 0 && e < n) __builtin_prefetch(logits + ahead * n + e);
+        }
+#endif
+      if (!valid_replay_row(given, k, n)) {
+        status[t] = row_invalid_replay;
+        return;
+      }
+      const bool whole_row = p.score == 0 && p.pre_softmax && !p.normalize;
+      bool valid = true;
+      if (whole_row) {
+        valid = valid_logits(z, n, finite);
+      } else {
+        constexpr T largest = cuda::std::numeric_limits<T>::max();
+        for (int j = 0; j < k; ++j) valid = valid && z[given[j]] <= largest;
+      }
+      if (!valid) {
+        status[t] = row_invalid_logit;
+        return;
+      }
+      for (int j = 0; j < k; ++j) id[j] = given[j];
     } else {
+      if (!valid_logits(z, n, finite)) {
+        status[t] = row_invalid_logit;
+        return;
+      }
+      if (finite < k) {  // a top-k that must take a masked (-inf) expert is no routing decision
+        status[t] = row_too_few_finite;
+        return;
+      }
       select_row(p, z, bias, id);
     }
-    weights_row(p, z, id, weights + t * p.topk);
+    weights_row(p, z, id, w);
+    status[t] = row_ok;
   }
 };
 
@@ -229,7 +353,9 @@ struct BackwardRows {
   const T* logits;
   const std::int32_t* ids_all;
   const T* grad_weights;
+  const std::uint8_t* kept;  // null: every slot dispatched; else dropped slots pass no gradient
   T* grad;
+  std::uint8_t* status;  // [tokens] RowStatus
 
   MRR_HOST_DEVICE void operator()(long t) const {
     using std::exp;
@@ -237,10 +363,16 @@ struct BackwardRows {
     const T* z = logits + t * n;
     const std::int32_t* ids = ids_all + t * k;
     T* dz = grad + t * n;
+    for (int e = 0; e < n; ++e) dz[e] = T(0);
+    if (!valid_replay_row(ids, k, n)) {
+      status[t] = row_invalid_replay;
+      return;
+    }
+    status[t] = row_ok;
     const T scale = p.has_scale ? static_cast<T>(p.scale) : T(1);
     T g[kMaxTopK], w[kMaxTopK];
-    for (int j = 0; j < k; ++j) g[j] = grad_weights[t * k + j] * scale;
-    for (int e = 0; e < n; ++e) dz[e] = T(0);
+    for (int j = 0; j < k; ++j)
+      g[j] = (kept == nullptr || kept[t * k + j] != 0) ? grad_weights[t * k + j] * scale : T(0);
     if (p.score == 0) {
       if (p.pre_softmax && !p.normalize) {
         T mx, sum;
@@ -278,21 +410,49 @@ struct InvalidLogit {
   MRR_HOST_DEVICE bool operator()(T x) const { return !(x == x) || (x > T(0) && !(x * T(0) == T(0))); }
 };
 
-// A replayed row with an id outside [0, E) or a repeated id.
-struct InvalidReplayRow {
+// Capacity: position i of the expert-major order (within an expert: best first) holds slot
+// order[i]; the expert's first `capacity` positions are kept, the others dropped (weight 0).
+template <class T>
+struct MarkKept {
+  const std::int32_t* order;
   const std::int32_t* ids;
-  const std::uint8_t* mask;
-  int k, num_experts;
-  MRR_HOST_DEVICE bool operator()(long t) const {
-    if (mask != nullptr && mask[t] == 0) return false;
-    const std::int32_t* id = ids + t * k;
-    for (int j = 0; j < k; ++j) {
-      if (id[j] < 0 || id[j] >= num_experts) return true;
-      for (int i = 0; i < j; ++i)
-        if (id[i] == id[j]) return true;
-    }
-    return false;
+  const std::int32_t* expert_offsets;
+  std::uint8_t* kept;
+  T* weights;
+  long capacity;
+  MRR_HOST_DEVICE void operator()(long i) const {
+    const std::int32_t s = order[i];
+    const bool keep = i - expert_offsets[ids[s]] < capacity;
+    kept[s] = keep ? 1 : 0;
+    if (!keep) weights[s] = T(0);
   }
+};
+
+struct SlotOfRow {
+  const std::int32_t* row_of_slot;
+  std::int32_t* slot_of_row;
+  MRR_HOST_DEVICE void operator()(long s) const { slot_of_row[row_of_slot[s]] = static_cast<std::int32_t>(s); }
+};
+
+// Within an expert (rows are grouped by expert already), higher weight first; the sort is
+// stable, so equal weights keep ascending token order: the CPU's (key desc, token asc).
+template <class T>
+struct ExpertThenWeightDesc {
+  MRR_HOST_DEVICE bool operator()(const thrust::tuple<std::int32_t, T>& a, const thrust::tuple<std::int32_t, T>& b) const {
+    const std::int32_t ea = thrust::get<0>(a), eb = thrust::get<0>(b);
+    return ea < eb || (ea == eb && thrust::get<1>(a) > thrust::get<1>(b));
+  }
+};
+
+template <class T>
+struct ExpertAndWeightOfSlot {
+  const std::int32_t* ids;
+  const T* weights;
+  MRR_HOST_DEVICE thrust::tuple<std::int32_t, T> operator()(std::int32_t s) const { return {ids[s], weights[s]}; }
+};
+
+struct IsBadRow {
+  MRR_HOST_DEVICE bool operator()(std::uint8_t code) const { return code != row_ok; }
 };
 
 }  // namespace kernels
@@ -301,12 +461,15 @@ struct InvalidReplayRow {
 template <class T, class Backend = ThrustDeviceBackend>
 struct Routing {
   typename Backend::template vector<std::int32_t> ids;
-  typename Backend::template vector<T> weights;
+  typename Backend::template vector<T> weights;  // zero for dropped slots
   long tokens = 0;
   int topk = 0;
+  // [tokens, k] 1 where the slot is dispatched; empty when no capacity limit applies.
+  typename Backend::template vector<std::uint8_t> kept{};
+  bool has_capacity_mask() const { return !kept.empty(); }
 };
 
-// The Thrust counterpart of mrr::TopKRouter (no capacity dropping: that stays on the host).
+// The Thrust counterpart of mrr::TopKRouter, capacity dropping included.
 // Logits, ids and weights are row-major Thrust vectors of the backend's system.
 template <class T, class Backend = ThrustDeviceBackend>
 class TopKRouter {
@@ -320,9 +483,6 @@ class TopKRouter {
   explicit TopKRouter(RouterConfig config) : config_(std::move(config)) {
     constexpr const char* fn = "device::TopKRouter";
     config_.validate();
-    mrr::detail::require(!config_.capacity_factor.has_value(), fn,
-                         "capacity dropping is not implemented on the Thrust backend; route on the device and "
-                         "apply the capacity on the host, or unset capacity_factor");
     mrr::detail::require(config_.num_experts <= kMaxExperts, fn, "num_experts=", config_.num_experts,
                          " exceeds the device limit ", kMaxExperts);
     mrr::detail::require(config_.topk <= kMaxTopK, fn, "topk=", config_.topk, " exceeds the device limit ", kMaxTopK);
@@ -350,31 +510,57 @@ class TopKRouter {
     check_finite(bias_, "device::TopKRouter::set_expert_bias", "expert bias");
   }
 
-  Routing<T, Backend> route(const vector<T>& logits) const { return run(logits, nullptr, nullptr, "route"); }
+  Routing<T, Backend> route(const vector<T>& logits) const { return run(logits, nullptr, nullptr); }
 
   // Replays `ids` [tokens, k]; with a replay_mask [tokens], rows whose mask is 0 route natively.
   Routing<T, Backend> replay(const vector<T>& logits, const vector<std::int32_t>& ids) const {
-    return run(logits, &ids, nullptr, "replay");
+    return run(logits, &ids, nullptr);
   }
   Routing<T, Backend> replay(const vector<T>& logits, const vector<std::int32_t>& ids,
                              const vector<std::uint8_t>& replay_mask) const {
-    return run(logits, &ids, &replay_mask, "replay");
+    return run(logits, &ids, &replay_mask);
+  }
+
+  // bf16 logits (as a bf16 model's gate produces them): widened exactly to T, so the ids equal
+  // those of the CPU router run on the bf16-rounded fp32 logits.
+  Routing<T, Backend> route(const vector<bf16>& logits) const { return run(logits, nullptr, nullptr); }
+  Routing<T, Backend> replay(const vector<bf16>& logits, const vector<std::int32_t>& ids) const {
+    return run(logits, &ids, nullptr);
+  }
+  Routing<T, Backend> replay(const vector<bf16>& logits, const vector<std::int32_t>& ids,
+                             const vector<std::uint8_t>& replay_mask) const {
+    return run(logits, &ids, &replay_mask);
   }
 
   // Gradient of sum(grad_weights * weights) w.r.t. the logits [tokens, E] for the given ids.
   vector<T> backward(const vector<T>& logits, const vector<std::int32_t>& ids, const vector<T>& grad_weights) const {
-    const long tokens = rows_of(logits, "device::TopKRouter::backward");
-    const auto k = static_cast<std::size_t>(topk());
-    mrr::detail::require(ids.size() == static_cast<std::size_t>(tokens) * k && grad_weights.size() == ids.size(),
-                         "device::TopKRouter::backward", "ids and grad_weights must be [", tokens, ", ", k, "]");
-    check_replay_ids(ids, nullptr, tokens, "device::TopKRouter::backward");
-    vector<T> grad(logits.size());
-    thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tokens),
-                     kernels::BackwardRows<T>{params_, raw(logits), raw(ids), raw(grad_weights), raw(grad)});
-    return grad;
+    return backward_impl(logits, ids, grad_weights, nullptr);
+  }
+  // The same for a routing with dropped slots (Routing::kept): they pass no gradient.
+  vector<T> backward(const vector<T>& logits, const vector<std::int32_t>& ids, const vector<T>& grad_weights,
+                     const vector<std::uint8_t>& kept) const {
+    mrr::detail::require(kept.size() == ids.size(), "device::TopKRouter::backward", "'kept' has ", kept.size(),
+                         " entries for ", ids.size(), " slots");
+    return backward_impl(logits, ids, grad_weights, &kept);
   }
 
  private:
+  vector<T> backward_impl(const vector<T>& logits, const vector<std::int32_t>& ids, const vector<T>& grad_weights,
+                          const vector<std::uint8_t>* kept) const {
+    constexpr const char* fn = "device::TopKRouter::backward";
+    const long tokens = rows_of(logits, fn);
+    const auto k = static_cast<std::size_t>(topk());
+    mrr::detail::require(ids.size() == static_cast<std::size_t>(tokens) * k && grad_weights.size() == ids.size(), fn,
+                         "ids and grad_weights must be [", tokens, ", ", k, "]");
+    vector<T> grad(logits.size());
+    vector<std::uint8_t> status(static_cast<std::size_t>(tokens));
+    thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tokens),
+                     kernels::BackwardRows<T>{params_, raw(logits), raw(ids), raw(grad_weights),
+                                              kept ? raw(*kept) : nullptr, raw(grad), raw(status)});
+    throw_on_bad_row(status, fn);
+    return grad;
+  }
+
   template <class V>
   static auto raw(const V& v) {
     return thrust::raw_pointer_cast(v.data());
@@ -384,7 +570,8 @@ class TopKRouter {
     return thrust::raw_pointer_cast(v.data());
   }
 
-  long rows_of(const vector<T>& logits, const char* fn) const {
+  template <class In>
+  long rows_of(const vector<In>& logits, const char* fn) const {
     mrr::detail::require(logits.size() % static_cast<std::size_t>(num_experts()) == 0, fn, "logits have ",
                          logits.size(), " values, not a multiple of ", num_experts(), " experts");
     return static_cast<long>(logits.size() / static_cast<std::size_t>(num_experts()));
@@ -395,42 +582,82 @@ class TopKRouter {
       mrr::detail::throw_invalid_argument(fn, what, " hold NaN or +inf");
   }
 
-  void check_replay_ids(const vector<std::int32_t>& ids, const vector<std::uint8_t>* mask, long tokens,
-                        const char* fn) const {
-    const kernels::InvalidReplayRow bad{raw(ids), mask ? raw(*mask) : nullptr, topk(), num_experts()};
-    if (thrust::any_of(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tokens),
-                       bad)) [[unlikely]]
-      mrr::detail::throw_invalid_argument(fn, "a replayed row has an expert id outside [0, ", num_experts(),
-                                          ") or repeats an id");
+  // One reduction over the per-row codes; only a failure looks for the first bad row.
+  void throw_on_bad_row(const vector<std::uint8_t>& status, const char* fn) const {
+    const auto policy = Backend::policy();
+    const int worst = thrust::reduce(policy, status.begin(), status.end(), 0, thrust::maximum<int>());
+    if (worst == kernels::row_ok) [[likely]]
+      return;
+    const auto first = thrust::find_if(policy, status.begin(), status.end(), kernels::IsBadRow{});
+    const long row = static_cast<long>(first - status.begin());
+    const int code = *first;
+    if (code == kernels::row_invalid_logit)
+      mrr::detail::throw_invalid_argument(fn, "logits row ", row, " holds NaN or +inf (-inf is the only valid mask)");
+    if (code == kernels::row_invalid_replay)
+      mrr::detail::throw_invalid_argument(fn, "row ", row, ": a replayed row has an expert id outside [0, ",
+                                          num_experts(), ") or repeats an id");
+    mrr::detail::throw_invalid_argument(fn, "logits row ", row, " has fewer finite logits than k=", topk(),
+                                        " (the others are -inf, masked): a row needs at least k unmasked experts");
   }
 
-  Routing<T, Backend> run(const vector<T>& logits, const vector<std::int32_t>* replay_ids,
-                          const vector<std::uint8_t>* mask, const char* what) const {
+  template <class In>
+  Routing<T, Backend> run(const vector<In>& logits, const vector<std::int32_t>* replay_ids,
+                          const vector<std::uint8_t>* mask) const {
     const char* fn = replay_ids ? "device::TopKRouter::replay" : "device::TopKRouter::route";
-    (void)what;
     const long tokens = rows_of(logits, fn);
     const auto k = static_cast<std::size_t>(topk());
-    check_finite(logits, fn, "logits");
     if (replay_ids) {
       mrr::detail::require(replay_ids->size() == static_cast<std::size_t>(tokens) * k, fn, "'ids' has ",
                            replay_ids->size(), " values, expected [", tokens, ", ", k, "]");
       if (mask)
         mrr::detail::require(mask->size() == static_cast<std::size_t>(tokens), fn, "'replay_mask' has ", mask->size(),
                              " entries for ", tokens, " rows of logits");
-      check_replay_ids(*replay_ids, mask, tokens, fn);
     }
     Routing<T, Backend> out{vector<std::int32_t>(static_cast<std::size_t>(tokens) * k),
-                            vector<T>(static_cast<std::size_t>(tokens) * k), tokens, topk()};
-    const kernels::RouteRows<T> rows{params_,
-                                     raw(logits),
-                                     config_.use_expert_bias ? raw(bias_) : nullptr,
-                                     replay_ids ? raw(*replay_ids) : nullptr,
-                                     mask ? raw(*mask) : nullptr,
-                                     raw(out.ids),
-                                     raw(out.weights)};
+                            vector<T>(static_cast<std::size_t>(tokens) * k), tokens, topk(), {}};
+    vector<std::uint8_t> status(static_cast<std::size_t>(tokens));
+    const kernels::RouteRows<T, In> rows{params_,
+                                         raw(logits),
+                                         config_.use_expert_bias ? raw(bias_) : nullptr,
+                                         replay_ids ? raw(*replay_ids) : nullptr,
+                                         mask ? raw(*mask) : nullptr,
+                                         raw(out.ids),
+                                         raw(out.weights),
+                                         raw(status),
+                                         tokens};
     thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tokens),
                      rows);
+    throw_on_bad_row(status, fn);
+    if (config_.capacity_factor) drop_over_capacity(out);
     return out;
+  }
+
+  // Megatron's token dropping on the top-k routing, in the CPU router's order (capacity.hpp):
+  // `position` keeps each expert's earliest tokens (the counting-sort permutation's order as is);
+  // `probs` its highest weights, ties to the lower token (a stable sort of each expert's rows by
+  // weight). Position decisions equal the CPU's exactly; probs decisions compare weights that may
+  // differ from the CPU's in the last bits, so a near-tie at the capacity edge can differ.
+  void drop_over_capacity(Routing<T, Backend>& r) const {
+    const auto policy = Backend::policy();
+    const long slots = r.tokens * r.topk;
+    // Megatron get_capacity: ceil(tokens * k / E * capacity_factor) (router/capacity.hpp).
+    using std::ceil;
+    const double per_expert = static_cast<double>(slots) / static_cast<double>(num_experts());
+    const long capacity = static_cast<long>(ceil(per_expert * *config_.capacity_factor));
+    const auto p = make_expert_permutation<Backend>(r.ids, r.tokens, r.topk, num_experts());
+    vector<std::int32_t> order(static_cast<std::size_t>(slots));
+    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(slots),
+                     kernels::SlotOfRow{raw(p.row_of_slot), raw(order)});
+    if (config_.drop_policy == DropPolicy::probs) {
+      vector<thrust::tuple<std::int32_t, T>> keys(static_cast<std::size_t>(slots));
+      thrust::transform(policy, order.begin(), order.end(), keys.begin(),
+                        kernels::ExpertAndWeightOfSlot<T>{raw(r.ids), raw(r.weights)});
+      thrust::stable_sort_by_key(policy, keys.begin(), keys.end(), order.begin(), kernels::ExpertThenWeightDesc<T>{});
+    }
+    r.kept.resize(static_cast<std::size_t>(slots));
+    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(slots),
+                     kernels::MarkKept<T>{raw(order), raw(r.ids), raw(p.expert_offsets), raw(r.kept), raw(r.weights),
+                                          capacity});
   }
 
   RouterConfig config_;
