@@ -1,233 +1,177 @@
-// GAE and GRPO advantage throughput on the CPU (B=512, L=4096 and B=256, L=1024), each beside a
-// straightforward scalar loop written the way verl computes it, measured in the same run. The
-// H100 PyTorch time of verl's GAE loop is printed for reference, as a ratio: it was measured
-// elsewhere (../shared/baselines/h100_pytorch.json), not by this program.
+// PPO / GRPO on the CPU against verl's own code: each shape runs through verl's core_algos (run as
+// is by bench/references/reference_bench.py, PyTorch CPU, the same thread count as ours) and
+// through mrr in the same program, which prints both times and ratio = verl / mrr (> 1: mrr is
+// faster), with the memory-bandwidth limit of the bytes mrr moves. Both sides report the minimum of
+// repeated calls (on a shared machine, the figure least disturbed by others). Steady state on both sides:
+// mrr's `_into` forms write into outputs reused across calls (as PyTorch's caching allocator
+// reuses its buffers). OMP_NUM_THREADS sets the thread count of both.
 #include <mrr/ppo/advantage.hpp>
+#include <mrr/ppo/kl.hpp>
+#include <mrr/ppo/policy_loss.hpp>
 
 #include <harness.hpp>
+#include <reference_runner.hpp>
 
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <optional>
+#include <map>
 #include <random>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
-#ifdef MRR_BENCH_HAVE_JSON
-#include <nlohmann/json.hpp>
+#ifndef MRR_BUILD_FLAGS_NOTE
+#ifdef MRR_BENCH_BUILD
+#define MRR_BUILD_FLAGS_NOTE MRR_BENCH_BUILD
+#else
+#define MRR_BUILD_FLAGS_NOTE "no -march"
+#endif
 #endif
 
 namespace {
 
 using namespace mrr;
+using Reference = std::map<std::string, double>;
 
-template <class T>
-struct Batch {
-  RowMatrix<T> rewards, values, mask, outcome_rewards;
-  std::vector<std::int64_t> uids;
-};
-
-// Padded responses of random length in [L/4, L]; dense token rewards for GAE, one outcome reward
-// on the last token for GRPO; groups of 8 responses per prompt (rollout.n = 8).
-template <class T>
-Batch<T> make_batch(Eigen::Index rows, Eigen::Index cols) {
-  std::mt19937 gen(42);
-  std::normal_distribution<double> normal(0.0, 1.0);
+// Padded responses of random length in [L/4, L] (as the reference script's batch()).
+RowMatrix<float> random_mask(Eigen::Index rows, Eigen::Index cols, std::mt19937& gen) {
   std::uniform_int_distribution<Eigen::Index> length(cols / 4, cols);
-  Batch<T> b{RowMatrix<T>(rows, cols),
-             RowMatrix<T>(rows, cols),
-             RowMatrix<T>::Zero(rows, cols),
-             RowMatrix<T>::Zero(rows, cols),
-             {}};
+  RowMatrix<float> mask = RowMatrix<float>::Zero(rows, cols);
+  for (Eigen::Index i = 0; i < rows; ++i)
+    mask.row(i).head(length(gen)).setOnes();
+  return mask;
+}
+
+RowMatrix<float> random_normal(Eigen::Index rows, Eigen::Index cols, float scale, std::mt19937& gen) {
+  std::normal_distribution<float> normal(0.f, scale);
+  RowMatrix<float> m(rows, cols);
+  for (Eigen::Index i = 0; i < m.size(); ++i)
+    m.data()[i] = normal(gen);
+  return m;
+}
+
+std::string shape(Eigen::Index rows, Eigen::Index cols) {
+  return "B" + std::to_string(rows) + "_L" + std::to_string(cols);
+}
+
+// One table row: ours beside verl's time for the same case (reference missing: ours only).
+void row(const Reference& ref, const std::string& key, const std::string& label, double ours_s, double bytes,
+         double bandwidth) {
+  const auto it = ref.find(key);
+  bench::print_row(label, ours_s, it != ref.end() ? it->second : 0.0, bytes, bandwidth);
+}
+
+void gae(const Reference& ref, double bw) {
+  const Eigen::Index rows = 512, cols = 4096;
+  std::mt19937 gen(42);
+  const auto mask = random_mask(rows, cols, gen);
+  const auto rewards = random_normal(rows, cols, 0.01f, gen), values = random_normal(rows, cols, 1.f, gen);
+  ppo::AdvantageResult<float> out;
+  const auto t = bench::time_it([&] {
+    ppo::compute_gae_advantage_return_into<float>(out, rewards, values, mask, 0.99, 0.95);
+    bench::do_not_optimize(out.advantages(0, 0));
+  });
+  // Reads rewards, values, mask; writes advantages and returns; the whitening reads and writes
+  // the advantages again.
+  row(ref, "gae_" + shape(rows, cols), "gae B=512 L=4096 (advantages, returns)", t.min_s,
+      7.0 * rows * cols * sizeof(float), bw);
+}
+
+void grpo(const Reference& ref, Eigen::Index rows, Eigen::Index cols, double bw) {
+  std::mt19937 gen(43);
+  const auto mask = random_mask(rows, cols, gen);
+  RowMatrix<float> outcome = RowMatrix<float>::Zero(rows, cols);
   for (Eigen::Index i = 0; i < rows; ++i) {
-    const Eigen::Index n = length(gen);
-    for (Eigen::Index j = 0; j < cols; ++j) {
-      b.rewards(i, j) = static_cast<T>(0.01 * normal(gen));
-      b.values(i, j) = static_cast<T>(normal(gen));
-      if (j < n) b.mask(i, j) = 1;
-    }
-    b.outcome_rewards(i, n - 1) = static_cast<T>(gen() % 2);
-    b.uids.push_back(static_cast<std::int64_t>(1000 + i / 8));
+    Eigen::Index last = 0;
+    for (Eigen::Index j = 0; j < cols; ++j)
+      if (mask(i, j) != 0.f) last = j;
+    outcome(i, last) = static_cast<float>(gen() % 2);
   }
-  return b;
-}
-
-// verl's compute_gae_advantage_return as scalar code: a reverse loop over time, each step over
-// the whole batch (one column: stride L through memory), then returns and masked whitening.
-template <class T>
-void verl_style_gae(const RowMatrix<T>& rewards, const RowMatrix<T>& values, const RowMatrix<T>& mask, T gamma, T lam,
-                    RowMatrix<T>& advantages, RowMatrix<T>& returns) {
-  const Eigen::Index rows = rewards.rows(), cols = rewards.cols();
-  std::vector<T> next_values(static_cast<std::size_t>(rows), T(0)), last_gae(static_cast<std::size_t>(rows), T(0));
-  for (Eigen::Index t = cols - 1; t >= 0; --t) {
-    for (Eigen::Index i = 0; i < rows; ++i) {
-      const auto k = static_cast<std::size_t>(i);
-      const T m = mask(i, t), v = values(i, t);
-      const T delta = rewards(i, t) + gamma * next_values[k] - v;
-      const T gae = delta + gamma * lam * last_gae[k];
-      next_values[k] = v * m + (T(1) - m) * next_values[k];
-      last_gae[k] = gae * m + (T(1) - m) * last_gae[k];
-      advantages(i, t) = last_gae[k];
-    }
-  }
+  std::vector<std::int64_t> uids;
   for (Eigen::Index i = 0; i < rows; ++i)
-    for (Eigen::Index t = 0; t < cols; ++t)
-      returns(i, t) = advantages(i, t) + values(i, t);
-  // masked_whiten: masked mean, masked unbiased variance, then (x - mean) / sqrt(var + 1e-8).
-  double count = 0, sum = 0;
-  for (Eigen::Index i = 0; i < rows; ++i)
-    for (Eigen::Index t = 0; t < cols; ++t) {
-      count += static_cast<double>(mask(i, t));
-      sum += static_cast<double>(advantages(i, t) * mask(i, t));
-    }
-  const double mean = sum / (count + 1e-8);
-  double centered = 0;
-  for (Eigen::Index i = 0; i < rows; ++i)
-    for (Eigen::Index t = 0; t < cols; ++t) {
-      const double d = static_cast<double>(advantages(i, t)) - mean;
-      centered += d * d * static_cast<double>(mask(i, t));
-    }
-  const double var = centered / (count + 1e-8) * count / (count - 1);
-  const double inv_std = 1.0 / std::sqrt(var + 1e-8);
-  for (Eigen::Index i = 0; i < rows; ++i)
-    for (Eigen::Index t = 0; t < cols; ++t)
-      advantages(i, t) = static_cast<T>((static_cast<double>(advantages(i, t)) - mean) * inv_std);
-}
+    uids.push_back(1000 + i / 8);  // rollout.n = 8
+  const std::string s = shape(rows, cols), label = " B=" + std::to_string(rows) + " L=" + std::to_string(cols);
+  const double bytes = 3.0 * static_cast<double>(rows * cols) * sizeof(float);  // rewards, mask in; advantages out
 
-// verl's compute_grpo_outcome_advantage as scalar code: row sums, then dict-of-lists group
-// statistics keyed by uid, then the normalised score broadcast over the response mask.
-template <class T>
-void verl_style_grpo(const RowMatrix<T>& rewards, const RowMatrix<T>& mask, const std::vector<std::int64_t>& uids,
-                     T epsilon, RowMatrix<T>& advantages, RowMatrix<T>& returns) {
-  const Eigen::Index rows = rewards.rows(), cols = rewards.cols();
-  std::vector<T> scores(static_cast<std::size_t>(rows));
-  for (Eigen::Index i = 0; i < rows; ++i) {
-    T s = 0;
-    for (Eigen::Index t = 0; t < cols; ++t)
-      s += rewards(i, t);
-    scores[static_cast<std::size_t>(i)] = s;
-  }
-  std::unordered_map<std::int64_t, std::vector<T>> id2score;
-  std::unordered_map<std::int64_t, T> id2mean, id2std;
-  for (Eigen::Index i = 0; i < rows; ++i)
-    id2score[uids[static_cast<std::size_t>(i)]].push_back(scores[static_cast<std::size_t>(i)]);
-  for (const auto& [id, list] : id2score) {
-    if (list.size() == 1) {
-      id2mean[id] = 0;
-      id2std[id] = 1;
-      continue;
-    }
-    T mean = 0;
-    for (const T s : list)
-      mean += s;
-    mean /= static_cast<T>(list.size());
-    T var = 0;
-    for (const T s : list)
-      var += (s - mean) * (s - mean);
-    id2mean[id] = mean;
-    id2std[id] = std::sqrt(var / static_cast<T>(list.size() - 1));
-  }
-  for (Eigen::Index i = 0; i < rows; ++i) {
-    const auto id = uids[static_cast<std::size_t>(i)];
-    const T scalar = (scores[static_cast<std::size_t>(i)] - id2mean[id]) / (id2std[id] + epsilon);
-    for (Eigen::Index t = 0; t < cols; ++t)
-      advantages(i, t) = scalar * mask(i, t);
-  }
-  returns = advantages;
-}
-
-// The PyTorch time of verl's GAE loop for this shape from the baselines file, with the device and
-// torch version it names, if the file is readable.
-struct ReferenceTiming {
-  double microseconds = 0;
-  std::string device, torch;
-};
-
-std::optional<ReferenceTiming> reference_gae(Eigen::Index rows, Eigen::Index cols) {
-#ifdef MRR_BENCH_HAVE_JSON
-  std::filesystem::path path =
-      std::filesystem::path(MRR_SOURCE_DIR) / ".." / "shared" / "baselines" / "h100_pytorch.json";
-  if (const char* env = std::getenv("MRR_BASELINES_FILE"); env != nullptr && *env != '\0') path = env;
-  std::ifstream in(path);
-  if (!in) return std::nullopt;
-  const auto j = nlohmann::json::parse(in, nullptr, false);
-  if (j.is_discarded() || !j.contains("gae")) return std::nullopt;
-  for (const auto& e : j.at("gae"))
-    if (e.value("B", -1) == rows && e.value("L", -1) == cols && e.contains("gae_verl_loop_us"))
-      return ReferenceTiming{e.at("gae_verl_loop_us").get<double>(), j.value("device", std::string("?")),
-                             j.value("torch", std::string("?"))};
-#else
-  (void)rows;
-  (void)cols;
-#endif
-  return std::nullopt;
-}
-
-template <class T>
-double max_abs_difference(const RowMatrix<T>& a, const RowMatrix<T>& b) {
-  return static_cast<double>((a - b).cwiseAbs().maxCoeff());
-}
-
-template <class T>
-void run_shape(Eigen::Index rows, Eigen::Index cols, double bandwidth, const char* type) {
-  const auto b = make_batch<T>(rows, cols);
-  const double elems = static_cast<double>(rows * cols);
-  const T gamma = T(0.99), lam = T(0.95);
-  char name[96];
-
-  // GAE: reads rewards, values, mask and writes advantages, returns.
-  // Outputs are reused across calls, as a training loop (and PyTorch's caching allocator) would.
-  ppo::AdvantageResult<T> ours;
-  const auto t_ours = bench::time_it([&] {
-    ppo::compute_gae_advantage_return_into<T>(ours, b.rewards, b.values, b.mask, gamma, lam);
-    bench::do_not_optimize(ours.advantages(0, 0));
+  // verl returns one tensor as both advantages and returns: the single-output form is the like.
+  // The GroupIndex (hashing the uids) is built inside the timed call, as verl builds its dict.
+  RowMatrix<float> advantages(rows, cols);
+  const auto t = bench::time_it([&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_grpo_outcome_advantage_into<float>(advantages, outcome, mask, index);
+    bench::do_not_optimize(advantages(0, 0));
   });
-  RowMatrix<T> adv(rows, cols), ret(rows, cols);
-  const auto t_base = bench::time_it([&] {
-    verl_style_gae<T>(b.rewards, b.values, b.mask, gamma, lam, adv, ret);
-    bench::do_not_optimize(adv(0, 0));
+  row(ref, "grpo_" + s, "grpo" + label + " (one output)", t.min_s, bytes, bw);
+  ppo::AdvantageResult<float> both;
+  const auto t_both = bench::time_it([&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_grpo_outcome_advantage_into<float>(both, outcome, mask, index);
+    bench::do_not_optimize(both.advantages(0, 0));
   });
-  std::snprintf(name, sizeof name, "gae %s B=%ld L=%ld vs verl loop", type, static_cast<long>(rows),
-                static_cast<long>(cols));
-  bench::print_row(name, t_ours.median_s, t_base.median_s, 5.0 * elems * sizeof(T), bandwidth);
-  std::printf("    max |ours - verl loop|: advantages %.2e, returns %.2e; %.0f M tokens/s\n",
-              max_abs_difference(ours.advantages, adv), max_abs_difference(ours.returns, ret),
-              elems / t_ours.median_s / 1e6);
-  if (const auto reference = reference_gae(rows, cols))
-    std::printf("    reference, measured elsewhere (%s, torch %s, verl's GAE loop): %.0f us = %.1fx our CPU time\n",
-                reference->device.c_str(), reference->torch.c_str(), reference->microseconds,
-                reference->microseconds * 1e-6 / t_ours.median_s);
+  row(ref, "grpo_" + s, "grpo" + label + " (AdvantageResult: 2 outputs)", t_both.min_s, bytes * 4 / 3, bw);
+  const auto t_vec = bench::time_it([&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_grpo_vectorized_outcome_advantage_into<float>(advantages, outcome, mask, index);
+    bench::do_not_optimize(advantages(0, 0));
+  });
+  row(ref, "grpo_vectorized_" + s, "grpo_vectorized" + label + " (one output)", t_vec.min_s, bytes, bw);
+}
 
-  // GRPO: reads rewards and mask, writes advantages and returns; ours includes hashing the uids.
-  const auto t_grpo = bench::time_it([&] {
-    const ppo::GroupIndex index(b.uids);
-    ppo::compute_grpo_outcome_advantage_into<T>(ours, b.outcome_rewards, b.mask, index);
-    bench::do_not_optimize(ours.advantages(0, 0));
+void kl_and_policy(const Reference& ref, Eigen::Index rows, Eigen::Index cols, double bw) {
+  std::mt19937 gen(44);
+  const auto mask = random_mask(rows, cols, gen);
+  std::uniform_real_distribution<float> uniform(0.f, 3.f);
+  RowMatrix<float> logprob(rows, cols);
+  for (Eigen::Index i = 0; i < logprob.size(); ++i)
+    logprob.data()[i] = -uniform(gen);
+  const RowMatrix<float> ref_logprob = logprob + random_normal(rows, cols, 0.1f, gen);
+  const auto adv = random_normal(rows, cols, 1.f, gen);
+  const std::string s = shape(rows, cols), label = " B=" + std::to_string(rows) + " L=" + std::to_string(cols);
+  const double elems = static_cast<double>(rows * cols) * sizeof(float);
+
+  RowMatrix<float> values(rows, cols), grad(rows, cols);
+  const auto t_fwd = bench::time_it([&] {
+    ppo::kl_penalty_forward_into<float>(values, logprob, ref_logprob, ppo::KlEstimator::k3);
+    bench::do_not_optimize(values(0, 0));
   });
-  const auto t_grpo_base = bench::time_it([&] {
-    verl_style_grpo<T>(b.outcome_rewards, b.mask, b.uids, T(1e-6), adv, ret);
-    bench::do_not_optimize(adv(0, 0));
+  row(ref, "kl_low_var_kl_" + s, "kl low_var_kl" + label + " (forward)", t_fwd.min_s, 3 * elems, bw);
+  const ppo::KlPenalty k3{ppo::KlEstimator::k3, false};
+  const auto t_grad = bench::time_it([&] {
+    ppo::kl_penalty_into<float>(values, grad, logprob, ref_logprob, k3);
+    bench::do_not_optimize(grad(0, 0));
   });
-  std::snprintf(name, sizeof name, "grpo %s B=%ld L=%ld vs dict-style loop", type, static_cast<long>(rows),
-                static_cast<long>(cols));
-  bench::print_row(name, t_grpo.median_s, t_grpo_base.median_s, 4.0 * elems * sizeof(T), bandwidth);
-  std::printf("    max |ours - dict-style loop|: advantages %.2e; %.0f M tokens/s\n",
-              max_abs_difference(ours.advantages, adv), elems / t_grpo.median_s / 1e6);
+  row(ref, "kl_low_var_kl_" + s, "kl low_var_kl" + label + " (+ gradient)", t_grad.min_s, 4 * elems, bw);
+
+  // verl's reference: compute_policy_loss_vanilla forward (old = ref_logprob, as the script does),
+  // clip 0.2 / 0.28, dual clip 3. Ours also writes d loss / d log_prob.
+  ppo::PolicyLossConfig config;
+  config.clip_ratio_low = 0.2;
+  config.clip_ratio_high = 0.28;
+  ppo::PolicyLossResult<float> loss;
+  const auto t_pl = bench::time_it([&] {
+    ppo::compute_policy_loss_vanilla_into<float>(loss, ref_logprob, logprob, adv, mask, ppo::LossAggMode::token_mean,
+                                                 config);
+    bench::do_not_optimize(loss.loss);
+  });
+  row(ref, "policy_vanilla_token_mean_" + s, "vanilla loss token-mean" + label + " (+ gradient)", t_pl.min_s,
+      6 * elems, bw);
 }
 
 }  // namespace
 
 int main() {
-  const double bandwidth = bench::copy_bandwidth();
-  bench::print_table_header("PPO advantages on the CPU (baseline: verl-style scalar loop, same run)", bandwidth);
-  for (const auto& [rows, cols] : {std::pair<Eigen::Index, Eigen::Index>{512, 4096}, {256, 1024}}) {
-    run_shape<float>(rows, cols, bandwidth, "f32");
-    run_shape<double>(rows, cols, bandwidth, "f64");
-  }
+  const double bw = bench::copy_bandwidth();
+  const auto ref = bench::run_reference("ppo");
+  char title[200];
+  std::snprintf(title, sizeof title,
+                "PPO on the CPU, float32, %d thread(s), %s; baseline = verl core_algos (PyTorch CPU), same "
+                "run; min of repeats; speedup = verl / mrr",
+                bench::bench_threads(), MRR_BUILD_FLAGS_NOTE);
+  bench::print_table_header(title, bw);
+  gae(ref, bw);
+  grpo(ref, 4096, 1024, bw);
+  grpo(ref, 512, 4096, bw);
+  kl_and_policy(ref, 512, 4096, bw);
+  kl_and_policy(ref, 256, 1024, bw);
+  if (ref.empty()) std::printf("(reference unavailable: baseline column is 0)\n");
   return 0;
 }

@@ -12,7 +12,8 @@ directory; the benchmarks pass their build directory) with `git archive`. Their 
 call into a stub on the paths used (fused=False, no Transformer Engine, batch-invariant mode off).
 
 Output: one line per case, `REF <case> <microseconds>`, medians of repeated calls after warm-up
-(steady state: PyTorch's allocator reuses its buffers, as in training).
+(the ppo suite: minima, as bench_ppo reports its own times) in steady state (PyTorch's allocator
+reuses its buffers, as in training).
 
 Usage: reference_bench.py --suite routing|permute|ppo|all [--threads N] [--workdir DIR]
 """
@@ -127,13 +128,19 @@ def load_references(workdir):
     sys.meta_path.insert(0, _StubFinder(["megatron", "verl", "omegaconf", "tensordict", "transformers", "flash_attn",
                                          "torch_npu"], [mdir, vdir]))
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    # core_algos does `from verl.utils import as_torch_index, group_mean_std`; verl/utils/__init__.py
+    # (stubbed: it imports half of verl) re-exports them from groupwise.py, which is extracted.
+    groupwise = importlib.import_module("verl.utils.groupwise")
+    utils = importlib.import_module("verl.utils")
+    utils.as_torch_index, utils.group_mean_std = groupwise.as_torch_index, groupwise.group_mean_std
     core_algos = importlib.import_module("verl.trainer.ppo.core_algos")
     return moe_utils, core_algos
 
 
 # ---- timing -----------------------------------------------------------------------------------
 
-def time_us(fn, min_seconds=0.25, min_reps=5):
+def time_us(fn, min_seconds=0.25, min_reps=5, stat="median"):
+    """Median (default) or minimum ("min") of repeated calls, in microseconds."""
     fn()  # warm-up
     samples, start = [], time.perf_counter()
     while len(samples) < min_reps or time.perf_counter() - start < min_seconds:
@@ -143,7 +150,7 @@ def time_us(fn, min_seconds=0.25, min_reps=5):
         if len(samples) >= 10000:
             break
     samples.sort()
-    return samples[len(samples) // 2] * 1e6
+    return (samples[0] if stat == "min" else samples[len(samples) // 2]) * 1e6
 
 
 def report(case, us):
@@ -201,7 +208,11 @@ class _ActorConfig(dict):
 
 
 def ppo_suite(torch, ca):
+    """verl's core_algos on the shapes of bench_ppo. Minimum of repeated calls (as bench_ppo
+    reports for mrr): on a shared machine the minimum is the figure least disturbed by others."""
     import numpy as np
+    import functools
+    time_min = functools.partial(time_us, stat="min")
 
     def batch(B, L, seed):
         g = torch.Generator().manual_seed(seed)
@@ -213,24 +224,24 @@ def ppo_suite(torch, ca):
         B, L = 512, 4096
         g, mask, lengths = batch(B, L, 42)
         rewards, values = 0.01 * torch.randn(B, L, generator=g), torch.randn(B, L, generator=g)
-        report(f"gae_B{B}_L{L}", time_us(lambda: ca.compute_gae_advantage_return(rewards, values, mask, 0.99, 0.95),
+        report(f"gae_B{B}_L{L}", time_min(lambda: ca.compute_gae_advantage_return(rewards, values, mask, 0.99, 0.95),
                                           min_seconds=1.0, min_reps=3))
         for B, L in ((4096, 1024), (512, 4096)):
             g, mask, lengths = batch(B, L, 43)
             outcome = torch.zeros(B, L)
             outcome[torch.arange(B), lengths - 1] = torch.randint(0, 2, (B,), generator=g).float()
             index = np.array([1000 + i // 8 for i in range(B)])
-            report(f"grpo_B{B}_L{L}", time_us(lambda: ca.compute_grpo_outcome_advantage(outcome, mask, index)))
+            report(f"grpo_B{B}_L{L}", time_min(lambda: ca.compute_grpo_outcome_advantage(outcome, mask, index)))
             report(f"grpo_vectorized_B{B}_L{L}",
-                   time_us(lambda: ca.compute_grpo_vectorized_outcome_advantage(outcome, mask, index)))
+                   time_min(lambda: ca.compute_grpo_vectorized_outcome_advantage(outcome, mask, index)))
         for B, L in ((512, 4096), (256, 1024)):
             g, mask, _ = batch(B, L, 44)
             logprob = -torch.rand(B, L, generator=g) * 3
             ref = logprob + 0.1 * torch.randn(B, L, generator=g)
-            report(f"kl_low_var_kl_B{B}_L{L}", time_us(lambda: ca.kl_penalty(logprob, ref, "low_var_kl")))
+            report(f"kl_low_var_kl_B{B}_L{L}", time_min(lambda: ca.kl_penalty(logprob, ref, "low_var_kl")))
             adv = torch.randn(B, L, generator=g)
             cfg = _ActorConfig()
-            report(f"policy_vanilla_token_mean_B{B}_L{L}", time_us(
+            report(f"policy_vanilla_token_mean_B{B}_L{L}", time_min(
                 lambda: ca.compute_policy_loss_vanilla(ref, logprob, adv, mask, "token-mean", cfg)))
 
 

@@ -1,5 +1,5 @@
-// Routing, replay, permute and combine give the same bits with 1, 2 and 3 OpenMP threads (this
-// target is compiled with -fopenmp; the row tiles do not depend on the thread count).
+// Routing, replay, permute, unpermute and combine give the same bits with 1, 2 and 3 OpenMP
+// threads (this target is compiled with -fopenmp; the row tiles do not depend on the thread count).
 #include <mrr/router.hpp>
 
 #include <doctest/doctest.h>
@@ -29,6 +29,20 @@ void same_for_thread_counts(F&& run) {
   omp_set_num_threads(saved);
 }
 
+// Megatron's unpermute as a serial scatter-add in permuted order: what the parallel one must equal.
+mrr::RowMatrix<float> serial_unpermute(const mrr::Permuted<float>& p, Eigen::Index tokens,
+                                       const mrr::RowMatrix<float>& probs, const mrr::RowMatrix<std::uint8_t>& map) {
+  mrr::RowMatrix<float> out = mrr::RowMatrix<float>::Zero(tokens, p.tokens.cols());
+  Eigen::Index r = 0;
+  for (Eigen::Index e = 0; e < map.cols(); ++e)
+    for (Eigen::Index t = 0; t < tokens; ++t)
+      if (map(t, e) != 0) {
+        out.row(p.sorted_indices[static_cast<std::size_t>(r)]) += p.tokens.row(r) * probs(t, e);
+        ++r;
+      }
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("route, replay, permute and combine are bitwise independent of the thread count") {
@@ -51,6 +65,15 @@ TEST_CASE("route, replay, permute and combine are bitwise independent of the thr
       const auto p = mrr::permute<float>(x, dense.map, mrr::MatrixRef<float>(dense.probs));
       return std::make_tuple(p.tokens, p.probs, p.sorted_indices);
     });
+    const auto permuted = mrr::permute<float>(x, dense.map, mrr::MatrixRef<float>(dense.probs));
+    const auto serial = serial_unpermute(permuted, tokens, dense.probs, dense.map);
+    same_for_thread_counts([&] {
+      const auto out = mrr::unpermute<float>(permuted.tokens, permuted.sorted_indices, tokens,
+                                             mrr::MatrixRef<float>(dense.probs), mrr::MaskRef(dense.map));
+      CHECK(out == serial);
+      return out;
+    });
+    same_for_thread_counts([&] { return mrr::unpermute<float>(permuted.tokens, permuted.sorted_indices, tokens); });
     const auto perm = mrr::make_expert_permutation(routing, experts);
     const auto expert_out = mrr::permute_tokens<float>(x, perm);
     same_for_thread_counts([&] { return mrr::combine<float>(expert_out, routing, perm); });

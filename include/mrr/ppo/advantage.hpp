@@ -3,6 +3,7 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/ppo/groups.hpp>
@@ -12,10 +13,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 MRR_NAMESPACE_BEGIN
 namespace ppo {
@@ -97,7 +101,11 @@ class MaskedMomentAccumulator {
 template <class T>
 void whiten_in_place(RowMatrix<T>& values, const MaskedMoments<T>& moments) {
   const T inv_std = T(1) / std::sqrt(moments.variance + T(kWhitenVarianceEpsilon));
-  values.array() = (values.array() - moments.mean) * inv_std;
+  mrr::detail::parallel_tiles(values.rows(), row_tile(values.cols()), values.size(),
+                              [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+                                auto block = values.middleRows(begin, end - begin).array();
+                                block = (block - moments.mean) * inv_std;
+                              });
 }
 
 template <class T>
@@ -133,10 +141,16 @@ void check_group_inputs(std::string_view function, const MatrixRef<T>& rewards, 
 }
 
 // Per-response score = sum of its token rewards (verl sums every column, masked or not). A NaN or
-// inf reward makes its row sum non-finite, which is how it is detected.
+// inf reward makes its row sum non-finite, which is how it is detected. Rows in parallel tiles;
+// each row sum is one vectorised reduction, the same whatever the thread count.
 template <class T>
 Vector<T> response_scores(std::string_view function, const MatrixRef<T>& rewards) {
-  Vector<T> scores = rewards.rowwise().sum();
+  Vector<T> scores(rewards.rows());
+  mrr::detail::parallel_tiles(rewards.rows(), row_tile(rewards.cols()), rewards.size(),
+                              [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+                                const Eigen::Index n = end - begin;
+                                scores.segment(begin, n) = rewards.middleRows(begin, n).rowwise().sum();
+                              });
   if (!scores.allFinite()) [[unlikely]] {
     require_finite(function, "token_level_rewards", rewards);
     mrr::detail::throw_invalid_argument(function, "a row sum of 'token_level_rewards' overflowed");
@@ -161,17 +175,29 @@ void prepare_output(std::string_view function, AdvantageResult<T>& out, Eigen::I
   mrr::detail::require(!aliased, function, "'out' shares memory with an input; pass separate output matrices");
 }
 
-// Outcome estimators broadcast one scalar per response over its tokens: advantage = scalar * mask.
-// Row by row, so the mask row is checked (0 or 1) while it is in L1.
+// Outcome estimators broadcast one scalar per response over its tokens: advantage = scalar * mask,
+// in one pass per row (returns, when wanted, copied from the row while it is in L1), the 0/1 check
+// of the mask row fused in. Row tiles run in parallel; the first bad row is reported, as serially.
+template <class T>
+void broadcast_outcome_rows(std::string_view function, const Vector<T>& per_response, const MatrixRef<T>& mask,
+                            OutputRef<T>& advantages, OutputRef<T>* returns) {
+  mrr::detail::parallel_tiles(mask.rows(), row_tile(mask.cols()), mask.size(),
+                              [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+                                for (Eigen::Index i = begin; i < end; ++i) {
+                                  const auto mask_row = mask.row(i);
+                                  advantages.row(i) = mask_row * per_response[i];
+                                  if (returns != nullptr) returns->row(i) = advantages.row(i);
+                                  if (!is_binary_mask_fast(mask_row)) [[unlikely]]
+                                    require_mask(function, "response_mask", mask_row, i);
+                                }
+                              });
+}
+
 template <class T>
 void broadcast_outcome(std::string_view function, const Vector<T>& per_response, const MatrixRef<T>& mask,
                        AdvantageResult<T>& out) {
-  for (Eigen::Index i = 0; i < mask.rows(); ++i) {
-    out.advantages.row(i) = mask.row(i) * per_response[i];
-    out.returns.row(i) = out.advantages.row(i);
-    if (!is_binary_mask(mask.row(i))) [[unlikely]]
-      require_mask(function, "response_mask", mask.row(i), i);
-  }
+  OutputRef<T> advantages(out.advantages), returns(out.returns);
+  broadcast_outcome_rows<T>(function, per_response, mask, advantages, &returns);
 }
 
 // Placeholder "std" verl gives a singleton group is a float32 tensor, so std + epsilon is rounded
@@ -200,35 +226,53 @@ T group_mean(const Vector<T>& scores, std::span<const Eigen::Index> members) {
 }
 
 // Copies between `rows` row-major rows (row stride `stride`) and a column-major tile with `Rows`
-// lanes per column, i.e. a transpose, with Eigen's packet transposes where the target has them
-// (P x P blocks: SSE, AVX, NEON...) and scalar code for the ragged edges. Lanes >= rows are zero.
-// Packet types such as __m128 carry vector attributes that GCC warns about when they are template
-// arguments (Eigen silences the same warning in its own headers).
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wignored-attributes"
-#endif
+// lanes per column, i.e. a transpose, in P x P blocks of 16-byte vectors (P = 4 float, 2 double)
+// with GCC's and Clang's generic vectors and shuffles, which every target lowers (SSE, AVX, NEON,
+// or scalar code), and scalar code for the ragged edges and other compilers. Lanes >= rows are zero.
 template <class T, int Rows>
 struct TileTranspose {
-  using Packet = typename Eigen::internal::packet_traits<T>::type;
-  static constexpr int kPacket = Eigen::internal::unpacket_traits<Packet>::size;
-  static constexpr bool kVectorized = kPacket > 1 && Rows % kPacket == 0;
+#if defined(__GNUC__) || defined(__clang__)
+  static constexpr int kBlock = 16 / static_cast<int>(sizeof(T));
+  static constexpr bool kVectorized = (kBlock == 4 || kBlock == 2) && Rows % kBlock == 0;
+  typedef T Vec __attribute__((vector_size(16)));  // an alias declaration drops the attribute
+
+  // d[i * d_stride + k] = s[k * s_stride + i] for a kBlock x kBlock block.
+  static void block(const T* s, Eigen::Index s_stride, T* d, Eigen::Index d_stride) {
+    Vec r[kBlock > 0 ? kBlock : 1];
+    for (int i = 0; i < kBlock; ++i)
+      std::memcpy(&r[i], s + i * s_stride, sizeof(Vec));
+    if constexpr (kBlock == 4) {
+      const Vec t0 = __builtin_shufflevector(r[0], r[1], 0, 4, 1, 5);
+      const Vec t1 = __builtin_shufflevector(r[0], r[1], 2, 6, 3, 7);
+      const Vec t2 = __builtin_shufflevector(r[2], r[3], 0, 4, 1, 5);
+      const Vec t3 = __builtin_shufflevector(r[2], r[3], 2, 6, 3, 7);
+      r[0] = __builtin_shufflevector(t0, t2, 0, 1, 4, 5);
+      r[1] = __builtin_shufflevector(t0, t2, 2, 3, 6, 7);
+      r[2] = __builtin_shufflevector(t1, t3, 0, 1, 4, 5);
+      r[3] = __builtin_shufflevector(t1, t3, 2, 3, 6, 7);
+    } else if constexpr (kBlock == 2) {
+      const Vec t0 = __builtin_shufflevector(r[0], r[1], 0, 2), t1 = __builtin_shufflevector(r[0], r[1], 1, 3);
+      r[0] = t0;
+      r[1] = t1;
+    }
+    for (int i = 0; i < kBlock; ++i)
+      std::memcpy(d + i * d_stride, &r[i], sizeof(Vec));
+  }
+#else
+  static constexpr int kBlock = 1;
+  static constexpr bool kVectorized = false;
+  static void block(const T*, Eigen::Index, T*, Eigen::Index) {}
+#endif
 
   // tile(k, j) = rows[k][j] for j < n.
   static void gather(T* tile, const T* src, Eigen::Index stride, Eigen::Index rows, Eigen::Index n) {
     Eigen::Index k0 = 0;
     if constexpr (kVectorized) {
-      const Eigen::Index full = n - n % kPacket;
-      for (; k0 + kPacket <= rows; k0 += kPacket) {
-        for (Eigen::Index j = 0; j < full; j += kPacket) {
-          Eigen::internal::PacketBlock<Packet, kPacket> block;
-          for (int i = 0; i < kPacket; ++i)
-            block.packet[i] = Eigen::internal::ploadu<Packet>(src + (k0 + i) * stride + j);
-          Eigen::internal::ptranspose(block);
-          for (int i = 0; i < kPacket; ++i)
-            Eigen::internal::pstoreu(tile + (j + i) * Rows + k0, block.packet[i]);
-        }
-        for (Eigen::Index k = k0; k < k0 + kPacket; ++k)
+      const Eigen::Index full = n - n % kBlock;
+      for (; k0 + kBlock <= rows; k0 += kBlock) {
+        for (Eigen::Index j = 0; j < full; j += kBlock)
+          block(src + k0 * stride + j, stride, tile + j * Rows + k0, Rows);
+        for (Eigen::Index k = k0; k < k0 + kBlock; ++k)
           for (Eigen::Index j = full; j < n; ++j)
             tile[j * Rows + k] = src[k * stride + j];
       }
@@ -242,17 +286,11 @@ struct TileTranspose {
   static void scatter(T* dst, Eigen::Index stride, const T* tile, Eigen::Index rows, Eigen::Index n) {
     Eigen::Index k0 = 0;
     if constexpr (kVectorized) {
-      const Eigen::Index full = n - n % kPacket;
-      for (; k0 + kPacket <= rows; k0 += kPacket) {
-        for (Eigen::Index j = 0; j < full; j += kPacket) {
-          Eigen::internal::PacketBlock<Packet, kPacket> block;
-          for (int i = 0; i < kPacket; ++i)
-            block.packet[i] = Eigen::internal::ploadu<Packet>(tile + (j + i) * Rows + k0);
-          Eigen::internal::ptranspose(block);
-          for (int i = 0; i < kPacket; ++i)
-            Eigen::internal::pstoreu(dst + (k0 + i) * stride + j, block.packet[i]);
-        }
-        for (Eigen::Index k = k0; k < k0 + kPacket; ++k)
+      const Eigen::Index full = n - n % kBlock;
+      for (; k0 + kBlock <= rows; k0 += kBlock) {
+        for (Eigen::Index j = 0; j < full; j += kBlock)
+          block(tile + j * Rows + k0, Rows, dst + k0 * stride + j, stride);
+        for (Eigen::Index k = k0; k < k0 + kBlock; ++k)
           for (Eigen::Index j = full; j < n; ++j)
             dst[k * stride + j] = tile[j * Rows + k];
       }
@@ -262,9 +300,23 @@ struct TileTranspose {
         dst[k * stride + j] = tile[j * Rows + k];
   }
 };
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
+
+// Rows per GAE block: 8, or 16 for float where Eigen's packets hold 16 (AVX-512), so a block's
+// lanes fill whole packets. The block fixes the order in which the whitening moments are merged.
+template <class T>
+constexpr int gae_block_rows() {
+#if defined(EIGEN_VECTORIZE_AVX512)
+  return sizeof(T) == 4 ? 16 : 8;
+#else
+  return 8;
 #endif
+}
+
+// Masked moments of one (row block, time tile) of the GAE advantages, merged serially afterwards
+// in a fixed order, so the whitening statistics do not depend on which thread made them.
+struct TileMoments {
+  double weight = 0, mean = 0, m2 = 0;
+};
 
 // GAE for up to `Rows` consecutive rows, one time tile at a time. Each row's tile (2 KiB of it)
 // is first copied, as one sequential burst, into a transposed buffer [time][row], so the
@@ -292,7 +344,7 @@ class GaeBlockKernel {
   // Rows [0, rows) of the given row pointers (rows <= Rows); returns false if an output is not finite.
   bool run(const T* rewards, Eigen::Index reward_stride, const T* values, Eigen::Index value_stride, const T* mask,
            Eigen::Index mask_stride, T* advantages, T* returns, Eigen::Index out_stride, Eigen::Index rows,
-           Eigen::Index cols, MaskedMomentAccumulator<T>& moments) {
+           Eigen::Index cols, TileMoments* moments) {
     Lane next_value = Lane::Zero(), last_gae = Lane::Zero(), probe = Lane::Zero();
     Lane weight, weighted_sum;
     const Lane one = Lane::Ones();
@@ -332,7 +384,7 @@ class GaeBlockKernel {
       Transpose::scatter(advantages + begin, out_stride, advantage_.data(), rows, n);
       Transpose::scatter(returns + begin, out_stride, return_.data(), rows, n);
       if (!(probe.sum() == T(0))) return false;
-      add_tile_moments(n, weight, weighted_sum, moments);
+      *moments++ = tile_moments(n, weight, weighted_sum);
     }
     return true;
   }
@@ -358,10 +410,9 @@ class GaeBlockKernel {
   // The tile's moments: weight and weighted sum were accumulated per lane in the recurrence, the
   // M2 around the tile's own mean is a second pass over the tile while it is in cache; tiles are
   // then merged in double (Chan et al.), so no long serial sum builds up in T.
-  void add_tile_moments(Eigen::Index n, const Lane& weight, const Lane& weighted_sum,
-                        MaskedMomentAccumulator<T>& moments) const {
+  TileMoments tile_moments(Eigen::Index n, const Lane& weight, const Lane& weighted_sum) const {
     const double total_weight = static_cast<double>(weight.sum());
-    if (total_weight == 0) return;
+    if (total_weight == 0) return {};
     const double mean = static_cast<double>(weighted_sum.sum()) / total_weight;
     const T tile_mean = static_cast<T>(mean);
     Lane m2 = Lane::Zero();
@@ -371,7 +422,7 @@ class GaeBlockKernel {
     }
     // M2 was taken around the rounded mean; shift it to the exact one.
     const double offset = mean - static_cast<double>(tile_mean);
-    moments.add_moments(total_weight, mean, static_cast<double>(m2.sum()) - total_weight * offset * offset);
+    return {total_weight, mean, static_cast<double>(m2.sum()) - total_weight * offset * offset};
   }
 
   T gamma_, gamma_lambda_;
@@ -400,25 +451,36 @@ void compute_gae_advantage_return_into(AdvantageResult<T>& out, MatrixRef<T> tok
 
   const Eigen::Index batch = token_level_rewards.rows(), length = token_level_rewards.cols();
   detail::prepare_output(fn, out, batch, length, token_level_rewards, values, response_mask);
-  detail::MaskedMomentAccumulator<T> moments;
-  // 8 rows, or one full packet where packets are wider (AVX-512 float), so the transposes vectorise.
-  constexpr int kRows = std::max(8, detail::TileTranspose<T, 8>::kPacket);
-  detail::GaeBlockKernel<T, kRows> kernel(static_cast<T>(gamma), static_cast<T>(gamma * lam));
+  constexpr int kRows = detail::gae_block_rows<T>();
+  using Kernel = detail::GaeBlockKernel<T, kRows>;
+  const Eigen::Index blocks = (batch + kRows - 1) / kRows, time_tiles = (length + Kernel::kTile - 1) / Kernel::kTile;
+  // One record per (row block, time tile), merged below in block order then time-tile order.
+  std::vector<detail::TileMoments> records(static_cast<std::size_t>(blocks * time_tiles));
   const auto rs = token_level_rewards.outerStride(), vs = values.outerStride(), ms = response_mask.outerStride();
-  for (Eigen::Index i = 0; i < batch; i += kRows) {
-    const Eigen::Index n = std::min<Eigen::Index>(kRows, batch - i);
-    detail::require_mask(fn, "response_mask", response_mask.middleRows(i, n), i);
-    const bool finite =
-        kernel.run(token_level_rewards.data() + i * rs, rs, values.data() + i * vs, vs, response_mask.data() + i * ms,
-                   ms, out.advantages.data() + i * length, out.returns.data() + i * length, length, n, length, moments);
-    // Any NaN/inf input reaches the running advantage; name the offending input on the cold path.
-    if (!finite) [[unlikely]] {
-      detail::require_finite(fn, "token_level_rewards", token_level_rewards);
-      detail::require_finite(fn, "values", values);
-      mrr::detail::throw_invalid_argument(fn, "the advantage overflowed for rows from ", i, " (gamma ", gamma, ", lam ",
-                                          lam, ")");
+  // Parallel over groups of 4 row blocks (32 rows); each group has its own kernel scratch.
+  mrr::detail::parallel_tiles(blocks, 4, batch * length * 16, [&](std::int64_t, std::int64_t first, std::int64_t last) {
+    Kernel kernel(static_cast<T>(gamma), static_cast<T>(gamma * lam));
+    for (Eigen::Index b = first; b < last; ++b) {
+      const Eigen::Index i = b * kRows, n = std::min<Eigen::Index>(kRows, batch - i);
+      const auto mask_rows = response_mask.middleRows(i, n);
+      if (!detail::is_binary_mask_fast(mask_rows)) [[unlikely]]
+        detail::require_mask(fn, "response_mask", mask_rows, i);
+      const bool finite = kernel.run(token_level_rewards.data() + i * rs, rs, values.data() + i * vs, vs,
+                                     response_mask.data() + i * ms, ms, out.advantages.data() + i * length,
+                                     out.returns.data() + i * length, length, n, length,
+                                     records.data() + b * time_tiles);
+      // Any NaN/inf input reaches the running advantage; name the offending input on the cold path.
+      if (!finite) [[unlikely]] {
+        detail::require_finite(fn, "token_level_rewards", token_level_rewards);
+        detail::require_finite(fn, "values", values);
+        mrr::detail::throw_invalid_argument(fn, "the advantage overflowed for rows from ", i, " (gamma ", gamma,
+                                            ", lam ", lam, ")");
+      }
     }
-  }
+  });
+  detail::MaskedMomentAccumulator<T> moments;
+  for (const auto& r : records)
+    moments.add_moments(r.weight, r.mean, r.m2);
   detail::whiten_in_place(out.advantages, moments.whitening_moments(fn));
 }
 
@@ -429,6 +491,28 @@ AdvantageResult<T> compute_gae_advantage_return(MatrixRef<T> token_level_rewards
   compute_gae_advantage_return_into<T>(out, token_level_rewards, values, response_mask, gamma, lam);
   return out;
 }
+
+namespace detail {
+
+template <class T>
+Vector<T> grpo_scalars(std::string_view fn, const MatrixRef<T>& token_level_rewards, const GroupIndex& index,
+                       double epsilon, bool norm_adv_by_std_in_grpo) {
+  const Vector<T> scores = response_scores<T>(fn, token_level_rewards);
+  Vector<T> scalars(scores.size());
+  for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
+    const auto members = index.members(g);
+    T mean = 0, divisor = static_cast<T>(singleton_std_plus_epsilon(epsilon));
+    if (members.size() > 1) {
+      mean = group_mean(scores, members);
+      divisor = group_std(scores, members, mean) + static_cast<T>(epsilon);
+    }
+    for (const auto i : members)
+      scalars[i] = norm_adv_by_std_in_grpo ? (scores[i] - mean) / divisor : scores[i] - mean;
+  }
+  return scalars;
+}
+
+}  // namespace detail
 
 // GRPO outcome advantage (verl "grpo"): per-response score = sum of its token rewards, normalised
 // within its group by the group mean and (with norm_adv_by_std_in_grpo) the unbiased std + epsilon;
@@ -441,19 +525,23 @@ void compute_grpo_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> t
   detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
   detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
                          response_mask);
-  const Vector<T> scores = detail::response_scores<T>(fn, token_level_rewards);
-  Vector<T> scalars(scores.size());
-  for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
-    const auto members = index.members(g);
-    T mean = 0, divisor = static_cast<T>(detail::singleton_std_plus_epsilon(epsilon));
-    if (members.size() > 1) {
-      mean = detail::group_mean(scores, members);
-      divisor = detail::group_std(scores, members, mean) + static_cast<T>(epsilon);
-    }
-    for (const auto i : members)
-      scalars[i] = norm_adv_by_std_in_grpo ? (scores[i] - mean) / divisor : scores[i] - mean;
-  }
+  const Vector<T> scalars = detail::grpo_scalars<T>(fn, token_level_rewards, index, epsilon, norm_adv_by_std_in_grpo);
   detail::broadcast_outcome<T>(fn, scalars, response_mask, out);
+}
+
+// The single-output form: verl returns the advantages tensor twice (as advantages and returns),
+// so a caller that needs one matrix passes it here ([batch, length], caller-owned, not
+// overlapping an input): one read of the rewards, one of the mask, one write.
+template <class T>
+void compute_grpo_outcome_advantage_into(detail::OutputRef<T> advantages, MatrixRef<T> token_level_rewards,
+                                         MatrixRef<T> response_mask, const GroupIndex& index, double epsilon = 1e-6,
+                                         bool norm_adv_by_std_in_grpo = true) {
+  constexpr std::string_view fn = "ppo::compute_grpo_outcome_advantage";
+  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
+  detail::require_output(fn, "advantages", advantages, token_level_rewards.rows(), token_level_rewards.cols(),
+                         token_level_rewards, response_mask);
+  const Vector<T> scalars = detail::grpo_scalars<T>(fn, token_level_rewards, index, epsilon, norm_adv_by_std_in_grpo);
+  detail::broadcast_outcome_rows<T>(fn, scalars, response_mask, advantages, nullptr);
 }
 
 template <class T>
@@ -466,18 +554,12 @@ AdvantageResult<T> compute_grpo_outcome_advantage(MatrixRef<T> token_level_rewar
   return out;
 }
 
-// verl "grpo_vectorized": GRPO with group statistics computed in float32 (verl's group_mean_std
-// casts the scores to float32), including the float32 std + epsilon; a singleton group uses
-// mean 0 and std 1. Results therefore differ from "grpo" at float32 precision.
+namespace detail {
+
 template <class T>
-void compute_grpo_vectorized_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
-                                                    MatrixRef<T> response_mask, const GroupIndex& index,
-                                                    double epsilon = 1e-6, bool norm_adv_by_std_in_grpo = true) {
-  constexpr std::string_view fn = "ppo::compute_grpo_vectorized_outcome_advantage";
-  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
-                         response_mask);
-  const Vector<T> scores = detail::response_scores<T>(fn, token_level_rewards);
+Vector<T> grpo_vectorized_scalars(std::string_view fn, const MatrixRef<T>& token_level_rewards, const GroupIndex& index,
+                                  double epsilon, bool norm_adv_by_std_in_grpo) {
+  const Vector<T> scores = response_scores<T>(fn, token_level_rewards);
   Vector<T> scalars(scores.size());
   const float eps = static_cast<float>(epsilon);
   for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
@@ -502,7 +584,39 @@ void compute_grpo_vectorized_outcome_advantage_into(AdvantageResult<T>& out, Mat
       scalars[i] = norm_adv_by_std_in_grpo ? centered_score / static_cast<T>(divisor) : centered_score;
     }
   }
+  return scalars;
+}
+
+}  // namespace detail
+
+// verl "grpo_vectorized": GRPO with group statistics computed in float32 (verl's group_mean_std
+// casts the scores to float32), including the float32 std + epsilon; a singleton group uses
+// mean 0 and std 1. Results therefore differ from "grpo" at float32 precision.
+template <class T>
+void compute_grpo_vectorized_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
+                                                    MatrixRef<T> response_mask, const GroupIndex& index,
+                                                    double epsilon = 1e-6, bool norm_adv_by_std_in_grpo = true) {
+  constexpr std::string_view fn = "ppo::compute_grpo_vectorized_outcome_advantage";
+  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
+  detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
+                         response_mask);
+  const Vector<T> scalars =
+      detail::grpo_vectorized_scalars<T>(fn, token_level_rewards, index, epsilon, norm_adv_by_std_in_grpo);
   detail::broadcast_outcome<T>(fn, scalars, response_mask, out);
+}
+
+// Single-output form (the advantages; verl returns them twice), as for "grpo".
+template <class T>
+void compute_grpo_vectorized_outcome_advantage_into(detail::OutputRef<T> advantages, MatrixRef<T> token_level_rewards,
+                                                    MatrixRef<T> response_mask, const GroupIndex& index,
+                                                    double epsilon = 1e-6, bool norm_adv_by_std_in_grpo = true) {
+  constexpr std::string_view fn = "ppo::compute_grpo_vectorized_outcome_advantage";
+  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
+  detail::require_output(fn, "advantages", advantages, token_level_rewards.rows(), token_level_rewards.cols(),
+                         token_level_rewards, response_mask);
+  const Vector<T> scalars =
+      detail::grpo_vectorized_scalars<T>(fn, token_level_rewards, index, epsilon, norm_adv_by_std_in_grpo);
+  detail::broadcast_outcome_rows<T>(fn, scalars, response_mask, advantages, nullptr);
 }
 
 template <class T>

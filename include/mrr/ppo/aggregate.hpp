@@ -63,13 +63,16 @@ struct GlobalBatchInfo {
 namespace detail {
 
 // Every mode is linear in the loss matrix: loss = sum_i row_weight[i] * sum_j mask_ij loss_ij over
-// mask_ij != 0. The per-row weights therefore give both the value and the gradient.
+// mask_ij != 0. The per-row weights therefore give both the value and the gradient. From the
+// per-row token counts and their total (summed in double: exact for 0/1 masks), so a fused
+// kernel can count while it checks the mask.
 template <class T>
-Vector<T> aggregation_row_weights(const MatrixRef<T>& loss_mask, LossAggMode mode, const GlobalBatchInfo& info,
-                                  std::string_view function) {
+Vector<T> aggregation_row_weights_from_counts(const Vector<T>& tokens_per_row, double total_tokens, Eigen::Index cols,
+                                              LossAggMode mode, const GlobalBatchInfo& info,
+                                              std::string_view function) {
   mrr::detail::require(info.dp_size >= 1, function, "'dp_size' must be at least 1, got ", info.dp_size);
   const T dp = static_cast<T>(static_cast<double>(info.dp_size));
-  const Eigen::Index rows = loss_mask.rows();
+  const Eigen::Index rows = tokens_per_row.size();
   Vector<T> weights(rows);
   if (mode == LossAggMode::token_mean || mode == LossAggMode::token_sum) {
     T scale = dp;
@@ -80,7 +83,7 @@ Vector<T> aggregation_row_weights(const MatrixRef<T>& loss_mask, LossAggMode mod
       } else {
         mrr::detail::require(info.dp_size == 1, function,
                              "'batch_num_tokens' (global) is required for token-mean when dp_size is ", info.dp_size);
-        tokens = loss_mask.sum();
+        tokens = static_cast<T>(total_tokens);
       }
       // verl divides 0 by 0 here and returns NaN; an all-masked micro-batch needs the global count.
       mrr::detail::require(
@@ -92,7 +95,6 @@ Vector<T> aggregation_row_weights(const MatrixRef<T>& loss_mask, LossAggMode mod
     weights.setConstant(scale);
     return weights;
   }
-  const Vector<T> tokens_per_row = loss_mask.rowwise().sum();
   T sequences;
   if (info.global_batch_size) {
     sequences = static_cast<T>(*info.global_batch_size);
@@ -107,8 +109,7 @@ Vector<T> aggregation_row_weights(const MatrixRef<T>& loss_mask, LossAggMode mod
       info.global_batch_size ? " ('global_batch_size')" : " ('loss_mask' selects nothing; pass global_batch_size)");
   T norm = T(1);
   if (mode == LossAggMode::seq_mean_token_sum_norm) {
-    norm = info.loss_scale_factor ? static_cast<T>(*info.loss_scale_factor)
-                                  : static_cast<T>(static_cast<double>(loss_mask.cols()));
+    norm = info.loss_scale_factor ? static_cast<T>(*info.loss_scale_factor) : static_cast<T>(static_cast<double>(cols));
     mrr::detail::require(norm != T(0) && std::isfinite(norm), function,
                          "'loss_scale_factor' must be finite and non-zero, got ", static_cast<double>(norm));
   }
@@ -121,6 +122,16 @@ Vector<T> aggregation_row_weights(const MatrixRef<T>& loss_mask, LossAggMode mod
     weights[i] = w;
   }
   return weights;
+}
+
+template <class T>
+Vector<T> aggregation_row_weights(const MatrixRef<T>& loss_mask, LossAggMode mode, const GlobalBatchInfo& info,
+                                  std::string_view function) {
+  const Vector<T> tokens_per_row = loss_mask.rowwise().sum();
+  double total = 0;
+  for (Eigen::Index i = 0; i < tokens_per_row.size(); ++i)
+    total += static_cast<double>(tokens_per_row[i]);
+  return aggregation_row_weights_from_counts<T>(tokens_per_row, total, loss_mask.cols(), mode, info, function);
 }
 
 // Value of the aggregated loss given the row weights: the masked token sum of each row, weighted

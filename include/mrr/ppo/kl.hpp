@@ -4,8 +4,10 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/vexp.hpp>
 #include <mrr/error.hpp>
 #include <mrr/ppo/detail/validate.hpp>
+#include <mrr/ppo/masked.hpp>
 #include <mrr/tensor.hpp>
 
 #include <algorithm>
@@ -13,6 +15,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 MRR_NAMESPACE_BEGIN
 namespace ppo {
@@ -127,19 +130,187 @@ struct KlPenaltyResult {
   RowMatrix<T> grad_logprob;  // gradient of sum(values) w.r.t. logprob
 };
 
-// Element-wise KL estimate and its gradient w.r.t. logprob. No mask is applied (verl applies
-// the response mask when it aggregates).
+namespace detail {
+
+// k3 over one float row segment in a single element-wise loop (exp_float_reduced inlined),
+// compiled for the build's target and for AVX2 and picked at run time like exp_float_span: the
+// same IEEE operations in the same order either way. The clamps are bit selects that keep NaN,
+// and the gradient (WithGrad) is kl_element's: 1 - ratio where both clamps pass, else 0.
+template <bool WithGrad>
+MRR_FORCEINLINE void kl_k3_float_body(const float* lp, const float* ref, float* values, float* grad,
+                                      std::int64_t n) {
+  constexpr auto bound = static_cast<float>(kLowVarKlLogRatioBound);
+  constexpr auto value_bound = static_cast<float>(kLowVarKlValueBound);
+  for (std::int64_t j = 0; j < n; ++j) {
+    const float log_ratio = ref[j] - lp[j];
+    using mrr::detail::select_float;
+    float clamped = select_float(log_ratio > bound, bound, log_ratio);
+    clamped = select_float(clamped < -bound, -bound, clamped);
+    const float ratio = mrr::detail::exp_float_reduced(clamped);  // |clamped| <= 20 (or NaN)
+    const float estimate = ratio - clamped - 1.0f;
+    // exp(c) - c - 1 >= 0 up to rounding (a few 1e-8 near c = 0), so the lower value clamp never
+    // applies; estimate is NaN exactly when log_ratio is (the log-ratio clamp makes inf finite).
+    values[j] = select_float(estimate > value_bound, value_bound, estimate);
+    if constexpr (WithGrad) {
+      const float slope = 1.0f - ratio;
+      const bool passes = (log_ratio >= -bound) & (log_ratio <= bound) & (estimate <= value_bound);
+      grad[j] = select_float(passes, slope, 0.0f);
+    }
+  }
+}
+
+template <bool WithGrad>
+void kl_k3_float_portable(const float* lp, const float* ref, float* values, float* grad, std::int64_t n) {
+  kl_k3_float_body<WithGrad>(lp, ref, values, grad, n);
+}
+
+#if MRR_VEXP_AVX2
+template <bool WithGrad>
+__attribute__((target("avx2"))) void kl_k3_float_avx2(const float* lp, const float* ref, float* values, float* grad,
+                                                      std::int64_t n) {
+  kl_k3_float_body<WithGrad>(lp, ref, values, grad, n);
+}
+#endif
+
+// grad == nullptr: values only.
+inline void kl_k3_float(const float* lp, const float* ref, float* values, float* grad, std::int64_t n) {
+#if MRR_VEXP_AVX2
+  if (mrr::detail::vexp_use_avx2()) {
+    if (grad != nullptr)
+      kl_k3_float_avx2<true>(lp, ref, values, grad, n);
+    else
+      kl_k3_float_avx2<false>(lp, ref, values, grad, n);
+    return;
+  }
+#endif
+  if (grad != nullptr)
+    kl_k3_float_portable<true>(lp, ref, values, grad, n);
+  else
+    kl_k3_float_portable<false>(lp, ref, values, grad, n);
+}
+
+// k3 with Eigen's vectorised exp, a chunk at a time (double; grad == nullptr: values only).
+template <class T>
+void kl_k3_eigen(const T* lp, const T* ref, T* values, T* grad, Eigen::Index n) {
+  using Array = Eigen::Array<T, Eigen::Dynamic, 1>;
+  const Eigen::Map<const Array> lp_map(lp, n), ref_map(ref, n);
+  const T bound = T(kLowVarKlLogRatioBound), value_bound = T(kLowVarKlValueBound);
+  alignas(64) T ratio_b[kChunk], estimate_b[kChunk], slope_b[kChunk];
+  for (Eigen::Index j0 = 0; j0 < n; j0 += kChunk) {
+    const Eigen::Index m = std::min(kChunk, n - j0);
+    const auto l = lp_map.segment(j0, m), r = ref_map.segment(j0, m);
+    const auto clamped = (r - l).max(-bound).min(bound);
+    Eigen::Map<Array> out(values + j0, m);
+    if (grad == nullptr) {
+      out = (clamped.exp() - clamped - T(1)).max(-value_bound).min(value_bound);
+    } else {
+      Eigen::Map<Array> ratio(ratio_b, m), estimate(estimate_b, m);
+      ratio = clamped.exp();
+      estimate = ratio - clamped - T(1);
+      out = estimate.max(-value_bound).min(value_bound);
+      Eigen::Map<Array>(slope_b, m) = T(1) - ratio;
+      // A select of loaded values only (arithmetic under a ternary stops GCC's vectoriser).
+      T* g = grad + j0;
+      for (Eigen::Index j = 0; j < m; ++j) {
+        const T log_ratio = ref[j0 + j] - lp[j0 + j], e = estimate_b[j], slope = slope_b[j];
+        // The clamps pass the gradient on their closed intervals (false for NaN).
+        const bool passes = (log_ratio >= -bound) & (log_ratio <= bound) & (e >= -value_bound) & (e <= value_bound);
+        g[j] = passes ? slope : T(0);
+      }
+    }
+    // The packet min/max may turn a NaN log-ratio into a bound: x - x is NaN only for NaN or
+    // inf inputs, and then the rare loop below puts the NaN back (inf is already right).
+    if (!(((l - l) + (r - r)).sum() == T(0))) [[unlikely]]
+      for (Eigen::Index j = 0; j < m; ++j) {
+        const T log_ratio = ref[j0 + j] - lp[j0 + j];
+        if (log_ratio != log_ratio) values[j0 + j] = log_ratio;
+      }
+  }
+}
+
+// One row segment [0, n) of an estimator: values and (when grad != nullptr) d value / d logprob.
+// The estimator is chosen outside the element loop; the arithmetic is Eigen array expressions
+// (float k3: kl_k3_float; double k3: Eigen's vectorised exp) and the remaining loops only select
+// between loaded values, which the compiler vectorises. NaN inputs give NaN values and a zero
+// gradient, as kl_element does.
+template <class T>
+void kl_segment(const T* lp, const T* ref, T* values, T* grad, Eigen::Index n, KlPenalty penalty) {
+  using Array = Eigen::Array<T, Eigen::Dynamic, 1>;
+  const Eigen::Map<const Array> lp_map(lp, n), ref_map(ref, n);
+  switch (penalty.estimator) {
+    case KlEstimator::k1:
+      Eigen::Map<Array>(values, n) = lp_map - ref_map;
+      if (grad != nullptr && !penalty.straight_through) Eigen::Map<Array>(grad, n).setOnes();
+      break;
+    case KlEstimator::abs:
+      Eigen::Map<Array>(values, n) = (lp_map - ref_map).abs();
+      if (grad != nullptr && !penalty.straight_through)
+        for (Eigen::Index j = 0; j < n; ++j) {
+          const T d = lp[j] - ref[j];
+          grad[j] = d > T(0) ? T(1) : (d < T(0) ? T(-1) : T(0));
+        }
+      break;
+    case KlEstimator::k2:
+      Eigen::Map<Array>(values, n) = T(0.5) * (lp_map - ref_map).square();
+      break;
+    case KlEstimator::k3: {
+      T* k3_grad = grad != nullptr && !penalty.straight_through ? grad : nullptr;
+      if constexpr (std::is_same_v<T, float>)
+        kl_k3_float(lp, ref, values, k3_grad, n);
+      else
+        kl_k3_eigen<T>(lp, ref, values, k3_grad, n);
+      break;
+    }
+  }
+  // k2's gradient, and the straight-through gradient of every estimator: log p - log p_ref.
+  if (grad != nullptr && (penalty.straight_through || penalty.estimator == KlEstimator::k2))
+    Eigen::Map<Array>(grad, n) = lp_map - ref_map;
+}
+
+// Row-parallel driver: every row is independent, so any thread count gives the same bits.
+template <class T>
+void kl_rows(OutputRef<T>& values, OutputRef<T>* grad, const MatrixRef<T>& logprob, const MatrixRef<T>& ref_logprob,
+             KlPenalty penalty) {
+  const Eigen::Index rows = logprob.rows(), cols = logprob.cols();
+  mrr::detail::parallel_tiles(rows, row_tile(cols), rows * cols * 8, [&](std::int64_t, std::int64_t begin,
+                                                                          std::int64_t end) {
+    for (Eigen::Index i = begin; i < end; ++i)
+      kl_segment<T>(logprob.data() + i * logprob.outerStride(), ref_logprob.data() + i * ref_logprob.outerStride(),
+                    values.data() + i * values.outerStride(),
+                    grad != nullptr ? grad->data() + i * grad->outerStride() : nullptr, cols, penalty);
+  });
+}
+
+}  // namespace detail
+
+// Element-wise KL estimate and its gradient w.r.t. logprob into caller-owned matrices of the
+// inputs' shape (no allocation). No mask is applied (verl applies the response mask when it
+// aggregates). Outputs must not overlap the inputs.
+template <class T>
+void kl_penalty_into(detail::OutputRef<T> values, detail::OutputRef<T> grad_logprob, MatrixRef<T> logprob,
+                     MatrixRef<T> ref_logprob, KlPenalty penalty) {
+  constexpr std::string_view fn = "ppo::kl_penalty";
+  detail::require_same_shape(fn, "logprob", logprob, "ref_logprob", ref_logprob);
+  detail::require_output(fn, "values", values, logprob.rows(), logprob.cols(), logprob, ref_logprob);
+  detail::require_output(fn, "grad_logprob", grad_logprob, logprob.rows(), logprob.cols(), logprob, ref_logprob);
+  mrr::detail::require(!detail::shares_memory(values, grad_logprob), fn,
+                       "'values' and 'grad_logprob' share memory; pass separate output matrices");
+  detail::kl_rows<T>(values, &grad_logprob, logprob, ref_logprob, penalty);
+}
+
+// Same, into a result whose matrices are resized only when the shape changes.
+template <class T>
+void kl_penalty_into(KlPenaltyResult<T>& out, MatrixRef<T> logprob, MatrixRef<T> ref_logprob, KlPenalty penalty) {
+  detail::require_same_shape("ppo::kl_penalty", "logprob", logprob, "ref_logprob", ref_logprob);
+  out.values.resize(logprob.rows(), logprob.cols());
+  out.grad_logprob.resize(logprob.rows(), logprob.cols());
+  kl_penalty_into<T>(out.values, out.grad_logprob, logprob, ref_logprob, penalty);
+}
+
 template <class T>
 KlPenaltyResult<T> kl_penalty(MatrixRef<T> logprob, MatrixRef<T> ref_logprob, KlPenalty penalty) {
-  detail::require_same_shape("ppo::kl_penalty", "logprob", logprob, "ref_logprob", ref_logprob);
-  KlPenaltyResult<T> out{RowMatrix<T>(logprob.rows(), logprob.cols()), RowMatrix<T>(logprob.rows(), logprob.cols())};
-  for (Eigen::Index i = 0; i < logprob.rows(); ++i)
-    for (Eigen::Index j = 0; j < logprob.cols(); ++j) {
-      const auto e = detail::kl_element(logprob(i, j), ref_logprob(i, j), penalty.estimator);
-      out.values(i, j) = e.value;
-      // Straight-through: forward of the estimator, backward of k2 (= log p - log p_ref).
-      out.grad_logprob(i, j) = penalty.straight_through ? logprob(i, j) - ref_logprob(i, j) : e.grad;
-    }
+  KlPenaltyResult<T> out;
+  kl_penalty_into<T>(out, logprob, ref_logprob, penalty);
   return out;
 }
 
@@ -148,14 +319,21 @@ KlPenaltyResult<T> kl_penalty(MatrixRef<T> logprob, MatrixRef<T> ref_logprob, st
   return kl_penalty<T>(logprob, ref_logprob, parse_kl_penalty(name));
 }
 
-// Forward values only.
+// Forward values only, into a caller-owned matrix of the inputs' shape (verl's kl_penalty_forward).
+template <class T>
+void kl_penalty_forward_into(detail::OutputRef<T> values, MatrixRef<T> logprob, MatrixRef<T> ref_logprob,
+                             KlEstimator estimator) {
+  constexpr std::string_view fn = "ppo::kl_penalty_forward";
+  detail::require_same_shape(fn, "logprob", logprob, "ref_logprob", ref_logprob);
+  detail::require_output(fn, "values", values, logprob.rows(), logprob.cols(), logprob, ref_logprob);
+  detail::kl_rows<T>(values, nullptr, logprob, ref_logprob, KlPenalty{estimator, false});
+}
+
 template <class T>
 RowMatrix<T> kl_penalty_forward(MatrixRef<T> logprob, MatrixRef<T> ref_logprob, KlEstimator estimator) {
   detail::require_same_shape("ppo::kl_penalty_forward", "logprob", logprob, "ref_logprob", ref_logprob);
   RowMatrix<T> out(logprob.rows(), logprob.cols());
-  for (Eigen::Index i = 0; i < logprob.rows(); ++i)
-    for (Eigen::Index j = 0; j < logprob.cols(); ++j)
-      out(i, j) = detail::kl_element(logprob(i, j), ref_logprob(i, j), estimator).value;
+  kl_penalty_forward_into<T>(out, logprob, ref_logprob, estimator);
   return out;
 }
 

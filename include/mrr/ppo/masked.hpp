@@ -4,12 +4,16 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/tensor.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <string_view>
 
 MRR_NAMESPACE_BEGIN
 namespace ppo {
@@ -20,6 +24,49 @@ namespace detail {
 inline constexpr double kMaskCountEpsilon = 1e-8;
 // masked_whiten adds this to the variance before the reciprocal square root.
 inline constexpr double kWhitenVarianceEpsilon = 1e-8;
+
+// Writable view of caller memory for `_into` outputs: a RowMatrix, a row-major block or a Map.
+template <class T>
+using OutputRef = Eigen::Ref<RowMatrix<T>>;
+
+// Element-wise passes run over fixed tiles of rows (about 32K elements each, set by the shape
+// alone), so the bits never depend on the thread count; see mrr/detail/parallel.hpp.
+inline Eigen::Index row_tile(Eigen::Index cols) {
+  return std::max<Eigen::Index>(1, Eigen::Index{32768} / std::max<Eigen::Index>(cols, 1));
+}
+
+// Columns processed per chunk by the row kernels (stack buffers stay in L1).
+inline constexpr Eigen::Index kChunk = 512;
+
+// m (m - 1) is 0 exactly for m = 0 or 1 and non-zero (or NaN) for any other value, denormals
+// included, so one vectorised sum of |m (m - 1)| tests a whole block (Eigen 3.4 does not vectorise
+// comparisons). Use it on the hot path and require_mask on the cold path for the message.
+template <class Derived>
+bool is_binary_mask_fast(const Eigen::DenseBase<Derived>& mask) {
+  using T = typename Derived::Scalar;
+  const auto a = mask.derived().array();
+  return (a * (a - T(1))).abs().sum() == T(0);
+}
+
+// True when the outputs' storage overlaps the input's (row-major views: rows are contiguous).
+template <class Out, class In>
+bool shares_memory(const Out& output, const In& input) {
+  if (output.size() == 0 || input.size() == 0) return false;
+  const auto* out_begin = output.data();
+  const auto* out_end = output.data() + (output.rows() - 1) * output.outerStride() + output.cols();
+  const auto* in_begin = input.data();
+  const auto* in_end = input.data() + (input.rows() - 1) * input.outerStride() + input.cols();
+  return out_begin < in_end && in_begin < out_end;
+}
+
+template <class Out, class... Inputs>
+void require_output(std::string_view function, std::string_view name, const Out& output, Eigen::Index rows,
+                    Eigen::Index cols, const Inputs&... inputs) {
+  mrr::detail::require(output.rows() == rows && output.cols() == cols, function, "'", name, "' has shape ",
+                       mrr::detail::shape_of(output), " but the result has shape [", rows, ", ", cols, "]");
+  mrr::detail::require(!(shares_memory(output, inputs) || ...), function, "'", name,
+                       "' shares memory with an input; pass a separate output matrix");
+}
 
 // sum over (i, j) with mask != 0 of values * mask; the "where" keeps NaN in padding out of the sum.
 template <class T>

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
 #include <mrr/ppo/aggregate.hpp>
 #include <mrr/ppo/detail/validate.hpp>
@@ -18,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 MRR_NAMESPACE_BEGIN
 namespace ppo {
@@ -224,36 +226,239 @@ PolicyLossResult<T> token_policy_loss(std::string_view function, const MatrixRef
 
 }  // namespace detail
 
+namespace detail {
+
+// Per-row partial sums of a fused loss pass, reduced serially in row order afterwards (so the
+// result does not depend on the thread count).
+template <class T>
+struct RowPartials {
+  Vector<T> tokens, bad_mask, loss, clip, lower, kl, probe;
+
+  void resize(Eigen::Index rows) {
+    for (Vector<T>* v : {&tokens, &bad_mask, &loss, &clip, &lower, &kl, &probe})
+      v->resize(rows);
+  }
+};
+
+// One row of verl's vanilla PPO loss, value and gradient, chunk by chunk in L1 buffers. All
+// arithmetic is Eigen array expressions (vectorised, exp included); the comparisons are small
+// loops that only turn them into 0/1 indicators, which GCC vectorises (Eigen 3.4 does not
+// vectorise comparisons or select, and a single loop mixing both is not vectorised under GCC's
+// default -ftrapping-math). The multi-way choices of torch.maximum / minimum's gradients (split
+// evenly on ties) are sums of terms times indicators of which exactly one is 1: exact for the
+// finite values of valid tokens. Masked tokens may hold anything; the last loop drops them.
+// Writes the final gradient (times the row's aggregation weight; zero where masked) and the row's
+// masked sums of loss, clip indicators and -log-ratio, plus a probe that is NaN when an input is
+// not finite on a valid token. Mask values are 0 or 1 (checked), so m x = x on valid tokens.
+template <class T, bool Weighted>
+void vanilla_row(const T* lp, const T* old, const T* adv, const T* mask, const T* is_weight, T row_weight, T* grad,
+                 Eigen::Index n, T lo, T hi, T dual_clip, T* sums) {
+  using Array = Eigen::Array<T, Eigen::Dynamic, 1>;
+  using Map = Eigen::Map<Array, Eigen::Aligned16>;
+  using ConstMap = Eigen::Map<const Array>;
+  constexpr Eigen::Index kLen = 256;
+  const T bound = T(kLogRatioBound);
+  alignas(64) T clamped_b[kLen], ratio_b[kLen], clipped_b[kLen], value_b[kLen], grad_b[kLen];
+  alignas(64) T pass_b[kLen], unclipped_b[kLen], larger_b[kLen], smaller_b[kLen], dual_below_b[kLen],
+      dual_above_b[kLen], negative_b[kLen];
+  alignas(64) T loss_b[kLen], clip_b[kLen], lower_b[kLen], kl_b[kLen], probe_b[kLen], valid_b[kLen];
+  T loss_sum = 0, clip_sum = 0, lower_sum = 0, kl_sum = 0, probe_sum = 0;
+  for (Eigen::Index j0 = 0; j0 < n; j0 += kLen) {
+    const Eigen::Index m = std::min(kLen, n - j0);
+    const T* l = lp + j0;
+    const T* o = old + j0;
+    const T* av = adv + j0;
+    const T* mk = mask + j0;
+    const ConstMap a(av, m);
+    Map clamped(clamped_b, m), ratio(ratio_b, m), clipped(clipped_b, m);
+    clamped = (ConstMap(l, m) - ConstMap(o, m)).max(-bound).min(bound);
+    ratio = clamped.exp();
+    clipped = ratio.max(lo).min(hi);
+    for (Eigen::Index j = 0; j < m; ++j) {
+      const T log_ratio = l[j] - o[j], r = ratio_b[j];
+      const T loss1 = -av[j] * r, loss2 = -av[j] * clipped_b[j], loss3 = -av[j] * dual_clip;
+      // The clamp passes the gradient on its closed interval; so does the clip of the ratio.
+      pass_b[j] = clamped_b[j] == log_ratio ? T(1) : T(0);
+      unclipped_b[j] = clamped_b[j] == log_ratio && clipped_b[j] == r ? T(1) : T(0);
+      larger_b[j] = loss1 > loss2 ? T(1) : T(0);
+      smaller_b[j] = loss1 < loss2 ? T(1) : T(0);
+      // loss3 against max(loss1, loss2).
+      dual_below_b[j] = loss3 < loss1 || loss3 < loss2 ? T(1) : T(0);
+      dual_above_b[j] = loss3 > loss1 && loss3 > loss2 ? T(1) : T(0);
+      negative_b[j] = av[j] < T(0) ? T(1) : T(0);
+      valid_b[j] = mk[j] != T(0) ? T(1) : T(0);
+    }
+    const Map pass(pass_b, m), unclipped(unclipped_b, m), larger(larger_b, m), smaller(smaller_b, m),
+        dual_below(dual_below_b, m), dual_above(dual_above_b, m), negative(negative_b, m);
+    // Values: clip1 = max(loss1, loss2); clip2 = min(loss3, clip1); A < 0 takes clip2.
+    const auto clip1 = (-a * ratio).max(-a * clipped);
+    const auto clip2 = (-a * dual_clip).min(clip1);
+    Map value(value_b, m), g(grad_b, m);
+    value = negative * clip2 + (T(1) - negative) * clip1;
+    // Gradients, times the row weight (verl's (w m) g with m = 1): d loss1 = -a r; d loss2 = the
+    // same where the clip passes it; each tie takes half of the sum.
+    const auto grad1 = (row_weight * T(1)) * (-a * ratio);
+    const auto clipped_only = pass - unclipped;
+    const auto clip1_g = larger * (pass * grad1) + smaller * (unclipped * grad1) +
+                         (T(1) - larger - smaller) * (unclipped * grad1 + clipped_only * (T(0.5) * grad1));
+    g = clip1_g;  // evaluated once, reused below
+    const auto dual_tied = T(1) - dual_above - dual_below;
+    g = negative * (dual_above * g + dual_tied * (T(0.5) * g)) + (T(1) - negative) * g;
+    if constexpr (Weighted) {  // verl weights the per-token loss: (w m) (g is_w)
+      const ConstMap w(is_weight + j0, m);
+      value = value * w;
+      g = g * w;
+    }
+    // The finiteness probe, x - x: 0 for finite x, NaN for NaN or inf (into a buffer that is free
+    // by now; inside the loop below GCC would sink it under the select and stop vectorising).
+    Map(unclipped_b, m) = (ConstMap(l, m) - ConstMap(l, m)) + (ConstMap(o, m) - ConstMap(o, m)) + (a - a);
+    Map(pass_b, m) = negative * dual_below;  // the lower-clip indicator (both 0/1)
+    // The masking selects: plain loads only (GCC sinks any arithmetic used under a ternary into a
+    // branch, where it may trap, and then does not vectorise the loop).
+    for (Eigen::Index j = 0; j < m; ++j) {
+      const T valid = valid_b[j], g_j = grad_b[j], value_j = value_b[j], smaller_j = smaller_b[j];
+      const T lower_j = pass_b[j], clamped_j = clamped_b[j], probe_j = unclipped_b[j];
+      larger_b[j] = valid != T(0) ? g_j : T(0);
+      loss_b[j] = valid != T(0) ? value_j : T(0);
+      clip_b[j] = valid != T(0) ? smaller_j : T(0);
+      lower_b[j] = valid != T(0) ? lower_j : T(0);
+      kl_b[j] = valid != T(0) ? clamped_j : T(0);  // negated in the sum below
+      probe_b[j] = valid != T(0) ? probe_j : T(0);
+    }
+    Eigen::Map<Array>(grad + j0, m) = ConstMap(larger_b, m);
+    loss_sum += ConstMap(loss_b, m).sum();
+    clip_sum += ConstMap(clip_b, m).sum();
+    lower_sum += ConstMap(lower_b, m).sum();
+    kl_sum -= ConstMap(kl_b, m).sum();
+    probe_sum += ConstMap(probe_b, m).sum();
+  }
+  sums[0] = loss_sum;
+  sums[1] = clip_sum;
+  sums[2] = lower_sum;
+  sums[3] = kl_sum;
+  sums[4] = probe_sum;
+}
+
+}  // namespace detail
+
 // PPO clipped objective (verl "vanilla"): max(-A r, -A clip(r, 1 - low, 1 + high)) and, for
 // A < 0, the dual clip min(., -A clip_ratio_c). r = exp(clamp(log_prob - old_log_prob, +-20)).
+// The `_into` form writes into `out`, reusing its gradient matrix when the shape matches (no
+// allocation in a training loop). Two passes: a read of the mask (0/1 check and token counts, for
+// the aggregation weights), then one fused pass over the inputs that writes the final gradient.
+// Row tiles run in parallel under OpenMP; per-row sums are reduced in row order.
+template <class T>
+void compute_policy_loss_vanilla_into(PolicyLossResult<T>& out, MatrixRef<T> old_log_prob, MatrixRef<T> log_prob,
+                                      MatrixRef<T> advantages, MatrixRef<T> response_mask,
+                                      LossAggMode loss_agg_mode = LossAggMode::token_mean,
+                                      const PolicyLossConfig& config = {},
+                                      OptionalMatrixView<T> rollout_is_weights = {}) {
+  constexpr std::string_view fn = "ppo::compute_policy_loss_vanilla";
+  detail::require_nonempty(fn, "log_prob", log_prob);
+  detail::require_same_shape(fn, "log_prob", log_prob, "old_log_prob", old_log_prob);
+  detail::require_same_shape(fn, "log_prob", log_prob, "advantages", advantages);
+  detail::require_same_shape(fn, "log_prob", log_prob, "response_mask", response_mask);
+  mrr::detail::require(config.clip_ratio_c > 1.0, fn, "'clip_ratio_c' (dual-clip lower bound) must be > 1, got ",
+                       config.clip_ratio_c);
+  const Eigen::Index rows = log_prob.rows(), cols = log_prob.cols();
+  out.grad_log_prob.resize(rows, cols);
+  mrr::detail::require(!detail::shares_memory(out.grad_log_prob, log_prob) &&
+                           !detail::shares_memory(out.grad_log_prob, old_log_prob) &&
+                           !detail::shares_memory(out.grad_log_prob, advantages) &&
+                           !detail::shares_memory(out.grad_log_prob, response_mask),
+                       fn, "'out.grad_log_prob' shares memory with an input; pass a separate result");
+  // The full (slow, scalar) checks run only when the fused passes find something wrong, so the
+  // error is the same as theirs: the mask first, then non-finite values in argument order.
+  const auto full_check = [&] {
+    detail::check_policy_inputs<T>(fn, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights);
+  };
+  const bool weighted = rollout_is_weights.has_value();
+  if (weighted) full_check();  // shapes, finiteness and signs of the weights
+  const auto weights = rollout_is_weights.map();
+  const T lo = static_cast<T>(1.0 - config.low()), hi = static_cast<T>(1.0 + config.high());
+  const T dual_clip = static_cast<T>(config.clip_ratio_c);
+
+  // Reused across calls (no allocation in steady state). A named reference, because a lambda
+  // that names a thread_local directly would see each worker thread's own instance.
+  thread_local detail::RowPartials<T> partials_storage;
+  detail::RowPartials<T>& partials = partials_storage;
+  partials.resize(rows);
+  const Eigen::Index tile = detail::row_tile(cols);
+  mrr::detail::parallel_tiles(rows, tile, rows * cols, [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+    for (Eigen::Index i = begin; i < end; ++i) {
+      const auto m = response_mask.row(i).array();
+      partials.tokens[i] = m.sum();
+      partials.bad_mask[i] = (m * (m - T(1))).abs().sum();
+    }
+  });
+  if (!(partials.bad_mask.array() == T(0)).all()) [[unlikely]]
+    full_check();
+  double total_tokens = 0;
+  for (Eigen::Index i = 0; i < rows; ++i)
+    total_tokens += static_cast<double>(partials.tokens[i]);
+  const Vector<T> row_weights = detail::aggregation_row_weights_from_counts<T>(
+      partials.tokens, total_tokens, cols, loss_agg_mode, config.global_batch_info, fn);
+
+  mrr::detail::parallel_tiles(rows, tile, rows * cols * 32, [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+    for (Eigen::Index i = begin; i < end; ++i) {
+      T sums[5];
+      const auto run = [&](auto weighted_tag) {
+        detail::vanilla_row<T, decltype(weighted_tag)::value>(
+            log_prob.data() + i * log_prob.outerStride(), old_log_prob.data() + i * old_log_prob.outerStride(),
+            advantages.data() + i * advantages.outerStride(), response_mask.data() + i * response_mask.outerStride(),
+            weighted ? weights.data() + i * weights.outerStride() : nullptr, row_weights[i],
+            out.grad_log_prob.data() + i * cols, cols, lo, hi, dual_clip, sums);
+      };
+      if (weighted)
+        run(std::true_type{});
+      else
+        run(std::false_type{});
+      partials.loss[i] = sums[0];
+      partials.clip[i] = sums[1];
+      partials.lower[i] = sums[2];
+      partials.kl[i] = sums[3];
+      partials.probe[i] = sums[4];
+    }
+  });
+  if (!(partials.probe.sum() == T(0))) [[unlikely]] {
+    full_check();
+    mrr::detail::throw_invalid_argument(fn, "an input is not finite on a valid token");
+  }
+  T loss = 0, clip_sum = 0, lower_sum = 0, kl_sum = 0;
+  const bool token_mode = loss_agg_mode == LossAggMode::token_mean || loss_agg_mode == LossAggMode::token_sum;
+  for (Eigen::Index i = 0; i < rows; ++i) {
+    clip_sum += partials.clip[i];
+    lower_sum += partials.lower[i];
+    kl_sum += partials.kl[i];
+    // token-sum and token-mean sum every token first, then scale (as verl); fully masked rows of
+    // the seq-mean modes have weight 0 and are skipped (their sum is 0 anyway).
+    if (token_mode)
+      loss += partials.loss[i];
+    else if (row_weights[i] != T(0))
+      loss += partials.loss[i] * row_weights[i];
+  }
+  if (loss_agg_mode == LossAggMode::token_sum)
+    loss = loss * static_cast<T>(static_cast<double>(config.global_batch_info.dp_size));
+  else if (loss_agg_mode == LossAggMode::token_mean)
+    loss = loss * row_weights[0];
+  out.loss = loss;
+  const T denominator = static_cast<T>(total_tokens) + T(detail::kMaskCountEpsilon);
+  if (out.metrics.size() != 3) out.metrics.clear();
+  out.metrics["actor/pg_clipfrac"] = clip_sum / denominator;
+  out.metrics["actor/pg_clipfrac_lower"] = lower_sum / denominator;
+  out.metrics["actor/ppo_kl"] = kl_sum / denominator;
+}
+
 template <class T>
 PolicyLossResult<T> compute_policy_loss_vanilla(MatrixRef<T> old_log_prob, MatrixRef<T> log_prob,
                                                 MatrixRef<T> advantages, MatrixRef<T> response_mask,
                                                 LossAggMode loss_agg_mode = LossAggMode::token_mean,
                                                 const PolicyLossConfig& config = {},
                                                 OptionalMatrixView<T> rollout_is_weights = {}) {
-  constexpr std::string_view fn = "ppo::compute_policy_loss_vanilla";
-  detail::check_policy_inputs<T>(fn, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights);
-  mrr::detail::require(config.clip_ratio_c > 1.0, fn, "'clip_ratio_c' (dual-clip lower bound) must be > 1, got ",
-                       config.clip_ratio_c);
-  const T lo = static_cast<T>(1.0 - config.low()), hi = static_cast<T>(1.0 + config.high());
-  const T c = static_cast<T>(config.clip_ratio_c);
-  return detail::token_policy_loss<T>(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                      config.global_batch_info, rollout_is_weights, detail::MetricSet::clip_and_kl,
-                                      [&](Eigen::Index, Eigen::Index, T lp, T old, T a) -> detail::TokenTerms<T> {
-                                        const auto ratio = detail::clamped_ratio(lp, old);
-                                        const detail::ValueGrad<T> loss1{-a * ratio.value, -a * ratio.grad};
-                                        const auto clipped = detail::clamp(ratio, lo, hi);
-                                        const detail::ValueGrad<T> loss2{-a * clipped.value, -a * clipped.grad};
-                                        const auto clip1 = detail::maximum(loss1, loss2);
-                                        const detail::ValueGrad<T> loss3{-a * c, T(0)};
-                                        const auto clip2 = detail::minimum(loss3, clip1);
-                                        const auto chosen = a < T(0) ? clip2 : clip1;
-                                        const T neg_kl = -std::clamp(lp - old, T(-detail::kLogRatioBound),
-                                                                     T(detail::kLogRatioBound));
-                                        return {chosen.value, chosen.grad, T(loss2.value > loss1.value ? 1 : 0),
-                                                T(clip1.value > loss3.value && a < T(0) ? 1 : 0), neg_kl};
-                                      });
+  PolicyLossResult<T> out;
+  compute_policy_loss_vanilla_into<T>(out, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                                      rollout_is_weights);
+  return out;
 }
 
 // GSPO (arXiv 2507.18071): the sequence-level ratio exp(mean masked log-ratio) carried to each

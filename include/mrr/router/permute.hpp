@@ -89,7 +89,9 @@ Permuted<T> permute(MatrixRef<T> tokens, MaskRef routing_map, const std::optiona
 }
 
 // Megatron unpermute: scatter-add rows back to their tokens, each scaled by its probability
-// when probs and routing_map are given. Rows are added in permuted (expert-major) order.
+// when probs and routing_map are given. Each token adds its rows in permuted (expert-major)
+// order, as a serial scatter-add does; tokens are summed in parallel from a counting sort of the
+// rows by token, so the bits do not depend on the number of threads.
 template <class T>
 RowMatrix<T> unpermute(MatrixRef<T> permuted_tokens, const std::vector<std::int64_t>& sorted_indices,
                        Eigen::Index num_tokens, const std::optional<MatrixRef<T>>& probs = std::nullopt,
@@ -115,15 +117,34 @@ RowMatrix<T> unpermute(MatrixRef<T> permuted_tokens, const std::vector<std::int6
     detail::require(r == row_probs.size(), fn, "'routing_map' selects ", r, " rows but ", row_probs.size(),
                     " were permuted");
   }
-  RowMatrix<T> out = RowMatrix<T>::Zero(num_tokens, permuted_tokens.cols());
-  for (Eigen::Index r = 0; r < permuted_tokens.rows(); ++r) {
+  const std::int64_t rows = permuted_tokens.rows();
+  // first_row[t] .. first_row[t + 1]: token t's rows in `order`, ascending.
+  std::vector<std::int64_t> first_row(static_cast<std::size_t>(num_tokens) + 1, 0), order(static_cast<std::size_t>(rows));
+  for (std::int64_t r = 0; r < rows; ++r) {
     const auto t = sorted_indices[static_cast<std::size_t>(r)];
     detail::require(t >= 0 && t < num_tokens, fn, "sorted_indices[", r, "] = ", t, " outside [0, ", num_tokens, ")");
-    if (probs)
-      out.row(t) += permuted_tokens.row(r) * row_probs[r];
-    else
-      out.row(t) += permuted_tokens.row(r);
+    ++first_row[static_cast<std::size_t>(t) + 1];
   }
+  for (std::size_t t = 0; t < static_cast<std::size_t>(num_tokens); ++t) first_row[t + 1] += first_row[t];
+  {
+    std::vector<std::int64_t> next(first_row.begin(), first_row.end() - 1);
+    for (std::int64_t r = 0; r < rows; ++r)
+      order[static_cast<std::size_t>(next[static_cast<std::size_t>(sorted_indices[static_cast<std::size_t>(r)])]++)] = r;
+  }
+  RowMatrix<T> out(num_tokens, permuted_tokens.cols());
+  detail::parallel_tiles(num_tokens, 64, rows * permuted_tokens.cols(),
+                         [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    for (std::int64_t t = first; t < end; ++t) {
+      out.row(t).setZero();
+      for (std::int64_t i = first_row[static_cast<std::size_t>(t)]; i < first_row[static_cast<std::size_t>(t) + 1]; ++i) {
+        const std::int64_t r = order[static_cast<std::size_t>(i)];
+        if (probs)
+          out.row(t) += permuted_tokens.row(r) * row_probs[r];
+        else
+          out.row(t) += permuted_tokens.row(r);
+      }
+    }
+  });
   return out;
 }
 

@@ -7,6 +7,7 @@
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/parallel.hpp>
 #include <mrr/detail/score.hpp>
+#include <mrr/detail/softmax_tile.hpp>
 #include <mrr/detail/topk.hpp>
 #include <mrr/error.hpp>
 #include <mrr/router/capacity.hpp>
@@ -185,32 +186,45 @@ class TopKRouter {
     return !config_.grouped() && !config_.use_expert_bias;
   }
 
-  // Per-call scratch, so rows allocate nothing.
+  // Per-chunk scratch, so rows allocate nothing; replay needs only the stamps and the tile.
   struct Workspace {
     std::vector<Scalar> scores, masked_scores, values, group_scores, group_values;
     std::vector<int> group_ids, group_members, candidate_ids;
     std::vector<Scalar> row_scale;
     std::vector<std::uint32_t> seen;  // replay: row stamp per expert (duplicate ids)
-    explicit Workspace(const RouterConfig& c)
-        : scores(static_cast<std::size_t>(c.num_experts)),
-          masked_scores(static_cast<std::size_t>(c.num_experts)),
-          values(static_cast<std::size_t>(c.num_experts)),
-          group_scores(static_cast<std::size_t>(c.num_groups)),
-          group_values(static_cast<std::size_t>(c.num_experts)),
-          group_ids(static_cast<std::size_t>(c.num_groups)),
-          group_members(static_cast<std::size_t>(c.num_experts)),
-          candidate_ids(static_cast<std::size_t>(c.num_experts)),
-          seen(static_cast<std::size_t>(c.num_experts), 0u) {}
+    std::vector<Scalar> slot_major;   // float softmax weights: the tile's logits, slot-major
+    std::vector<std::int32_t> slot_ids;  // and its replayed ids (duplicate check)
+    Workspace(const RouterConfig& c, bool selects, bool slot_major_tile)
+        : seen(static_cast<std::size_t>(c.num_experts), 0u),
+          slot_major(slot_major_tile ? static_cast<std::size_t>(c.topk) * detail::kSoftmaxTileRows : 0),
+          slot_ids(slot_major.size()) {
+      if (!selects) return;
+      const auto e = static_cast<std::size_t>(c.num_experts), g = static_cast<std::size_t>(c.num_groups);
+      scores.resize(e);
+      masked_scores.resize(e);
+      values.resize(e);
+      group_scores.resize(g);
+      group_values.resize(e);
+      group_ids.resize(g);
+      group_members.resize(e);
+      candidate_ids.resize(e);
+    }
   };
 
   // Rows per tile: tile boundaries depend on the row index only, so the vectorised weight pass
   // computes the same bits for any number of threads.
-  static constexpr std::int64_t kTileRows = 64;
+  static constexpr std::int64_t kTileRows = detail::kSoftmaxTileRows;
   static constexpr std::int64_t kChunkRows = 8 * kTileRows;
 
   // Replay reads only z[ids] unless the weights are unrenormalised pre-softmax probabilities.
   bool replay_reads_whole_row() const {
     return config_.score_function == ScoreFunction::softmax && config_.pre_softmax && !config_.normalizes();
+  }
+
+  // Float weights that are a softmax over the k chosen logits take detail::softmax_slot_major.
+  bool softmax_over_slots() const {
+    return std::is_same_v<Scalar, float> && config_.score_function == ScoreFunction::softmax &&
+           !replay_reads_whole_row();
   }
 
   void route_rows(Routing<Scalar>& out, const MatrixRef<Scalar>& logits, const ExpertIdsRef* replay_ids,
@@ -228,37 +242,81 @@ class TopKRouter {
     out.kept.resize(0, 0);
     const bool whole_row = replay_reads_whole_row();
     const std::int64_t work = static_cast<std::int64_t>(rows) * (replay_ids && !whole_row ? 4 * k : num_e + 4 * k);
+    const bool slot_major = softmax_over_slots();
+    const bool replay_all = replay_ids && replay_mask.empty();
+    const bool selects = !replay_all;
+    // Where a row's gathered logits go: slot-major in the workspace tile for the float softmax
+    // kernel, else in place in out.weights for weights_tile.
+    const std::int64_t row_step = slot_major ? 1 : k, slot_step = slot_major ? kTileRows : 1;
+    const Scalar scale = config_.scaling_factor ? static_cast<Scalar>(*config_.scaling_factor) : Scalar(1);
     // Threads take chunks of rows (one workspace each); the weight pass runs on tiles of
     // kTileRows inside a chunk, whose boundaries are multiples of kTileRows.
     detail::parallel_tiles(rows, kChunkRows, work, [&](std::int64_t, std::int64_t chunk_first, std::int64_t chunk_end) {
-      Workspace ws(config_);
+      Workspace ws(config_, selects, slot_major);
       for (std::int64_t first = chunk_first; first < chunk_end; first += kTileRows) {
         const std::int64_t end = std::min(chunk_end, first + kTileRows);
+        Scalar* const sink = slot_major ? ws.slot_major.data() : &out.weights(first, 0);
         bool bad = false;
-        for (Eigen::Index t = first; t < end; ++t) {
-          const Scalar* z = detail::row_ptr(logits, t);
-          std::int32_t* ids = &out.ids(t, 0);
-          const bool replay_row = replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
-          if (replay_row) {
-            bad |= !gather_replayed_row(z, detail::row_ptr(*replay_ids, t), t, ids, &out.weights(t, 0), ws);
-            if (whole_row) bad |= !row_is_valid(z, num_e, k, false);
-          } else {
-            if (!row_is_valid(z, num_e, k, true)) [[unlikely]] {
-              bad = true;
-              continue;
+        // Rows [first, tile_first) are done by the fused replay kernel, which reports in `fused`.
+        std::int64_t tile_first = first;
+        unsigned fused = 0;
+        if (replay_all && slot_major) {
+          // Replay only: tight loops over the tile, no per-row dispatch; with k = 8 on AVX2, one
+          // fused pass over each 8 rows, the rest (if any) through the tile.
+          if constexpr (std::is_same_v<Scalar, float>)
+            tile_first += detail::replay_softmax_fused(
+                detail::row_ptr(logits, first), logits.outerStride(), detail::row_ptr(*replay_ids, first),
+                replay_ids->outerStride(), k, num_e, static_cast<int>(end - first),
+                static_cast<int>(std::min<std::int64_t>(rows - first, end - first + 8)), scale, &out.ids(first, 0),
+                &out.weights(first, 0), fused);
+          bad = (fused & detail::replay_fused_bad_ids) != 0;
+          if (!bad && tile_first < end)
+            bad = !gather_replayed_tile(logits, *replay_ids, tile_first, end, sink, out, ws);
+        } else {
+          for (Eigen::Index t = first; t < end; ++t) {
+            const Scalar* z = detail::row_ptr(logits, t);
+            std::int32_t* ids = &out.ids(t, 0);
+            Scalar* w = sink + (t - first) * row_step;
+            const bool replay_row =
+                replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
+            if (replay_row) {
+              const std::int32_t* src = detail::row_ptr(*replay_ids, t);
+              for (int j = 0; j < k; ++j) ids[j] = src[j];
+              bad |= !gather_replayed_row(z, src, t, w, slot_step, ws);
+              if (whole_row) bad |= !row_is_valid(z, num_e, k, false);
+            } else {
+              if (!row_is_valid(z, num_e, k, true)) [[unlikely]] {
+                bad = true;
+                continue;
+              }
+              select_row(z, ids, ws);
+              for (int j = 0; j < k; ++j) w[j * slot_step] = z[ids[j]];
             }
-            select_row(z, ids, ws);
-            for (int j = 0; j < k; ++j) out.weights(t, j) = z[ids[j]];
           }
         }
         // An invalid row re-runs the checks one row at a time, which raise the precise error.
         if (bad) [[unlikely]]
           for (Eigen::Index t = first; t < end; ++t)
             diagnose_row(logits, replay_ids, replay_mask, t, fn);
-        weights_tile(logits, out, first, end, ws);
-        const Scalar* w = &out.weights(first, 0);
         bool nan = false;
-        for (std::int64_t i = 0; i < (end - first) * k; ++i) nan |= std::isnan(w[i]);
+        if constexpr (std::is_same_v<Scalar, float>) {
+          if (slot_major) {
+            const unsigned status =
+                fused | (tile_first < end ? detail::softmax_slot_major(ws.slot_major.data(), k,
+                                                                       static_cast<int>(end - tile_first), scale,
+                                                                       &out.weights(tile_first, 0))
+                                          : 0u);
+            if (status & detail::softmax_tile_invalid_logit) [[unlikely]]
+              for (Eigen::Index t = first; t < end; ++t)
+                diagnose_row(logits, replay_ids, replay_mask, t, fn);
+            nan = (status & detail::softmax_tile_all_masked) != 0;
+          }
+        }
+        if (!slot_major) {
+          weights_tile(logits, out, first, end, ws);
+          const Scalar* w = &out.weights(first, 0);
+          for (std::int64_t i = 0; i < (end - first) * k; ++i) nan |= std::isnan(w[i]);
+        }
         if (nan) [[unlikely]]
           for (Eigen::Index t = first; t < end; ++t) {
             const bool replay_row =
@@ -283,10 +341,10 @@ class TopKRouter {
     return ok && (!need_k || finite >= k);
   }
 
-  // Copies a replayed row's ids and the logits they read (into w, for the weight pass), checking
+  // Copies the logits a replayed row reads to w[0], w[step], ... (for the weight pass), checking
   // the ids (in range, distinct) and those logits (no NaN, no +inf) without branching per slot.
   // Returns false when something is wrong; diagnose_row then says what.
-  bool gather_replayed_row(const Scalar* z, const std::int32_t* src, Eigen::Index t, std::int32_t* ids, Scalar* w,
+  bool gather_replayed_row(const Scalar* z, const std::int32_t* src, Eigen::Index t, Scalar* w, std::int64_t step,
                            Workspace& ws) const {
     constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
     const int k = topk();
@@ -301,10 +359,19 @@ class TopKRouter {
       const Scalar v = z[safe];
       ok &= in_range & (v < inf) & (seen[safe] != stamp);
       seen[safe] = stamp;
-      ids[j] = e;
-      w[j] = v;
+      w[j * step] = v;
     }
     return ok;
+  }
+
+  // The same for the rows [first, end) of a replay without a mask, into the slot-major tile of
+  // detail::softmax_slot_major (which checks the logits), with the ids copied to out.ids.
+  bool gather_replayed_tile(const MatrixRef<Scalar>& logits, const ExpertIdsRef& replay_ids, Eigen::Index first,
+                            Eigen::Index end, Scalar* tile, Routing<Scalar>& out, Workspace& ws) const {
+    return detail::gather_slot_major(detail::row_ptr(logits, first), logits.outerStride(),
+                                     detail::row_ptr(replay_ids, first), replay_ids.outerStride(), topk(),
+                                     num_experts(), static_cast<int>(end - first), tile, ws.slot_ids.data(),
+                                     &out.ids(first, 0));
   }
 
   // The checks of one row, in the order they are reported, throwing the first that fails.

@@ -1,0 +1,93 @@
+// A float32 exp over the whole float range, written without branches so that loops over it
+// vectorise, and compiled on x86 (GCC, Clang) both for the build's target and for AVX2, picked at
+// run time: a build without -march otherwise gets Eigen's SSE2 exp, fixed at compile time, while
+// PyTorch picks AVX2 at run time. Both variants perform the same IEEE operations in the same order
+// (no FMA: the AVX2 variant does not enable it), so the bits do not depend on the machine.
+// MRR_NO_RUNTIME_DISPATCH turns the dispatch off.
+#pragma once
+
+#include <mrr/detail/config.hpp>
+
+#include <bit>
+#include <cstdint>
+
+#if !defined(MRR_NO_RUNTIME_DISPATCH) && !MRR_COMPILING_WITH_NVCC && (defined(__GNUC__) || defined(__clang__)) && \
+    (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX2__)
+#define MRR_VEXP_AVX2 1
+#else
+#define MRR_VEXP_AVX2 0
+#endif
+
+MRR_NAMESPACE_BEGIN
+namespace detail {
+
+// c ? a : b through the bits, so that GCC neither sinks arithmetic into a branch nor threads a
+// constant through the code after it (either stops the vectoriser; a plain ternary does both).
+MRR_FORCEINLINE float select_float(bool c, float a, float b) {
+  const std::uint32_t m = c ? ~0u : 0u;
+  return std::bit_cast<float>((std::bit_cast<std::uint32_t>(a) & m) | (std::bit_cast<std::uint32_t>(b) & ~m));
+}
+
+// exp(x) within 1 ulp of the true value for every float (checked over all of them once;
+// tests/ppo/test_kernels.cpp samples them), exact at +-20 (the k3 clamp); inf above 88.72, gradual
+// underflow to 0 below -87.34, NaN for NaN. Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2,
+// a degree-6 minimax polynomial in r (Cephes' expf), and 2^n built in the exponent bits as
+// 2^h 2^(n - h), h = floor(n / 2), so that n from -150 to 129 needs no branch and the product
+// overflows or underflows exactly as exp does. exp_float_reduced is exp_float without the clamp
+// of x to [-104, 89]: the same inside that range (and NaN for NaN), garbage outside it.
+MRR_FORCEINLINE float exp_float_reduced(float x) {
+  constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float t = x * 1.44269504088896341f + round_magic;
+  const float n = t - round_magic;
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float q = 0.001381461275741458f;
+  q = q * r + 0.008368710055947304f;
+  q = q * r + 0.04166838899254799f;
+  q = q * r + 0.1666652113199234f;
+  q = q * r + 0.4999999403953552f;
+  const float p = (r * r) * q + r + 1.0f;
+  // n = bits(t) - bits(round_magic); 2^h = (h + 127) << 23 (h >= -75, so the exponent is normal).
+  const auto n_int =
+      static_cast<std::int32_t>(std::bit_cast<std::uint32_t>(t) - std::bit_cast<std::uint32_t>(round_magic));
+  const std::int32_t h = n_int >> 1;
+  const float scale_h = std::bit_cast<float>(static_cast<std::uint32_t>(h + 127) << 23);
+  const float scale_rest = std::bit_cast<float>(static_cast<std::uint32_t>(n_int - h + 127) << 23);
+  return (p * scale_h) * scale_rest;
+}
+
+MRR_FORCEINLINE float exp_float(float x) {
+  // Clamp to where exp is 0 or inf anyway (NaN passes: its comparisons are false).
+  x = select_float(x > 89.0f, 89.0f, x);
+  x = select_float(x < -104.0f, -104.0f, x);
+  return exp_float_reduced(x);
+}
+
+MRR_FORCEINLINE void exp_float_span_body(const float* x, float* y, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i)
+    y[i] = exp_float(x[i]);
+}
+
+inline void exp_float_span_portable(const float* x, float* y, std::int64_t n) { exp_float_span_body(x, y, n); }
+
+#if MRR_VEXP_AVX2
+__attribute__((target("avx2"))) inline void exp_float_span_avx2(const float* x, float* y, std::int64_t n) {
+  exp_float_span_body(x, y, n);
+}
+
+// Whether the AVX2 variants run here; read once.
+inline bool vexp_use_avx2() {
+  static const bool has_avx2 = __builtin_cpu_supports("avx2");
+  return has_avx2;
+}
+#endif
+
+// y[i] = exp(x[i]) for i < n; y may equal x.
+inline void exp_float_span(const float* x, float* y, std::int64_t n) {
+#if MRR_VEXP_AVX2
+  if (vexp_use_avx2()) return exp_float_span_avx2(x, y, n);
+#endif
+  exp_float_span_portable(x, y, n);
+}
+
+}  // namespace detail
+MRR_NAMESPACE_END
