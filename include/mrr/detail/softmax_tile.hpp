@@ -7,6 +7,7 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/vexp.hpp>
 
 #include <bit>
 #include <cstdint>
@@ -34,20 +35,11 @@ inline constexpr int kSoftmaxTileRows = 64;
 // under 1.2e-38). Cody-Waite reduction x = n ln2 + r, a degree-6 minimax polynomial in r, and 2^n
 // built in the exponent bits; written without branches so that loops over it vectorise.
 MRR_FORCEINLINE float exp_nonpositive(float x) {
-  constexpr float lowest = -87.33654475f;     // log(FLT_MIN)
-  constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float t = x * 1.44269504088896341f + round_magic;
-  const float n = t - round_magic;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float q = 0.001381461275741458f;
-  q = q * r + 0.008368710055947304f;
-  q = q * r + 0.04166838899254799f;
-  q = q * r + 0.1666652113199234f;
-  q = q * r + 0.4999999403953552f;
-  const float p = (r * r) * q + r + 1.0f;
-  // 2^n = (n + 127) << 23, with n = bits(t) - bits(round_magic) (unsigned: wraps, never overflows).
+  constexpr float lowest = -87.33654475f;  // log(FLT_MIN)
+  const auto [t, p] = exp_reduce(x);
+  // 2^n = (n + 127) << 23, with n = bits(t) - bits(kExpRoundMagic) (unsigned: wraps, never overflows).
   const std::uint32_t two_n =
-      (std::bit_cast<std::uint32_t>(t) << 23) + ((127u - std::bit_cast<std::uint32_t>(round_magic)) << 23);
+      (std::bit_cast<std::uint32_t>(t) << 23) + ((127u - std::bit_cast<std::uint32_t>(kExpRoundMagic)) << 23);
   const std::uint32_t keep = x >= lowest ? ~0u : 0u;  // also drops NaN, -inf and garbage 2^n
   return std::bit_cast<float>(std::bit_cast<std::uint32_t>(p * std::bit_cast<float>(two_n)) & keep);
 }

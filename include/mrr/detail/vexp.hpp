@@ -28,6 +28,27 @@ MRR_FORCEINLINE float select_float(bool c, float a, float b) {
   return std::bit_cast<float>((std::bit_cast<std::uint32_t>(a) & m) | (std::bit_cast<std::uint32_t>(b) & ~m));
 }
 
+// The core shared by the polynomial exps (exp_float here, exp_nonpositive in softmax_tile.hpp):
+// Cody-Waite reduction x = n ln2 + r and a degree-6 minimax polynomial p ~ exp(r) (Cephes'
+// expf). Returns p and t = x log2(e) + 1.5 * 2^23, whose bits hold n: bits(t) - bits(1.5 * 2^23).
+struct ExpReduction {
+  float t;
+  float p;
+};
+inline constexpr float kExpRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+
+MRR_FORCEINLINE ExpReduction exp_reduce(float x) {
+  const float t = x * 1.44269504088896341f + kExpRoundMagic;
+  const float n = t - kExpRoundMagic;
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float q = 0.001381461275741458f;
+  q = q * r + 0.008368710055947304f;
+  q = q * r + 0.04166838899254799f;
+  q = q * r + 0.1666652113199234f;
+  q = q * r + 0.4999999403953552f;
+  return {t, (r * r) * q + r + 1.0f};
+}
+
 // exp(x) within 1 ulp of the true value for every float (checked over all of them once;
 // tests/ppo/test_kernels.cpp samples them), exact at +-20 (the k3 clamp); inf above 88.72, gradual
 // underflow to 0 below -87.34, NaN for NaN. Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2,
@@ -36,19 +57,10 @@ MRR_FORCEINLINE float select_float(bool c, float a, float b) {
 // overflows or underflows exactly as exp does. exp_float_reduced is exp_float without the clamp
 // of x to [-104, 89]: the same inside that range (and NaN for NaN), garbage outside it.
 MRR_FORCEINLINE float exp_float_reduced(float x) {
-  constexpr float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float t = x * 1.44269504088896341f + round_magic;
-  const float n = t - round_magic;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float q = 0.001381461275741458f;
-  q = q * r + 0.008368710055947304f;
-  q = q * r + 0.04166838899254799f;
-  q = q * r + 0.1666652113199234f;
-  q = q * r + 0.4999999403953552f;
-  const float p = (r * r) * q + r + 1.0f;
-  // n = bits(t) - bits(round_magic); 2^h = (h + 127) << 23 (h >= -75, so the exponent is normal).
+  const auto [t, p] = exp_reduce(x);
+  // n = bits(t) - bits(kExpRoundMagic); 2^h = (h + 127) << 23 (h >= -75, so the exponent is normal).
   const auto n_int =
-      static_cast<std::int32_t>(std::bit_cast<std::uint32_t>(t) - std::bit_cast<std::uint32_t>(round_magic));
+      static_cast<std::int32_t>(std::bit_cast<std::uint32_t>(t) - std::bit_cast<std::uint32_t>(kExpRoundMagic));
   const std::int32_t h = n_int >> 1;
   const float scale_h = std::bit_cast<float>(static_cast<std::uint32_t>(h + 127) << 23);
   const float scale_rest = std::bit_cast<float>(static_cast<std::uint32_t>(n_int - h + 127) << 23);
