@@ -123,22 +123,11 @@ class RoutingReplay {
     constexpr const char* fn = "RoutingReplay::route";
     if (action_ == RouterAction::native) return router.route(logits);
     check_router(router, layer, fn);
-    auto& queue = queues_[static_cast<std::size_t>(layer)];
     if (action_ == RouterAction::replay_backward) {
-      if (queue.empty())
-        throw RouteStoreError(detail::str("mrr::", fn, ": layer ", layer,
-                                          " has no queued routes to recompute with: replay_backward consumes, in "
-                                          "order, the ids of earlier replay_forward calls of the same layer"));
-      Queued q = std::move(queue.front());
-      queue.pop_front();
-      detail::require(q.ids.rows() == logits.rows(), fn, "layer ", layer, ": the recomputed forward has ",
-                      logits.rows(), " rows but the forward it replays had ", q.ids.rows(),
-                      " (recompute must follow the forward order)");
+      const Queued q = pop_queued(layer, logits.rows(), fn);
       return router.replay(logits, q.ids, q.found);
     }
-    detail::require(layout_.size() == static_cast<std::size_t>(logits.rows()), fn, "layer ", layer, ": logits have ",
-                    logits.rows(), " rows but the micro-batch layout has ", layout_.size(),
-                    " (call set_micro_batch before the forward)");
+    check_layout_rows(layer, logits.rows(), fn);
     if (action_ == RouterAction::record) {
       auto routing = router.route(logits);
       store_->record(layer, layout_, routing.ids);
@@ -146,11 +135,9 @@ class RoutingReplay {
       return routing;
     }
     // replay_forward
-    Queued q;
-    store_->lookup(layer, layout_, q.ids, q.found);
-    check_missing(layer, q.found);
+    Queued q = lookup_replayed(layer);
     auto routing = router.replay(logits, q.ids, q.found);
-    if (queue_) queue.push_back(std::move(q));
+    if (queue_) queues_[static_cast<std::size_t>(layer)].push_back(std::move(q));
     return routing;
   }
 
@@ -162,21 +149,12 @@ class RoutingReplay {
     constexpr const char* fn = "RoutingReplay::route_resident";
     if (action_ == RouterAction::native) return router.route_resident(logits);
     check_router(router, layer, fn);
-    auto& queue = queues_[static_cast<std::size_t>(layer)];
     const long rows = router.resident_rows(logits);
     if (action_ == RouterAction::replay_backward) {
-      if (queue.empty())
-        throw RouteStoreError(detail::str("mrr::", fn, ": layer ", layer,
-                                          " has no queued routes to recompute with: replay_backward consumes, in "
-                                          "order, the ids of earlier replay_forward calls of the same layer"));
-      Queued q = std::move(queue.front());
-      queue.pop_front();
-      detail::require(q.ids.rows() == rows, fn, "layer ", layer, ": the recomputed forward has ", rows,
-                      " rows but the forward it replays had ", q.ids.rows(), " (recompute must follow the forward order)");
+      const Queued q = pop_queued(layer, rows, fn);
       return router.replay_resident(logits, q.ids, q.found);
     }
-    detail::require(layout_.size() == static_cast<std::size_t>(rows), fn, "layer ", layer, ": logits have ", rows,
-                    " rows but the micro-batch layout has ", layout_.size(), " (call set_micro_batch before the forward)");
+    check_layout_rows(layer, rows, fn);
     if (action_ == RouterAction::record) {
       auto routing = router.route_resident(logits);
       ExpertIds ids;
@@ -185,11 +163,9 @@ class RoutingReplay {
       stats_.recorded_rows += layout_.real_tokens();
       return routing;
     }
-    Queued q;
-    store_->lookup(layer, layout_, q.ids, q.found);
-    check_missing(layer, q.found);
+    Queued q = lookup_replayed(layer);
     auto routing = router.replay_resident(logits, q.ids, q.found);
-    if (queue_) queue.push_back(std::move(q));
+    if (queue_) queues_[static_cast<std::size_t>(layer)].push_back(std::move(q));
     return routing;
   }
 
@@ -208,6 +184,33 @@ class RoutingReplay {
     ExpertIds ids;
     std::vector<std::uint8_t> found;
   };
+
+  // replay_backward: the oldest ids queued by replay_forward in `layer`, for a forward of `rows`.
+  Queued pop_queued(int layer, long rows, const char* fn) {
+    auto& queue = queues_[static_cast<std::size_t>(layer)];
+    if (queue.empty())
+      throw RouteStoreError(detail::str("mrr::", fn, ": layer ", layer,
+                                        " has no queued routes to recompute with: replay_backward consumes, in "
+                                        "order, the ids of earlier replay_forward calls of the same layer"));
+    Queued q = std::move(queue.front());
+    queue.pop_front();
+    detail::require(q.ids.rows() == rows, fn, "layer ", layer, ": the recomputed forward has ", rows,
+                    " rows but the forward it replays had ", q.ids.rows(), " (recompute must follow the forward order)");
+    return q;
+  }
+
+  void check_layout_rows(int layer, long rows, const char* fn) const {
+    detail::require(layout_.size() == static_cast<std::size_t>(rows), fn, "layer ", layer, ": logits have ", rows,
+                    " rows but the micro-batch layout has ", layout_.size(), " (call set_micro_batch before the forward)");
+  }
+
+  // replay_forward: the micro-batch's recorded ids in `layer` (a miss is an error unless allowed).
+  Queued lookup_replayed(int layer) {
+    Queued q;
+    store_->lookup(layer, layout_, q.ids, q.found);
+    check_missing(layer, q.found);
+    return q;
+  }
 
   static MissingRoutes default_missing(ReplayMode mode) {
     return mode == ReplayMode::R3 ? MissingRoutes::native_last_position : MissingRoutes::error;
