@@ -1,6 +1,8 @@
 // The Thrust backend on the CUDA system and the fused routing + replay kernel, timed with CUDA
-// events, beside the PyTorch-eager H100 baselines (read from MRR_BASELINES, printed as-is) and
-// the bytes-moved limit at the baseline's measured copy bandwidth. Needs a GPU to run.
+// events (warm-up, then the median of per-repetition event pairs on the stream the work runs on),
+// beside the PyTorch-eager H100 baselines (MRR_BASELINES, see baselines_path) and the bytes-moved
+// limit at the baseline's measured device-to-device copy bandwidth (read + written bytes). Needs a
+// GPU to run; argv[1] (optional) divides the token counts, for a quick run.
 #include <mrr/cuda/fused_routing.cuh>
 #include <mrr/router/presets.hpp>
 #include <mrr/thrust/permute.hpp>
@@ -9,31 +11,52 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <fstream>
-#include <iostream>
+#include <initializer_list>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
 
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Median of `reps` timings of f() in ms. Thrust's thrust::device policy and the fused launches
+// (stream nullptr) both run on the default stream, where the events are recorded; Thrust calls that
+// read results back block the host between the events, which the timing includes (as a caller
+// would see it).
 template <class F>
-float time_ms(F&& f, int reps = 20) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  f();  // warm-up
-  cudaEventRecord(a);
-  for (int i = 0; i < reps; ++i) f();
-  cudaEventRecord(b);
-  cudaEventSynchronize(b);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return ms / static_cast<float>(reps);
+double median_ms(F&& f, int reps = 21, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) f();
+  cuda_ok(cudaDeviceSynchronize(), "warm-up");
+  std::vector<cudaEvent_t> ev(2 * static_cast<std::size_t>(reps));
+  for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
+  for (int i = 0; i < reps; ++i) {
+    cuda_ok(cudaEventRecord(ev[2 * i], nullptr), "cudaEventRecord");
+    f();
+    cuda_ok(cudaEventRecord(ev[2 * i + 1], nullptr), "cudaEventRecord");
+  }
+  cuda_ok(cudaEventSynchronize(ev.back()), "timed runs");
+  cuda_ok(cudaGetLastError(), "timed runs");
+  std::vector<double> ms(static_cast<std::size_t>(reps));
+  for (int i = 0; i < reps; ++i) {
+    float t = 0;
+    cuda_ok(cudaEventElapsedTime(&t, ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime");
+    ms[static_cast<std::size_t>(i)] = t;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 thrust::device_vector<float> random_logits(long n) {
@@ -44,47 +67,173 @@ thrust::device_vector<float> random_logits(long n) {
   return thrust::device_vector<float>(h.begin(), h.end());
 }
 
-}  // namespace
+// The baselines file: $MRR_BASELINES, the path configured at build time, then the usual places
+// relative to the working directory. Missing or unreadable: the figures print without baselines.
+std::string read_baselines(std::string& path) {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("MRR_BASELINES")) candidates.emplace_back(env);
+#ifdef MRR_BASELINES
+  candidates.emplace_back(MRR_BASELINES);
+#endif
+  for (const char* rel : {"../shared/baselines/h100_pytorch.json", "shared/baselines/h100_pytorch.json",
+                          "../../shared/baselines/h100_pytorch.json", "../../../shared/baselines/h100_pytorch.json"})
+    candidates.emplace_back(rel);
+  for (const auto& c : candidates) {
+    std::ifstream in(c);
+    if (!in) continue;
+    std::stringstream text;
+    text << in.rdbuf();
+    if (text.str().find('{') == std::string::npos) continue;
+    path = c;
+    return text.str();
+  }
+  return {};
+}
 
-int main() {
+// The number after "key": in `text` (a flat JSON object), NaN when absent or not a number.
+double json_number(const std::string& text, const char* key) {
+  const std::string quoted = std::string("\"") + key + "\"";
+  const auto at = text.find(quoted);
+  if (at == std::string::npos) return NAN;
+  auto colon = text.find_first_not_of(" \t\r\n", at + quoted.size());
+  if (colon == std::string::npos || text[colon] != ':') return NAN;
+  const char* begin = text.c_str() + colon + 1;
+  char* end = nullptr;
+  const double v = std::strtod(begin, &end);
+  return end == begin ? NAN : v;
+}
+
+// `key` of the entry of array `section` whose fields equal `match` (the file's arrays hold flat
+// objects), NaN when there is none.
+double baseline(const std::string& json, const char* section, std::initializer_list<std::pair<const char*, double>> match,
+                const char* key) {
+  const auto name = json.find(std::string("\"") + section + "\"");
+  if (name == std::string::npos) return NAN;
+  const auto open = json.find('[', name), close = json.find(']', name);
+  if (open == std::string::npos || close == std::string::npos || close < open) return NAN;
+  for (auto b = json.find('{', open); b != std::string::npos && b < close; b = json.find('{', b + 1)) {
+    const auto e = json.find('}', b);
+    if (e == std::string::npos || e > close) break;
+    const std::string entry = json.substr(b, e - b + 1);
+    bool all = true;
+    for (const auto& [k, v] : match) all = all && json_number(entry, k) == v;
+    if (all) return json_number(entry, key);
+  }
+  return NAN;
+}
+
+// Device-to-device copy bandwidth, read + written bytes per second (as the baseline measures it).
+double measured_copy_gbps() {
+  const std::size_t bytes = std::size_t(1) << 30;
+  thrust::device_vector<unsigned char> a(bytes, 1), b(bytes);
+  const double ms = median_ms([&] {
+    cuda_ok(cudaMemcpyAsync(thrust::raw_pointer_cast(b.data()), thrust::raw_pointer_cast(a.data()), bytes,
+                            cudaMemcpyDeviceToDevice, nullptr),
+            "cudaMemcpyAsync");
+  }, 11, 2);
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e6);
+}
+
+struct Reporter {
+  double gbps;  // read + written bytes per second, GB/s
+  void operator()(const char* what, double ms, double bytes, double eager_us) const {
+    const double us = 1e3 * ms, limit_us = bytes / (gbps * 1e3);
+    std::printf("%-58s %10.1f us   limit %8.1f us (%7.1f MB)   %5.1f%% of bw", what, us, limit_us, bytes / 1e6,
+                100.0 * limit_us / us);
+    if (std::isfinite(eager_us))
+      std::printf("   PyTorch eager %9.1f us (%.2fx)\n", eager_us, eager_us / us);
+    else
+      std::printf("\n");
+  }
+};
+
+int run(long divisor) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     std::printf("no CUDA device: nothing to time\n");
     return 0;
   }
-  std::ifstream baselines(MRR_BASELINES);
-  std::stringstream text;
-  text << baselines.rdbuf();
-  std::printf("PyTorch-eager baselines (%s):\n%s\n", MRR_BASELINES, text.str().c_str());
-  const long T = 65536;
+  cudaDeviceProp prop{};
+  cuda_ok(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  std::string path;
+  const std::string json = read_baselines(path);
+  const double copy = measured_copy_gbps(), base_copy = json_number(json, "d2d_copy_GBps_rw");
+  std::printf("device: %s; d2d copy %.0f GB/s (read + write) measured here\n", prop.name, copy);
+  if (json.empty())
+    std::printf("no baselines file found (set MRR_BASELINES): limits at the bandwidth measured here\n");
+  else
+    std::printf("baselines: %s (%s, copy %.0f GB/s): limits at that bandwidth\n", path.c_str(),
+                json.find("\"device\"") != std::string::npos ? "PyTorch eager" : "?", base_copy);
+  const Reporter report{std::isfinite(base_copy) && base_copy > 0 ? base_copy : copy};
+
+  const long T = 65536 / divisor;
   const int E = 256, k = 8;
+  const double Td = static_cast<double>(T), slots = Td * k;
+  auto gating = [&](const char* key) { return divisor == 1 ? baseline(json, "gating", {{"T", 65536}, {"E", 256}, {"k", 8}}, key) : NAN; };
   const auto z = random_logits(T * E);
+  const double route_bytes = Td * E * 4 + slots * 8;  // fp32 logits in; int32 ids, fp32 weights out
+
   mrr::device::TopKRouter<float> softmax(mrr::presets::qwen3_moe(E, k, true));
-  std::printf("softmax top-8 + renorm T=65536 E=256: thrust %.1f us\n", 1e3 * time_ms([&] { (void)softmax.route(z); }));
-  thrust::device_vector<std::int32_t> ids(static_cast<std::size_t>(T) * k);
+  report("softmax top-8 + renorm T=65536 E=256, thrust", median_ms([&] { (void)softmax.route(z); }), route_bytes,
+         gating("softmax_topk_eager_us"));
+  thrust::device_vector<std::int32_t> ids(static_cast<std::size_t>(T) * k), replayed(ids.size());
   thrust::device_vector<float> w(ids.size());
-  std::printf("  fused warp-per-token kernel: %.1f us\n", 1e3 * time_ms([&] {
-                mrr::cuda::fused_route_replay(softmax.params(), thrust::raw_pointer_cast(z.data()), nullptr, nullptr,
-                                              nullptr, T, thrust::raw_pointer_cast(ids.data()),
-                                              thrust::raw_pointer_cast(w.data()));
-              }));
-  std::printf("replay weights at given ids: fused %.1f us\n", 1e3 * time_ms([&] {
-                mrr::cuda::fused_route_replay(softmax.params(), thrust::raw_pointer_cast(z.data()), nullptr,
-                                              thrust::raw_pointer_cast(ids.data()), nullptr, T,
-                                              thrust::raw_pointer_cast(ids.data()), thrust::raw_pointer_cast(w.data()));
-              }));
+  auto fused = [&](const std::int32_t* replay, std::int32_t* out) {
+    cuda_ok(mrr::cuda::fused_route_replay(softmax.params(), thrust::raw_pointer_cast(z.data()), nullptr, replay, nullptr,
+                                          T, out, thrust::raw_pointer_cast(w.data())),
+            "fused_route_replay");
+  };
+  report("  fused warp-per-token kernel", median_ms([&] { fused(nullptr, thrust::raw_pointer_cast(ids.data())); }),
+         route_bytes, gating("softmax_topk_eager_us"));
+  {
+    const auto thrust_ids = softmax.route(z).ids;
+    std::printf("  fused ids equal the Thrust path's: %s\n", thrust_ids == ids ? "yes" : "NO");
+  }
+  // Replay reads ids and k logits per token, writes ids and weights (a separate output buffer:
+  // the kernel's pointers are __restrict__).
+  const double replay_bytes = slots * (4 + 4) + slots * 8;
+  report("replay weights at given ids, thrust", median_ms([&] { (void)softmax.replay(z, ids); }), replay_bytes,
+         gating("replay_gather_eager_us"));
+  report("  fused", median_ms([&] {
+           fused(thrust::raw_pointer_cast(ids.data()), thrust::raw_pointer_cast(replayed.data()));
+         }),
+         replay_bytes, gating("replay_gather_eager_us"));
+
   mrr::device::TopKRouter<float> ds(mrr::presets::deepseek_v3(E, k, 8, 4, true, 2.5));
-  std::printf("DeepSeek-V3 grouped sigmoid + bias: thrust %.1f us\n", 1e3 * time_ms([&] { (void)ds.route(z); }));
+  report("DeepSeek-V3 grouped sigmoid + bias, thrust", median_ms([&] { (void)ds.route(z); }), route_bytes,
+         gating("ds_grouped_eager_us"));
+
   const long H = 2048;
-  thrust::device_vector<std::uint16_t> x(static_cast<std::size_t>(T * H), 1);
-  std::printf("permute T=65536 H=2048 k=8 (2-byte): thrust %.1f us\n", 1e3 * time_ms([&] {
-                const auto p = mrr::device::make_expert_permutation(ids, T, k, E);
-                (void)mrr::device::permute_tokens<std::uint16_t>(x, H, p);
-              }, 5));
-  const long B = 512, L = 4096;
+  thrust::device_vector<std::uint16_t> x(static_cast<std::size_t>(T * H), 1), permuted;
+  report("permutation T=65536 k=8 E=256 (count, scan, place), thrust",
+         median_ms([&] { (void)mrr::device::make_expert_permutation(ids, T, k, E); }, 11),
+         slots * 4 * 2 + slots * 4 * 2, NAN);
+  const auto p = mrr::device::make_expert_permutation(ids, T, k, E);
+  mrr::device::permute_tokens<std::uint16_t>(x, H, p, permuted);  // sized once: kept buffer
+  report("permute T=65536 H=2048 k=8 (2-byte), into a kept buffer, thrust",
+         median_ms([&] { mrr::device::permute_tokens<std::uint16_t>(x, H, p, permuted); }, 11),
+         slots * static_cast<double>(H) * 2 * 2,
+         divisor == 1 ? baseline(json, "permute", {{"T", 65536}, {"H", 2048}}, "permute_eager_us") : NAN);
+
+  const long B = 512 / divisor > 0 ? 512 / divisor : 1, L = 4096;
   thrust::device_vector<float> r(static_cast<std::size_t>(B * L), 0.1f), v(r.size(), 0.2f), m(r.size(), 1.f);
-  std::printf("GAE B=512 L=4096 (float): thrust scan %.1f us\n", 1e3 * time_ms([&] {
-                (void)mrr::device::compute_gae_advantage_return<float>(r, v, m, L, 0.99, 0.95);
-              }, 5));
+  report("GAE B=512 L=4096 (float), thrust scan", median_ms([&] {
+           (void)mrr::device::compute_gae_advantage_return<float>(r, v, m, L, 0.99, 0.95);
+         }, 11),
+         static_cast<double>(B * L) * 4 * 5,  // rewards, values, mask in; advantages, returns out
+         divisor == 1 ? baseline(json, "gae", {{"B", 512}, {"L", 4096}}, "gae_verl_loop_us") : NAN);
+  cuda_ok(cudaDeviceSynchronize(), "end");
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const long divisor = argc > 1 ? std::max(1L, std::atol(argv[1])) : 1;
+  try {
+    return run(divisor);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_device_cuda: %s\n", e.what());
+    return 1;
+  }
 }

@@ -4,8 +4,11 @@
 
 #include "nccl_collectives.hpp"
 
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <span>
 #include <thread>
 
@@ -13,12 +16,18 @@ namespace mrr::test {
 
 namespace {
 
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// cudaMemcpy runs on the legacy default stream, which waits for (and is waited for by) the
+// communicator's blocking stream; the collectives return with their results in place.
 template <class T>
 struct DeviceVector {
   explicit DeviceVector(const std::vector<T>& host) : n(host.size()) {
     if (n) {
-      cudaMalloc(reinterpret_cast<void**>(&data), n * sizeof(T));
-      cudaMemcpy(data, host.data(), n * sizeof(T), cudaMemcpyHostToDevice);
+      check(cudaMalloc(reinterpret_cast<void**>(&data), n * sizeof(T)), "cudaMalloc");
+      check(cudaMemcpy(data, host.data(), n * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
     }
   }
   DeviceVector(const DeviceVector&) = delete;
@@ -26,7 +35,7 @@ struct DeviceVector {
   ~DeviceVector() { cudaFree(data); }
   std::vector<T> host() const {
     std::vector<T> out(n);
-    if (n) cudaMemcpy(out.data(), data, n * sizeof(T), cudaMemcpyDeviceToHost);
+    if (n) check(cudaMemcpy(out.data(), data, n * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy");
     return out;
   }
   std::span<T> span() { return {data, n}; }
@@ -120,21 +129,24 @@ std::vector<std::string> nccl_collectives_self_test() {
   std::vector<int> devices(P);
   for (int d = 0; d < P; ++d)
     devices[d] = d;
-  if (ncclCommInitAll(comms.data(), P, devices.data()) != ncclSuccess) return {"ncclCommInitAll failed"};
+  if (const ncclResult_t r = ncclCommInitAll(comms.data(), P, devices.data()); r != ncclSuccess)
+    return {std::string("ncclCommInitAll failed: ") + ncclGetErrorString(r)};
   std::mutex mutex;
   std::vector<std::thread> threads;
   for (int d = 0; d < P; ++d) {
     threads.emplace_back([&, d] {
+      cudaStream_t stream = nullptr;
       try {
-        cudaSetDevice(d);
-        cudaStream_t stream = nullptr;
-        cudaStreamCreate(&stream);
-        run_rank(mrr::NcclCommunicator(comms[d], stream), failures, mutex);
-        cudaStreamDestroy(stream);
+        check(cudaSetDevice(d), "cudaSetDevice");
+        check(cudaStreamCreate(&stream), "cudaStreamCreate");
+        // A rank that fails leaves its peers in a collective: they throw after this timeout
+        // rather than hang the test.
+        run_rank(mrr::NcclCommunicator(comms[d], stream, std::chrono::seconds(120)), failures, mutex);
       } catch (const std::exception& e) {
         std::lock_guard lock(mutex);
         failures.push_back("rank " + std::to_string(d) + " threw: " + e.what());
       }
+      if (stream != nullptr) cudaStreamDestroy(stream);
     });
   }
   for (auto& t : threads)

@@ -2,12 +2,15 @@
 // CPU router runs, compiled for the GPU, so CPU and GPU pick identical experts from identical
 // fp32 inputs.
 #include <mrr/cuda/config.cuh>
+#include <mrr/cuda/fused_routing.cuh>
 #include <mrr/detail/score.hpp>
 #include <mrr/detail/topk.hpp>
 
 #include "device_routing.hpp"
 
 #include <cuda_runtime.h>
+
+#include <exception>
 
 namespace {
 
@@ -35,7 +38,8 @@ std::string check(cudaError_t e) { return e == cudaSuccess ? std::string() : std
 
 template <class Launch>
 std::string run(const float* logits, const float* bias, int rows, int experts, int k, int* ids, Launch launch) {
-  if (experts > kMaxExperts || k > kMaxTopK) return "shape too large for the test kernel";
+  if (experts > kMaxExperts || k > kMaxTopK || k > experts) return "shape outside the test kernel's limits";
+  if (rows <= 0) return {};
   float *d_logits = nullptr, *d_bias = nullptr;
   int* d_ids = nullptr;
   std::string err;
@@ -47,7 +51,8 @@ std::string run(const float* logits, const float* bias, int rows, int experts, i
   if (err.empty() && bias) err = check(cudaMemcpy(d_bias, bias, experts * sizeof(float), cudaMemcpyHostToDevice));
   if (err.empty()) {
     launch((rows + 127) / 128, 128, d_logits, d_bias, d_ids);
-    err = check(cudaDeviceSynchronize());
+    err = check(cudaGetLastError());  // launch errors: cudaDeviceSynchronize does not report them
+    if (err.empty()) err = check(cudaDeviceSynchronize());
   }
   if (err.empty())
     err = check(cudaMemcpy(ids, d_ids, static_cast<size_t>(rows) * k * sizeof(int), cudaMemcpyDeviceToHost));
@@ -76,6 +81,56 @@ std::string device_biased_sigmoid_topk(const float* logits, const float* bias, i
   return run(logits, bias, rows, experts, k, ids, [&](int blocks, int threads, float* l, float* b, int* out) {
     biased_sigmoid_topk_rows<<<blocks, threads>>>(l, b, rows, experts, k, out);
   });
+}
+
+FusedRoute device_fused_route(const RouterConfig& config, const float* logits, long rows, const float* bias,
+                              const std::int32_t* replay_ids, const std::uint8_t* replay_mask) {
+  FusedRoute out;
+  try {
+    config.validate();
+  } catch (const std::exception& e) {
+    out.error = e.what();
+    return out;
+  }
+  const device::RouterParams p = device::resolve(config);
+  const std::size_t n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(p.num_experts),
+                    slots = static_cast<std::size_t>(rows) * static_cast<std::size_t>(p.topk);
+  float *d_logits = nullptr, *d_bias = nullptr, *d_weights = nullptr;
+  std::int32_t *d_replay = nullptr, *d_ids = nullptr;
+  std::uint8_t *d_mask = nullptr, *d_status = nullptr;
+  std::string& err = out.error;
+  auto upload = [&](auto** dst, const auto* src, std::size_t count) {
+    if (err.empty()) err = check(cudaMalloc(reinterpret_cast<void**>(dst), count * sizeof(**dst) + 1));
+    if (err.empty() && src) err = check(cudaMemcpy(*dst, src, count * sizeof(**dst), cudaMemcpyHostToDevice));
+  };
+  upload(&d_logits, logits, n);
+  if (bias) upload(&d_bias, bias, static_cast<std::size_t>(p.num_experts));
+  if (replay_ids) upload(&d_replay, replay_ids, slots);
+  if (replay_mask) upload(&d_mask, replay_mask, static_cast<std::size_t>(rows));
+  upload(&d_ids, static_cast<const std::int32_t*>(nullptr), slots);
+  upload(&d_weights, static_cast<const float*>(nullptr), slots);
+  upload(&d_status, static_cast<const std::uint8_t*>(nullptr), static_cast<std::size_t>(rows));
+  if (err.empty())
+    err = check(mrr::cuda::fused_route_replay(p, d_logits, d_bias, d_replay, replay_ids ? d_mask : nullptr, rows, d_ids,
+                                         d_weights, d_status));
+  if (err.empty()) err = check(cudaDeviceSynchronize());
+  if (err.empty()) {
+    out.ids.resize(slots);
+    out.weights.resize(slots);
+    out.status.resize(static_cast<std::size_t>(rows));
+    err = check(cudaMemcpy(out.ids.data(), d_ids, slots * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+    if (err.empty()) err = check(cudaMemcpy(out.weights.data(), d_weights, slots * sizeof(float), cudaMemcpyDeviceToHost));
+    if (err.empty())
+      err = check(cudaMemcpy(out.status.data(), d_status, static_cast<std::size_t>(rows), cudaMemcpyDeviceToHost));
+  }
+  cudaFree(d_logits);
+  cudaFree(d_bias);
+  cudaFree(d_replay);
+  cudaFree(d_mask);
+  cudaFree(d_ids);
+  cudaFree(d_weights);
+  cudaFree(d_status);
+  return out;
 }
 
 }  // namespace mrr::test

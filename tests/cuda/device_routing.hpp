@@ -1,7 +1,11 @@
 // Host interface of device_routing.cu (plain functions: no Eigen, no doctest across nvcc).
 #pragma once
 
+#include <mrr/router/config.hpp>
+
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace mrr::test {
 
@@ -14,5 +18,18 @@ std::string device_topk(const float* logits, int rows, int experts, int k, int* 
 
 // The same selection on sigmoid(logits) + bias, as the expert-bias routers select.
 std::string device_biased_sigmoid_topk(const float* logits, const float* bias, int rows, int experts, int k, int* ids);
+
+// mrr::cuda::fused_route_replay (the warp-per-token kernel) on rows of fp32 logits [rows, E] of
+// `config` (validated); bias [E] or null; replay_ids [rows, k] or null (native routing);
+// replay_mask [rows] or null. Returns ids and weights [rows, k] and each row's status code
+// (device::kernels::RowStatus), or the CUDA error.
+struct FusedRoute {
+  std::vector<std::int32_t> ids;
+  std::vector<float> weights;
+  std::vector<std::uint8_t> status;
+  std::string error;  // empty on success
+};
+FusedRoute device_fused_route(const RouterConfig& config, const float* logits, long rows, const float* bias,
+                              const std::int32_t* replay_ids, const std::uint8_t* replay_mask);
 
 }  // namespace mrr::test

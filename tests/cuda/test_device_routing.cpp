@@ -7,9 +7,12 @@
 
 #include "device_routing.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <random>
+#include <vector>
 
 namespace {
 
@@ -55,6 +58,130 @@ TEST_CASE("device selection on sigmoid + expert bias equals the host router's") 
   for (Eigen::Index t = 0; t < 2048; ++t) differing += host.ids.row(t) != device.row(t) ? 1 : 0;
   MESSAGE(differing << " of 2048 rows differ between host and device biased selection");
   CHECK(differing <= 2);
+}
+
+namespace {
+
+mrr::RouterConfig config(int experts, int k, mrr::ScoreFunction score, bool pre, bool bias, bool scaled) {
+  mrr::RouterConfig c;
+  c.num_experts = experts;
+  c.topk = k;
+  c.score_function = score;
+  c.pre_softmax = pre;
+  c.use_expert_bias = bias;
+  if (scaled) c.scaling_factor = 2.5;
+  return c;
+}
+
+}  // namespace
+
+// The fused warp-per-token kernel against the CPU router itself: E not a multiple of 32 (partial
+// register rows), E = 1000 (32 values a lane), k = 1 and k = 32, a row count that leaves a partial
+// last block, tie-heavy logits and -inf masks (lower index wins), softmax pre / post, sigmoid +
+// bias, sqrt-softplus, scaling; then replay with a mask.
+TEST_CASE("fused routing kernel: ids equal the CPU router's, weights within 1e-5, replay gives them back") {
+  using SF = mrr::ScoreFunction;
+  struct Shape {
+    int experts, k;
+  };
+  for (const Shape shape : {Shape{8, 2}, Shape{40, 7}, Shape{64, 8}, Shape{200, 1}, Shape{256, 8}, Shape{32, 32},
+                            Shape{1000, 32}}) {
+    for (int variant = 0; variant < 5; ++variant) {
+      const SF score = variant < 3 ? SF::softmax : (variant == 3 ? SF::sigmoid : SF::sqrt_softplus);
+      const bool pre = variant == 1 || variant == 2, bias = variant == 3, scaled = variant == 2 || variant == 4;
+      auto cfg = config(shape.experts, shape.k, score, pre, bias, scaled);
+      if (variant == 2) cfg.normalize_topk = true;
+      CAPTURE(shape.experts);
+      CAPTURE(shape.k);
+      CAPTURE(variant);
+      const long rows = 1003;
+      auto z = logits(static_cast<int>(rows), shape.experts, static_cast<unsigned>(shape.experts * 10 + variant),
+                      variant % 2 == 0);
+      for (Eigen::Index t = 0; t < rows; t += 7)  // masked experts, at least k left
+        for (int e = 0; e + shape.k < shape.experts && e < 3; ++e) z(t, (e * 5 + t) % shape.experts) = -INFINITY;
+      mrr::TopKRouter<float> cpu(cfg);
+      mrr::Vector<float> b(shape.experts);
+      for (int e = 0; e < shape.experts; ++e) b[e] = 0.01f * static_cast<float>(e % 7);
+      if (bias) cpu.set_expert_bias(b);
+      const auto host = cpu.route(z);
+      const auto dev = mrr::test::device_fused_route(cfg, z.data(), rows, bias ? b.data() : nullptr, nullptr, nullptr);
+      REQUIRE(dev.error == "");
+      long differing = 0;
+      double worst = 0;
+      for (Eigen::Index t = 0; t < rows; ++t) {
+        CHECK(dev.status[static_cast<std::size_t>(t)] == 0);
+        bool same = true;
+        for (int j = 0; j < shape.k; ++j) same = same && dev.ids[static_cast<std::size_t>(t * shape.k + j)] == host.ids(t, j);
+        differing += same ? 0 : 1;
+        if (same)
+          for (int j = 0; j < shape.k; ++j)
+            worst = std::max(worst, static_cast<double>(std::abs(dev.weights[static_cast<std::size_t>(t * shape.k + j)] -
+                                                                 host.weights(t, j))));
+      }
+      // Selection on logits compares the same fp32 values: identical ids. Sigmoid + bias selects on
+      // the host's vectorised exp: a last-bit difference may reorder a near-tie.
+      MESSAGE(differing << " of " << rows << " rows differ");
+      if (bias)
+        CHECK(differing <= rows / 100);
+      else
+        CHECK(differing == 0);
+      CHECK(worst <= 1e-5);
+      // Replay of the CPU's ids, every third row routing natively instead.
+      std::vector<std::uint8_t> mask(static_cast<std::size_t>(rows), 1);
+      for (std::size_t t = 0; t < mask.size(); t += 3) mask[t] = 0;
+      const auto replayed =
+          mrr::test::device_fused_route(cfg, z.data(), rows, bias ? b.data() : nullptr, host.ids.data(), mask.data());
+      REQUIRE(replayed.error == "");
+      if (!bias) CHECK(std::equal(replayed.ids.begin(), replayed.ids.end(), host.ids.data()));
+      double worst_replay = 0;
+      for (std::size_t i = 0; i < replayed.weights.size(); ++i)
+        if (mask[i / static_cast<std::size_t>(shape.k)] != 0)
+          worst_replay = std::max(worst_replay, static_cast<double>(std::abs(replayed.weights[i] - host.weights.data()[i])));
+      CHECK(worst_replay <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("fused routing kernel: bad rows get the Thrust path's status codes, ids -1 and NaN weights") {
+  const int E = 40, k = 4;
+  auto z = logits(8, E, 5, false);
+  z(0, 3) = NAN;                                 // invalid logit
+  z(1, 39) = INFINITY;                           // invalid logit
+  for (int e = 0; e < E - 2; ++e) z(2, e) = -INFINITY;  // 2 finite < k
+  for (int e = 0; e < E - 4; ++e) z(3, e) = -INFINITY;  // exactly k finite: fine
+  const auto cfg = config(E, k, mrr::ScoreFunction::softmax, false, false, false);
+  const auto dev = mrr::test::device_fused_route(cfg, z.data(), 8, nullptr, nullptr, nullptr);
+  REQUIRE(dev.error == "");
+  CHECK(dev.status == std::vector<std::uint8_t>{1, 1, 3, 0, 0, 0, 0, 0});
+  for (int j = 0; j < k; ++j) {
+    CHECK(dev.ids[static_cast<std::size_t>(2 * k + j)] == -1);
+    CHECK(std::isnan(dev.weights[static_cast<std::size_t>(2 * k + j)]));
+  }
+  std::vector<std::int32_t> row3(dev.ids.begin() + 3 * k, dev.ids.begin() + 4 * k);
+  std::sort(row3.begin(), row3.end());
+  CHECK(row3 == std::vector<std::int32_t>{E - 4, E - 3, E - 2, E - 1});  // the k finite experts
+  // Replay: ids out of range or repeated; a NaN among the k replayed logits; a NaN elsewhere in a
+  // replayed row is not read (post-softmax), but is under unrenormalised pre-softmax.
+  std::vector<std::int32_t> ids(8 * k);
+  for (int t = 0; t < 8; ++t)
+    for (int j = 0; j < k; ++j) ids[static_cast<std::size_t>(t * k + j)] = 10 + j;
+  ids[4 * k + 1] = E;       // out of range
+  ids[5 * k + 2] = 10;      // repeats slot 0
+  ids[6 * k + 3] = -1;      // out of range
+  auto zr = logits(8, E, 6, false);
+  zr(0, 11) = NAN;  // replayed expert
+  zr(1, 30) = NAN;  // not replayed
+  // Row 7's replayed experts are all masked: a softmax over them is NaN (row_nan_weight, 4), as the
+  // Thrust path and the CPU router reject it; unrenormalised pre-softmax weighs them 0 instead.
+  for (int j = 0; j < k; ++j) zr(7, 10 + j) = -INFINITY;
+  const auto replay = mrr::test::device_fused_route(cfg, zr.data(), 8, nullptr, ids.data(), nullptr);
+  REQUIRE(replay.error == "");
+  CHECK(replay.status == std::vector<std::uint8_t>{1, 0, 0, 0, 2, 2, 2, 4});
+  const auto pre = config(E, k, mrr::ScoreFunction::softmax, true, false, false);
+  const auto replay_pre = mrr::test::device_fused_route(pre, zr.data(), 8, nullptr, ids.data(), nullptr);
+  REQUIRE(replay_pre.error == "");
+  CHECK(replay_pre.status == std::vector<std::uint8_t>{1, 1, 0, 0, 2, 2, 2, 0});
+  for (int j = 0; j < k; ++j) CHECK(replay_pre.weights[static_cast<std::size_t>(7 * k + j)] == 0.f);
 }
 
 int main(int argc, char** argv) {

@@ -10,6 +10,7 @@
 #include "device_routing.hpp"
 #include "thrust_cuda.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -38,6 +39,12 @@ TEST_CASE("CUDA Thrust path: ids equal the CPU router's, ties included") {
     const auto dev = mrr::test::cuda_route(z, 256, 8, "softmax", true, {}, {}, {}, false);
     REQUIRE(dev.error == "");
     CHECK(std::equal(dev.ids.begin(), dev.ids.end(), host.ids.data()));
+    // Weights within 8 float ulps of the CPU's (the GPU's expf against the CPU's polynomial).
+    double worst = 0;
+    for (std::size_t i = 0; i < dev.weights.size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::abs(dev.weights[i] - host.weights.data()[i])) /
+                                  (std::abs(static_cast<double>(host.weights.data()[i])) * 0x1p-23 + 1e-45));
+    CHECK(worst <= 8.0);
   }
 }
 
@@ -66,9 +73,23 @@ TEST_CASE("fused routing + replay kernel equals the Thrust path") {
           worst = std::max(worst, static_cast<double>(std::abs(slow.weights[i] - fast.weights[i])));
         CHECK(worst <= 1e-6);
         // Replay of the native ids with a mask: the same ids back, the same weights.
+        // Replayed rows (mask 1) take the given ids and recompute the same weights (the weights never
+        // include the bias); the others route natively, here without bias.
         const auto replayed = mrr::test::cuda_route(z, experts, k, score, pre, {}, slow.ids, mask, true);
         REQUIRE(replayed.error == "");
         if (with_bias.empty()) CHECK(replayed.ids == slow.ids);
+        std::size_t differing_ids = 0;
+        double worst_replayed = 0;
+        for (std::size_t t = 0; t < mask.size(); ++t) {
+          if (mask[t] == 0) continue;
+          for (int j = 0; j < k; ++j) {
+            const std::size_t i = t * static_cast<std::size_t>(k) + static_cast<std::size_t>(j);
+            differing_ids += replayed.ids[i] != slow.ids[i] ? 1 : 0;
+            worst_replayed = std::max(worst_replayed, static_cast<double>(std::abs(replayed.weights[i] - slow.weights[i])));
+          }
+        }
+        CHECK(differing_ids == 0);
+        CHECK(worst_replayed <= 1e-6);
       }
     }
   }
@@ -168,6 +189,53 @@ TEST_CASE("CUDA permute + combine equal the CPU's bit for bit") {
                                           {routing.weights.data(), routing.weights.data() + routing.weights.size()},
                                           dev) == "");
   CHECK(std::equal(dev.begin(), dev.end(), combined.data()));
+}
+
+TEST_CASE("CUDA dense token dropping equals the CPU apply_token_dropping bit for bit") {
+  const long tokens = 65536;
+  const int experts = 64, k = 4;
+  std::mt19937 rng(23);
+  std::uniform_int_distribution<int> pick_expert(0, experts - 1);
+  std::vector<std::uint8_t> map(static_cast<std::size_t>(tokens * experts), 0);
+  for (long t = 0; t < tokens; ++t)
+    for (int placed = 0; placed < k && t % 7 != 3;) {  // k distinct experts; every 7th token none
+      auto& cell = map[static_cast<std::size_t>(t * experts + pick_expert(rng))];
+      placed += cell == 0 ? 1 : 0;
+      cell = 1;
+    }
+  const Eigen::Map<const mrr::Mask> host_map(map.data(), tokens, experts);
+  for (int distinct : {0, 5}) {  // tie-heavy: 5 distinct probabilities
+    const auto z = random_logits(tokens * experts, 29, distinct);
+    std::vector<double> zd(z.begin(), z.end());
+    for (const bool by_probs : {true, false})
+      for (const bool pad : {false, true})
+        for (const double cf : {0.5, 1.0, 1.5, 1e6}) {
+          CAPTURE(distinct);
+          CAPTURE(by_probs);
+          CAPTURE(pad);
+          CAPTURE(cf);
+          const auto policy = by_probs ? mrr::DropPolicy::probs : mrr::DropPolicy::position;
+          const auto host = mrr::apply_token_dropping<float>(Eigen::Map<const mrr::RowMatrix<float>>(z.data(), tokens, experts),
+                                                             host_map, k, cf, policy, pad);
+          std::vector<float> p;
+          std::vector<std::uint8_t> m;
+          REQUIRE(mrr::test::cuda_token_dropping(z, map, tokens, experts, k, cf, by_probs, pad, p, m) == "");
+          CHECK(std::equal(m.begin(), m.end(), host.map.data()));
+          CHECK(std::memcmp(p.data(), host.probs.data(), p.size() * sizeof(float)) == 0);
+          const auto host_d = mrr::apply_token_dropping<double>(
+              Eigen::Map<const mrr::RowMatrix<double>>(zd.data(), tokens, experts), host_map, k, cf, policy, pad);
+          std::vector<double> pd;
+          REQUIRE(mrr::test::cuda_token_dropping(zd, map, tokens, experts, k, cf, by_probs, pad, pd, m) == "");
+          CHECK(std::equal(m.begin(), m.end(), host_d.map.data()));
+          CHECK(std::memcmp(pd.data(), host_d.probs.data(), pd.size() * sizeof(double)) == 0);
+        }
+  }
+  std::vector<float> p;
+  std::vector<std::uint8_t> m;
+  auto bad = map;
+  bad[5] = 2;
+  CHECK(mrr::test::cuda_token_dropping(random_logits(tokens * experts, 31, 0), bad, tokens, experts, k, 1.0, true, false,
+                                       p, m) != "");
 }
 
 int main(int argc, char** argv) {

@@ -4,6 +4,7 @@
 #include <mrr/router/presets.hpp>
 #include <mrr/thrust/backend_router.hpp>
 #include <mrr/thrust/bf16.hpp>
+#include <mrr/thrust/capacity.hpp>
 #include <mrr/thrust/permute.hpp>
 #include <mrr/thrust/policy_loss.hpp>
 #include <mrr/thrust/ppo.hpp>
@@ -52,9 +53,10 @@ DeviceRoute cuda_route(const std::vector<float>& logits, int experts, int k, con
           replay_ids.empty() ? nullptr : thrust::raw_pointer_cast(rid.data()),
           replay_mask.empty() ? nullptr : thrust::raw_pointer_cast(mask.data()), tokens, thrust::raw_pointer_cast(ids.data()),
           thrust::raw_pointer_cast(w.data()));
-      if (err == cudaSuccess) cudaDeviceSynchronize();
-      if (err != cudaSuccess) {
-        out.error = cudaGetErrorString(err);
+      // The launch error, then what the kernel itself hit (shown at the synchronisation).
+      const auto done = err == cudaSuccess ? cudaDeviceSynchronize() : err;
+      if (done != cudaSuccess) {
+        out.error = cudaGetErrorString(done);
         return out;
       }
       out.ids = to_host(ids);
@@ -163,6 +165,40 @@ DevicePolicyLoss cuda_policy_loss_vanilla(const std::vector<double>& old_log_pro
     out.error = e.what();
   }
   return out;
+}
+
+
+namespace {
+
+template <class T>
+std::string token_dropping(const std::vector<T>& probs, const std::vector<std::uint8_t>& map, long tokens, int experts,
+                           int topk, double capacity_factor, bool by_probs, bool pad, std::vector<T>& out_probs,
+                           std::vector<std::uint8_t>& out_map) {
+  try {
+    const auto r = device::apply_token_dropping<T>(thrust::device_vector<T>(probs.begin(), probs.end()),
+                                                   thrust::device_vector<std::uint8_t>(map.begin(), map.end()), tokens,
+                                                   experts, topk, capacity_factor,
+                                                   by_probs ? DropPolicy::probs : DropPolicy::position, pad);
+    out_probs = to_host(r.probs);
+    out_map = to_host(r.map);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace
+
+std::string cuda_token_dropping(const std::vector<float>& probs, const std::vector<std::uint8_t>& map, long tokens,
+                                int experts, int topk, double capacity_factor, bool by_probs, bool pad,
+                                std::vector<float>& out_probs, std::vector<std::uint8_t>& out_map) {
+  return token_dropping<float>(probs, map, tokens, experts, topk, capacity_factor, by_probs, pad, out_probs, out_map);
+}
+
+std::string cuda_token_dropping(const std::vector<double>& probs, const std::vector<std::uint8_t>& map, long tokens,
+                                int experts, int topk, double capacity_factor, bool by_probs, bool pad,
+                                std::vector<double>& out_probs, std::vector<std::uint8_t>& out_map) {
+  return token_dropping<double>(probs, map, tokens, experts, topk, capacity_factor, by_probs, pad, out_probs, out_map);
 }
 
 }  // namespace mrr::test

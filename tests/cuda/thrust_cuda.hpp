@@ -51,4 +51,13 @@ std::string cuda_permute_combine(const std::vector<std::int32_t>& ids, long toke
                                  const std::vector<float>& x, long hidden, const std::vector<float>& weights,
                                  std::vector<float>& combined);
 
+// Dense token dropping (device::apply_token_dropping) on the CUDA system: the kept probabilities
+// and map, [tokens, experts] each. by_probs: DropPolicy::probs, else position.
+std::string cuda_token_dropping(const std::vector<float>& probs, const std::vector<std::uint8_t>& map, long tokens,
+                                int experts, int topk, double capacity_factor, bool by_probs, bool pad,
+                                std::vector<float>& out_probs, std::vector<std::uint8_t>& out_map);
+std::string cuda_token_dropping(const std::vector<double>& probs, const std::vector<std::uint8_t>& map, long tokens,
+                                int experts, int topk, double capacity_factor, bool by_probs, bool pad,
+                                std::vector<double>& out_probs, std::vector<std::uint8_t>& out_map);
+
 }  // namespace mrr::test

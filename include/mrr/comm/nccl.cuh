@@ -103,6 +103,29 @@ class DeviceScratch {
   cudaStream_t stream_;
 };
 
+// ncclGroupStart ... ncclGroupEnd; an exception between them still ends the group (an open group
+// would swallow this thread's next NCCL calls).
+class NcclGroup {
+ public:
+  NcclGroup(ncclComm_t comm, const char* function) : comm_(comm), function_(function) {
+    nccl_check(ncclGroupStart(), comm_, function_, "ncclGroupStart");
+  }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+  void end() {
+    open_ = false;
+    nccl_check(ncclGroupEnd(), comm_, function_, "ncclGroupEnd");
+  }
+  ~NcclGroup() {
+    if (open_) (void)ncclGroupEnd();
+  }
+
+ private:
+  ncclComm_t comm_;
+  const char* function_;
+  bool open_ = true;
+};
+
 }  // namespace detail
 
 // Models Communicator over an ncclComm_t (not owned) on one CUDA stream; call it from the thread
@@ -137,7 +160,7 @@ class NcclCommunicator {
     agree<T>(fn, detail::CollectiveOp::all_to_all_v, send.size(), recv.size(), send_counts, recv_counts);
     const ncclDataType_t type = detail::nccl_datatype<T>();
     std::size_t s = 0, r = 0;
-    detail::nccl_check(ncclGroupStart(), comm_, fn, "ncclGroupStart");
+    detail::NcclGroup group(comm_, fn);
     for (int p = 0; p < size_; ++p) {
       const std::size_t sc = send_counts[static_cast<std::size_t>(p)], rc = recv_counts[static_cast<std::size_t>(p)];
       if (sc)
@@ -147,7 +170,7 @@ class NcclCommunicator {
       s += sc;
       r += rc;
     }
-    detail::nccl_check(ncclGroupEnd(), comm_, fn, "ncclGroupEnd");
+    group.end();
     wait(fn);
   }
 
@@ -193,7 +216,7 @@ class NcclCommunicator {
     const ncclDataType_t type = detail::nccl_datatype<T>();
     detail::DeviceScratch<T> gathered(P * chunk, stream_, fn), reduced(chunk, stream_, fn),
         result(P * chunk, stream_, fn);
-    detail::nccl_check(ncclGroupStart(), comm_, fn, "ncclGroupStart");
+    detail::NcclGroup group(comm_, fn);
     for (std::size_t p = 0; p < P; ++p) {
       const int peer = static_cast<int>(p);
       if (length(p))
@@ -203,7 +226,7 @@ class NcclCommunicator {
         detail::nccl_check(ncclRecv(gathered.get() + p * chunk, mine, type, peer, comm_, stream_), comm_, fn,
                            "ncclRecv");
     }
-    detail::nccl_check(ncclGroupEnd(), comm_, fn, "ncclGroupEnd");
+    group.end();
     if (mine) {
       const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((mine + 255) / 256, 4096));
       detail::sum_rows_in_rank_order<T><<<blocks, 256, 0, stream_>>>(gathered.get(), chunk, size_, mine, reduced.get());
@@ -257,6 +280,10 @@ class NcclCommunicator {
         function, "cudaMemcpyAsync");
     detail::nccl_check(ncclAllGather(my_record, records.get(), width, ncclUint64, comm_, stream_), comm_, function,
                        "ncclAllGather (argument check)");
+    // Wait (with the timeout) before the copy back: a copy into pageable memory blocks the host
+    // until everything before it on the stream has finished, so issued first it would hang on a
+    // peer that never joins instead of throwing.
+    wait(function);
     detail::cuda_check(cudaMemcpyAsync(table.data(), records.get(), table.size() * sizeof(std::uint64_t),
                                        cudaMemcpyDeviceToHost, stream_),
                        function, "cudaMemcpyAsync");

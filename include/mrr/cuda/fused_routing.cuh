@@ -3,6 +3,10 @@
 // from the replay buffer, then the weights of DESIGN.md section 3, all in one launch. The fast path
 // for routers without group limits (softmax pre/post, sigmoid / sqrt-softplus, with or without
 // expert bias); checked against the Thrust path (mrr/thrust/routing.hpp) in tests/cuda.
+// Rows are checked in the same pass as the Thrust path checks them (device::kernels::RowStatus:
+// NaN / +inf logits, replayed ids out of range or repeated, fewer than k finite logits); a bad
+// row's ids are written as -1 and its weights as NaN, and its code goes to `status` when given
+// (a row whose weights come out NaN, its chosen logits all -inf, keeps its ids: row_nan_weight).
 #pragma once
 
 #include <mrr/cuda/config.cuh>
@@ -11,60 +15,130 @@
 
 #include <cuda_runtime.h>
 
+#include <cfloat>
+#include <climits>
 #include <cstdint>
 
 MRR_NAMESPACE_BEGIN
 namespace cuda {
 namespace kernels {
 
-// (value, index) order of the selection: larger value first, the lower index among equals.
+inline constexpr int kFusedWarpsPerBlock = 8;
+inline constexpr unsigned kFullWarp = 0xffffffffu;
+inline constexpr int kNoExpert = 0x7fffffff;  // an arg-max candidate that is no candidate
+
+// (value, index) order of the selection: larger value first, the lower index among equals. A total
+// order on non-NaN values (rows holding NaN are rejected before selection), so every lane of the
+// butterfly below ends with the same winner.
 __device__ __forceinline__ bool ranks_before(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
 
+__device__ __forceinline__ int warp_sum(int x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullWarp, x, off);
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullWarp, x, off);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(kFullWarp, x, off));
+  return x;
+}
+
+// Expert e = lane + 32 i of the row lives in lane e % 32, register i (PerLane = ceil(E / 32),
+// rounded up to a power of two by the launcher). Every lane of a warp works on the same token, so
+// the early return and every branch before a shuffle are warp-uniform: the full-mask shuffles
+// always see 32 active lanes (the block is whole warps).
 template <int PerLane>
-__global__ void fused_route_replay(device::RouterParams p, const float* __restrict__ logits,
-                                   const float* __restrict__ bias, const std::int32_t* __restrict__ replay_ids,
-                                   const std::uint8_t* __restrict__ replay_mask, long tokens,
-                                   std::int32_t* __restrict__ ids, float* __restrict__ weights) {
+__global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
+    fused_route_replay(device::RouterParams p, const float* __restrict__ logits, const float* __restrict__ bias,
+                       const std::int32_t* __restrict__ replay_ids, const std::uint8_t* __restrict__ replay_mask,
+                       long tokens, std::int32_t* __restrict__ ids, float* __restrict__ weights,
+                       std::uint8_t* __restrict__ status) {
+  namespace rk = device::kernels;
   const int lane = threadIdx.x & 31;
   const long t = (static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  if (t >= tokens) return;
+  if (t >= tokens) return;  // whole warps
   const int n = p.num_experts, k = p.topk;
   const float* z = logits + t * n;
+  const bool replay_row = replay_ids != nullptr && (replay_mask == nullptr || replay_mask[t] != 0);
+  // Unrenormalised pre-softmax weights divide by a sum over all E: a replayed row reads its whole
+  // row only then (as the Thrust path and the CPU router); other replayed rows read k logits.
+  const bool whole_row = p.score == 0 && p.pre_softmax && !p.normalize;
+  const bool load_row = !replay_row || whole_row;
   float zr[PerLane], s[PerLane];
-  unsigned taken = 0;
+  unsigned taken = 0;  // bit i: expert lane + 32 i is no candidate (past E, or chosen already)
+  int bad = 0, finite = 0;
 #pragma unroll
   for (int i = 0; i < PerLane; ++i) {
     const int e = lane + 32 * i;
-    zr[i] = e < n ? z[e] : 0.f;
-    if (e >= n) taken |= 1u << i;
-    float v = zr[i];
-    if (!p.selects_on_logits && e < n) {
-      if (p.score != 0) v = device::kernels::score_of(p.score, v);
+    const bool in_row = e < n;
+    const float x = in_row && load_row ? z[e] : 0.f;
+    zr[i] = x;
+    if (!in_row) taken |= 1u << i;
+    bad |= in_row && !(x <= FLT_MAX) ? 1 : 0;     // NaN or +inf
+    finite += in_row && x >= -FLT_MAX ? 1 : 0;  // not -inf, not NaN
+    float v = x;
+    if (!p.selects_on_logits && in_row && !replay_row) {  // selection scores: native rows only
+      if (p.score != 0) v = rk::score_of(p.score, v);
       if (p.has_bias) v += bias[e];
     }
     s[i] = v;
   }
+
+  // The checks of device::kernels::RouteRows, in its order; the code is warp-uniform.
+  std::uint8_t code = rk::row_ok;
   std::int32_t my_id = -1;  // lane j < k holds slot j
-  const bool replay_row = replay_ids != nullptr && (replay_mask == nullptr || replay_mask[t] != 0);
+  float zj = 0.f;           // and its logit
   if (replay_row) {
     if (lane < k) my_id = replay_ids[t * k + lane];
-  } else {
+    const unsigned slots = k == 32 ? kFullWarp : (1u << k) - 1u;
+    const bool out_of_range = lane < k && (my_id < 0 || my_id >= n);
+    const bool repeated = lane < k && __popc(__match_any_sync(kFullWarp, my_id) & slots) > 1;
+    if (__any_sync(kFullWarp, out_of_range || repeated)) {
+      code = rk::row_invalid_replay;
+    } else {
+      if (lane < k) zj = z[my_id];
+      const bool invalid = whole_row ? bad != 0 : (lane < k && !(zj <= FLT_MAX));
+      if (__any_sync(kFullWarp, invalid)) code = rk::row_invalid_logit;
+    }
+  } else if (__any_sync(kFullWarp, bad != 0)) {
+    code = rk::row_invalid_logit;
+  } else if (warp_sum(finite) < k) {  // a top-k that must take a masked (-inf) expert
+    code = rk::row_too_few_finite;
+  }
+  if (code != rk::row_ok) {
+    if (lane < k) {
+      ids[t * k + lane] = -1;
+      weights[t * k + lane] = __int_as_float(0x7fc00000);  // quiet NaN
+    }
+    if (status != nullptr && lane == 0) status[t] = code;
+    return;  // warp-uniform
+  }
+
+  if (!replay_row) {
     for (int j = 0; j < k; ++j) {
+      // This lane's best candidate, scanning its experts in ascending index order...
       float bv = 0.f;
-      int bi = 0x7fffffff;
+      int bi = kNoExpert;
 #pragma unroll
       for (int i = 0; i < PerLane; ++i) {
         const int e = lane + 32 * i;
-        if (!(taken & (1u << i)) && (bi == 0x7fffffff || ranks_before(s[i], e, bv, bi))) {
+        if (!(taken & (1u << i)) && (bi == kNoExpert || ranks_before(s[i], e, bv, bi))) {
           bv = s[i];
           bi = e;
         }
       }
+      // ...then the warp's: a total order, so all 32 lanes agree on (bv, bi). k <= E, so some
+      // lane always has a candidate.
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-        if (oi != 0x7fffffff && (bi == 0x7fffffff || ranks_before(ov, oi, bv, bi))) {
+        const float ov = __shfl_xor_sync(kFullWarp, bv, off);
+        const int oi = __shfl_xor_sync(kFullWarp, bi, off);
+        if (oi != kNoExpert && (bi == kNoExpert || ranks_before(ov, oi, bv, bi))) {
           bv = ov;
           bi = oi;
         }
@@ -72,68 +146,79 @@ __global__ void fused_route_replay(device::RouterParams p, const float* __restri
       if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
       if (lane == j) my_id = bi;
     }
+    if (lane < k) zj = z[my_id];
   }
+
   // Weights: lane j < k computes slot j; sums over the k slots or all experts by warp reduction.
-  const float zj = lane < k ? z[my_id] : 0.f;
   float w = 0.f;
   if (p.score == 0) {
-    if (p.pre_softmax && !p.normalize) {
+    if (whole_row) {
       float mx = -INFINITY;
 #pragma unroll
       for (int i = 0; i < PerLane; ++i)
         if (lane + 32 * i < n) mx = fmaxf(mx, zr[i]);
-      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      mx = warp_max(mx);
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < PerLane; ++i)
         if (lane + 32 * i < n) sum += expf(zr[i] - mx);
-      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      sum = warp_sum(sum);
       w = lane < k ? expf(zj - mx) / sum : 0.f;
     } else {
-      float mx = lane < k ? zj : -INFINITY;
-      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float mx = warp_max(lane < k ? zj : -INFINITY);
       const float e = lane < k ? expf(zj - mx) : 0.f;
-      float sum = e;
-      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      w = e / sum;
+      w = e / warp_sum(e);
     }
   } else {
-    w = lane < k ? device::kernels::score_of(p.score, zj) : 0.f;
-    if (p.normalize) {
-      float sum = w;
-      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      w /= sum + 1e-20f;
-    }
+    w = lane < k ? rk::score_of(p.score, zj) : 0.f;
+    if (p.normalize) w /= warp_sum(w) + 1e-20f;
   }
   if (p.has_scale) w *= static_cast<float>(p.scale);
   if (lane < k) {
     ids[t * k + lane] = my_id;
     weights[t * k + lane] = w;
   }
+  // A NaN weight: every logit it is normalised over is -inf (a replayed row whose chosen experts
+  // are all masked), rejected as the Thrust path and the CPU router reject it.
+  const bool nan_weight = __any_sync(kFullWarp, lane < k && !(w == w));
+  if (status != nullptr && lane == 0) status[t] = nan_weight ? rk::row_nan_weight : rk::row_ok;
 }
 
 }  // namespace kernels
 
 // Whether the fused kernel handles this router (no group limits, no capacity dropping: that is a
-// pass over the whole batch, device::TopKRouter's; E <= 1024, k <= 32).
+// pass over the whole batch, device::TopKRouter's; 1 <= k <= E <= 1024, k <= 32; no expert bias
+// on softmax, which RouterConfig rejects and whose pre-softmax selection this kernel lacks).
 inline bool fused_routing_supports(const device::RouterParams& p) {
-  return !p.grouped && !p.drops_over_capacity && p.num_experts <= 1024 && p.topk <= 32;
+  return !p.grouped && !p.drops_over_capacity && p.num_experts >= 1 && p.num_experts <= 1024 && p.topk >= 1 &&
+         p.topk <= 32 && p.topk <= p.num_experts && !(p.score == 0 && p.has_bias);
 }
 
-// Routes (replay_ids null) or replays (rows with replay_mask 0, or all when it is null) `tokens`
-// rows of fp32 logits [tokens, E] on `stream`. Inputs are validated by the caller (device::TopKRouter
-// does it on the Thrust path); pointers are device memory.
+// Routes (replay_ids null) or replays (rows with replay_mask 0 route natively; every row replays
+// when the mask is null) `tokens` rows of fp32 logits [tokens, E] on `stream`; ids and weights
+// [tokens, k]. Pointers are device memory; bias [E] is needed when the router has expert bias
+// (finite: device::TopKRouter::set_expert_bias checks it). status [tokens], when not null, gets
+// each row's device::kernels::RowStatus (row_ok = 0), as the Thrust path computes it; rows that
+// fail get ids -1 and NaN weights either way. Returns the launch error (asynchronous: kernel faults
+// show at the next synchronisation), cudaErrorInvalidValue for an unsupported router or missing
+// buffer.
 inline cudaError_t fused_route_replay(const device::RouterParams& p, const float* logits, const float* bias,
                                       const std::int32_t* replay_ids, const std::uint8_t* replay_mask, long tokens,
-                                      std::int32_t* ids, float* weights, cudaStream_t stream = nullptr) {
-  if (!fused_routing_supports(p)) return cudaErrorInvalidValue;
+                                      std::int32_t* ids, float* weights, std::uint8_t* status = nullptr,
+                                      cudaStream_t stream = nullptr) {
+  if (!fused_routing_supports(p) || tokens < 0) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
-  constexpr int kWarpsPerBlock = 8;
-  const dim3 block(32 * kWarpsPerBlock);
-  const dim3 grid(static_cast<unsigned>((tokens + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  if (logits == nullptr || ids == nullptr || weights == nullptr || (p.has_bias && bias == nullptr))
+    return cudaErrorInvalidValue;
+  constexpr int kWarps = kernels::kFusedWarpsPerBlock;
+  const long blocks = (tokens + kWarps - 1) / kWarps;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;  // gridDim.x < 2^31
+  const dim3 block(32 * kWarps);
+  const dim3 grid(static_cast<unsigned>(blocks));
   const int per_lane = (p.num_experts + 31) / 32;
-#define MRR_FUSED_LAUNCH(N) \
-  kernels::fused_route_replay<N><<<grid, block, 0, stream>>>(p, logits, bias, replay_ids, replay_mask, tokens, ids, weights)
+#define MRR_FUSED_LAUNCH(N)                                                                                         \
+  kernels::fused_route_replay<N><<<grid, block, 0, stream>>>(p, logits, bias, replay_ids, replay_mask, tokens, ids, \
+                                                             weights, status)
   if (per_lane <= 1)
     MRR_FUSED_LAUNCH(1);
   else if (per_lane <= 2)

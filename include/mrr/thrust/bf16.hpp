@@ -25,13 +25,13 @@ struct bf16 {
   // Round to nearest, ties to even; +-inf stay infinite, finite values past the largest bf16
   // round to infinity (as torch's .to(torch.bfloat16) does).
   static MRR_HOST_DEVICE bf16 from_float(float f) {
-    const std::uint32_t u = cuda::std::bit_cast<std::uint32_t>(f);
+    const std::uint32_t u = ::cuda::std::bit_cast<std::uint32_t>(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return from_bits(static_cast<std::uint16_t>((u >> 16) | 0x40u));
     const std::uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
     return from_bits(static_cast<std::uint16_t>(rounded >> 16));
   }
 
-  MRR_HOST_DEVICE float to_float() const { return cuda::std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }
+  MRR_HOST_DEVICE float to_float() const { return ::cuda::std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }
   MRR_HOST_DEVICE explicit operator float() const { return to_float(); }
   MRR_HOST_DEVICE explicit operator double() const { return static_cast<double>(to_float()); }
 

@@ -53,9 +53,10 @@ struct CountChunk {
   long slots, chunk;
   int num_experts, chunks;
   MRR_HOST_DEVICE void operator()(int c) const {
-    for (int e = 0; e < num_experts; ++e) histogram[static_cast<long>(e) * chunks + c] = 0;
     const long lo = c * chunk, hi = lo + chunk < slots ? lo + chunk : slots;
     bool out_of_range = false;
+#if defined(__CUDA_ARCH__)
+    for (int e = 0; e < num_experts; ++e) histogram[static_cast<long>(e) * chunks + c] = 0;
     for (long s = lo; s < hi; ++s) {
       const std::int32_t e = ids[s];
       if (e < 0 || e >= num_experts) {
@@ -64,6 +65,19 @@ struct CountChunk {
       }
       ++histogram[static_cast<long>(e) * chunks + c];
     }
+#else
+    // CPU threads count in a private array: the expert-major histogram puts the counters of
+    // neighbouring chunks in one cache line, and incrementing them in place from several threads
+    // made 2 threads 2-3 x slower than 1 (measured: 4.5-6.7 ms against 1.9 ms).
+    std::int32_t count[1024] = {};  // kMaxExperts of the router
+    for (long s = lo; s < hi; ++s) {
+      const std::int32_t e = ids[s];
+      const bool in_range = static_cast<std::uint32_t>(e) < static_cast<std::uint32_t>(num_experts);
+      out_of_range |= !in_range;
+      count[in_range ? e : 0] += in_range ? 1 : 0;
+    }
+    for (int e = 0; e < num_experts; ++e) histogram[static_cast<long>(e) * chunks + c] = count[e];
+#endif
     bad[c] = out_of_range ? 1 : 0;
   }
 };

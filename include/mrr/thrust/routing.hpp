@@ -8,6 +8,7 @@
 
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/score.hpp>
+#include <mrr/detail/softmax_tile.hpp>
 #include <mrr/detail/topk.hpp>
 #include <mrr/error.hpp>
 #include <mrr/router/config.hpp>
@@ -117,6 +118,23 @@ MRR_HOST_DEVICE MRR_FORCEINLINE void topk_row(const T* v, int n, int k, Index* i
 #endif
 }
 
+// The expert of candidate c of a group-limited selection. Candidates are, in index order, every
+// expert of a kept group (gid: the kept groups, ascending) and, with 0.0 masking, the k
+// lowest-indexed experts of the other groups (as the CPU router lists them).
+MRR_HOST_DEVICE inline int expert_of_candidate(const RouterParams& p, const int* gid, int k, int c) {
+  const int per = p.experts_per_group;
+  int masked_left = p.zero_masking ? k : 0, next_group = 0;
+  for (int g = 0; g < p.num_groups; ++g) {
+    const bool kept = next_group < p.group_topk && gid[next_group] == g;
+    if (kept) ++next_group;
+    const int take = kept ? per : (masked_left < per ? masked_left : per);
+    if (!kept) masked_left -= take;
+    if (c < take) return g * per + c;
+    c -= take;
+  }
+  return -1;  // unreachable: c < the number of candidates
+}
+
 template <class T>
 MRR_HOST_DEVICE inline void select_row(const RouterParams& p, const T* z, const T* bias, std::int32_t* ids) {
   const int k = p.topk, n = p.num_experts;
@@ -160,10 +178,11 @@ MRR_HOST_DEVICE inline void select_row(const RouterParams& p, const T* z, const 
       gid[j] = gid[j - 1];
       gid[j - 1] = t;
     }
-  // Candidates in index order: the kept groups' experts and, with 0.0 masking, the k
-  // lowest-indexed masked experts (as the CPU router builds them).
-  T cand[kMaxExperts];
-  int cand_id[kMaxExperts];
+  // Candidates in index order, as the CPU router builds them: the kept groups' experts and, with
+  // 0.0 masking, the k lowest-indexed masked experts (scoring 0). They are compacted into the front
+  // of s (candidate `count` comes from an expert e >= count, read before anything overwrites it),
+  // and a chosen candidate's expert is found again from the group list: no candidate arrays,
+  // which on a GPU would take 8 KB more local memory per thread.
   int count = 0, masked_taken = 0, next_group = 0;
   for (int g = 0; g < groups; ++g) {
     const bool kept = next_group < gk && gid[next_group] == g;
@@ -171,12 +190,11 @@ MRR_HOST_DEVICE inline void select_row(const RouterParams& p, const T* z, const 
     if (!kept && !p.zero_masking) continue;
     for (int e = g * per; e < (g + 1) * per; ++e) {
       if (!kept && masked_taken++ >= k) break;
-      cand[count] = kept ? s[e] : T(0);
-      cand_id[count++] = e;
+      s[count++] = kept ? s[e] : T(0);
     }
   }
-  topk_row(cand, count, k, ids, vals);
-  for (int j = 0; j < k; ++j) ids[j] = cand_id[ids[j]];
+  topk_row(s, count, k, ids, vals);
+  for (int j = 0; j < k; ++j) ids[j] = expert_of_candidate(p, gid, k, ids[j]);
 }
 
 // softmax over the k gathered logits z[ids].
@@ -188,6 +206,29 @@ MRR_HOST_DEVICE inline void softmax_gathered(const T* z, const std::int32_t* ids
   T sum = 0;
   for (int j = 0; j < k; ++j) sum += (w[j] = exp(z[ids[j]] - mx));
   for (int j = 0; j < k; ++j) w[j] /= sum;
+}
+
+// The routing weights of a gathered softmax, scale included. On CPU threads in float: the CPU
+// router's operations (its polynomial exp_nonpositive, the slot-order sum, e * (scale / sum)), so
+// the OpenMP system gives the CPU backend's very bits, about 1.4 x faster than expf here; elsewhere
+// (a GPU, double) exp, / sum, * scale.
+template <class T>
+MRR_HOST_DEVICE inline void softmax_gathered_scaled(const T* z, const std::int32_t* ids, int k, T scale,
+                                                    bool has_scale, T* w) {
+#if !defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float>) {
+    float mx = z[ids[0]];
+    for (int j = 1; j < k; ++j) mx = z[ids[j]] > mx ? z[ids[j]] : mx;
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) sum += (w[j] = mrr::detail::exp_nonpositive(z[ids[j]] - mx));
+    const float factor = (has_scale ? scale : 1.0f) / sum;
+    for (int j = 0; j < k; ++j) w[j] *= factor;
+    return;
+  }
+#endif
+  softmax_gathered(z, ids, k, w);
+  if (has_scale)
+    for (int j = 0; j < k; ++j) w[j] *= scale;
 }
 
 template <class T>
@@ -210,7 +251,8 @@ MRR_HOST_DEVICE inline void weights_row(const RouterParams& p, const T* z, const
       softmax_normalizer(z, p.num_experts, mx, sum);
       for (int j = 0; j < k; ++j) w[j] = exp(z[ids[j]] - mx) / sum;
     } else {
-      softmax_gathered(z, ids, k, w);
+      softmax_gathered_scaled(z, ids, k, static_cast<T>(p.scale), p.has_scale, w);
+      return;
     }
   } else {
     for (int j = 0; j < k; ++j) w[j] = score_of(p.score, z[ids[j]]);
@@ -227,13 +269,21 @@ MRR_HOST_DEVICE inline void weights_row(const RouterParams& p, const T* z, const
 
 // Why a row could not be routed (0: it was). Checked in the same pass that routes, so valid
 // inputs cost no extra read; the host turns the first nonzero code into the CPU router's error.
-enum RowStatus : std::uint8_t { row_ok = 0, row_invalid_logit = 1, row_invalid_replay = 2, row_too_few_finite = 3 };
+// row_nan_weight: a weight came out NaN, which happens when every logit it is normalised over is
+// -inf (a replayed row whose chosen experts are all masked); the CPU router rejects that too.
+enum RowStatus : std::uint8_t {
+  row_ok = 0,
+  row_invalid_logit = 1,
+  row_invalid_replay = 2,
+  row_too_few_finite = 3,
+  row_nan_weight = 4
+};
 
 // Scans a row once: NaN or +inf makes it invalid (-inf is a valid mask); counts finite logits.
 // Two compares per value and no branch, so the host compiler vectorises the scan.
 template <class T>
 MRR_HOST_DEVICE inline bool valid_logits(const T* z, int n, int& finite) {
-  constexpr T largest = cuda::std::numeric_limits<T>::max();
+  constexpr T largest = ::cuda::std::numeric_limits<T>::max();
   int bad = 0, count = 0;
   for (int e = 0; e < n; ++e) {
     const T x = z[e];
@@ -322,7 +372,7 @@ struct RouteRows {
       if (whole_row) {
         valid = valid_logits(z, n, finite);
       } else {
-        constexpr T largest = cuda::std::numeric_limits<T>::max();
+        constexpr T largest = ::cuda::std::numeric_limits<T>::max();
         for (int j = 0; j < k; ++j) valid = valid && z[given[j]] <= largest;
       }
       if (!valid) {
@@ -342,7 +392,9 @@ struct RouteRows {
       select_row(p, z, bias, id);
     }
     weights_row(p, z, id, w);
-    status[t] = row_ok;
+    bool nan_weight = false;
+    for (int j = 0; j < k; ++j) nan_weight |= !(w[j] == w[j]);
+    status[t] = nan_weight ? row_nan_weight : row_ok;
   }
 };
 
@@ -596,6 +648,10 @@ class TopKRouter {
     if (code == kernels::row_invalid_replay)
       mrr::detail::throw_invalid_argument(fn, "row ", row, ": a replayed row has an expert id outside [0, ",
                                           num_experts(), ") or repeats an id");
+    if (code == kernels::row_nan_weight)
+      mrr::detail::throw_invalid_argument(fn, "logits row ", row,
+                                          ": a weight is NaN because every logit it is normalised over is -inf "
+                                          "(masked); a row whose chosen experts are all masked cannot be routed");
     mrr::detail::throw_invalid_argument(fn, "logits row ", row, " has fewer finite logits than k=", topk(),
                                         " (the others are -inf, masked): a row needs at least k unmasked experts");
   }
