@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -301,6 +302,57 @@ TEST_CASE("device: replay with a replay mask, and replay rejects bad ids") {
     const auto host = cpu.replay(fine, chosen).weights;
     for (std::size_t i = 0; i < w.size(); ++i) CHECK(w[i] == host.data()[i]);
   }
+}
+
+TEST_CASE("device: k = 8 replay on CPU threads (8-row kernel, row-by-row rest) equals the CPU bit for bit and names bad rows") {
+  // 1003 rows: tiles of 256, a partial last tile and a tail past the last multiple of 8.
+  const long tokens = 1003;
+  const auto z = random_logits(tokens, 64, 61, 0);
+  std::mt19937 rng(62);
+  mrr::ExpertIds ids(tokens, 8);
+  for (Eigen::Index t = 0; t < ids.rows(); ++t) {
+    std::vector<int> e(64);
+    for (int i = 0; i < 64; ++i) e[static_cast<std::size_t>(i)] = i;
+    std::shuffle(e.begin(), e.end(), rng);
+    for (int j = 0; j < 8; ++j) ids(t, j) = e[static_cast<std::size_t>(j)];
+  }
+  for (bool scaled : {false, true}) {
+    auto cfg = mrr::presets::mixtral(64, 8);  // softmax over the 8 chosen logits
+    if (scaled) cfg.scaling_factor = 2.5;
+    CAPTURE(scaled);
+    mrr::TopKRouter<float> cpu(cfg);
+    mrr::device::TopKRouter<float> dev(cfg);
+    const auto host = cpu.replay(z, ids);
+    const auto out = dev.replay(to_device(z), dvec<std::int32_t>(ids.data(), ids.data() + ids.size()));
+    const auto w = to_host(out.weights);
+    const auto got = to_host(out.ids);
+    CHECK(std::memcmp(w.data(), host.weights.data(), w.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(got.data(), ids.data(), got.size() * sizeof(std::int32_t)) == 0);
+  }
+  mrr::device::TopKRouter<float> dev(mrr::presets::mixtral(64, 8));
+  auto expect_error = [&](const mrr::RowMatrix<float>& logits, const mrr::ExpertIds& given, const std::string& what) {
+    CAPTURE(what);
+    CHECK_THROWS_WITH_AS(dev.replay(to_device(logits), dvec<std::int32_t>(given.data(), given.data() + given.size())),
+                         doctest::Contains(what.c_str()), std::invalid_argument);
+  };
+  mrr::ExpertIds repeated = ids;
+  repeated(517, 5) = repeated(517, 2);
+  expect_error(z, repeated, "row 517: a replayed row has an expert id outside");
+  mrr::ExpertIds tail = ids;
+  tail(1001, 7) = 64;  // past the last multiple of 8 (1000): the row-by-row rest
+  expect_error(z, tail, "row 1001: a replayed row has an expert id outside");
+  mrr::RowMatrix<float> nan = z;
+  nan(300, ids(300, 4)) = std::numeric_limits<float>::quiet_NaN();
+  expect_error(nan, ids, "logits row 300 holds NaN or +inf");
+  mrr::RowMatrix<float> masked = z;
+  for (int j = 0; j < 8; ++j) masked(5, ids(5, j)) = -std::numeric_limits<float>::infinity();
+  expect_error(masked, ids, "logits row 5: a weight is NaN");
+  // A NaN the replay does not read (not a chosen expert) is no error, as on the CPU.
+  mrr::RowMatrix<float> unread = z;
+  int other = 0;
+  while ((ids.row(7).array() == other).any()) ++other;
+  unread(7, other) = std::numeric_limits<float>::quiet_NaN();
+  CHECK_NOTHROW((void)dev.replay(to_device(unread), dvec<std::int32_t>(ids.data(), ids.data() + ids.size())));
 }
 
 TEST_CASE("device: router backward equals the CPU router's gradient") {

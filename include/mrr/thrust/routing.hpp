@@ -398,6 +398,36 @@ struct RouteRows {
   }
 };
 
+#if !defined(__CUDACC__)
+// Replay of every row with k = 8 and a softmax over the chosen logits, on CPU threads (host code,
+// never compiled by nvcc): a tile of kReplayTileRows rows per work item, done 8 rows at a time by
+// the CPU router's AVX2 kernel (mrr::detail::replay_softmax_fused: hardware gathers, a transposed
+// softmax, the same operations as softmax_gathered_scaled, so the same bits). Whatever that kernel
+// does not finish (no AVX2, rows past the last multiple of 8) or flags (an id out of range or
+// repeated, a NaN / +inf logit, an all-masked row) goes through RouteRows row by row, which
+// computes the exact status: a flagged tile is redone whole.
+inline constexpr long kReplayTileRows = 256;
+
+struct ReplayTilesK8 {
+  RouteRows<float, float> rows;
+  float scale;  // 1 without a scaling factor
+  void operator()(long tile) const {
+    const long first = tile * kReplayTileRows;
+    const long end = first + kReplayTileRows < rows.tokens ? first + kReplayTileRows : rows.tokens;
+    const int n = rows.p.num_experts;
+    unsigned flags = 0;
+    const long readable = rows.tokens - first < end - first + 8 ? rows.tokens - first : end - first + 8;
+    long done = mrr::detail::replay_softmax_fused(rows.logits + first * n, n, rows.replay_ids + first * 8, 8, 8, n,
+                                                  static_cast<int>(end - first), static_cast<int>(readable), scale,
+                                                  rows.ids + first * 8, rows.weights + first * 8, flags);
+    if (flags != 0) [[unlikely]]
+      done = 0;
+    for (long t = first; t < first + done; ++t) rows.status[t] = row_ok;
+    for (long t = first + done; t < end; ++t) rows(t);
+  }
+};
+#endif
+
 // d sum(g * w) / d z for one token; writes the whole row of grad (zeros off the selected ids).
 template <class T>
 struct BackwardRows {
@@ -681,6 +711,20 @@ class TopKRouter {
                                          raw(out.weights),
                                          raw(status),
                                          tokens};
+#if !defined(__CUDACC__)
+    if constexpr (!Backend::is_device && std::is_same_v<T, float> && std::is_same_v<In, float>) {
+      const bool gathered_softmax = params_.score == 0 && !(params_.pre_softmax && !params_.normalize);
+      if (replay_ids != nullptr && mask == nullptr && topk() == 8 && gathered_softmax) {
+        const long tiles = (tokens + kernels::kReplayTileRows - 1) / kernels::kReplayTileRows;
+        const float scale = params_.has_scale ? static_cast<float>(params_.scale) : 1.0f;
+        thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tiles),
+                         kernels::ReplayTilesK8{rows, scale});
+        throw_on_bad_row(status, fn);
+        if (config_.capacity_factor) drop_over_capacity(out);
+        return out;
+      }
+    }
+#endif
     thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tokens),
                      rows);
     throw_on_bad_row(status, fn);
