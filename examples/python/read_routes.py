@@ -199,7 +199,7 @@ class RouteFile:
         positions = max(p + t for _, p, t, _, _ in parts)
         held = sum(t * n for _, _, t, _, n in parts)
         row = 4 * self.topk
-        if positions * self.num_layers * row > SPARSE_FACTOR * held * row + SPARSE_SLACK:
+        if positions * self.num_layers * row > SPARSE_FACTOR * held * self.num_layers * row + SPARSE_SLACK:
             self._fail(parts[0][0], f"the records of sequence uid {uid} are too sparse for a table of {positions} positions")
         out = np.full((positions, self.num_layers, self.topk), -1, dtype=np.int32)
         for off, first_pos, tokens, first_layer, layers in parts:

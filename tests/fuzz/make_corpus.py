@@ -56,6 +56,21 @@ def route_files():
     out["wide_ids"] = header(1000, 2, 3) + routes(1, 0, 2, 2, 3, width=2)
     out["header_only"] = h
     out["bad_layers_header"] = header(64, 70000, 4)
+    # Crafted indexes: one record listed many times (once quadratic to read), entries closer than
+    # a record header, an entry hidden inside another record's payload, an unaligned entry.
+    out["duplicate_index_entries"] = h + closed(r1, [(7, 64)] * 200)
+    out["overlapping_index_entries"] = h + closed(r1, [(7, 64), (7, 80)])
+    inner = routes(7, 500, 1, 3, 4)
+    outer = routes(7, 0, 20, 3, 4)
+    hidden = outer[:56 + 64] + inner + outer[56 + 64 + len(inner):]
+    out["index_entry_inside_record"] = h + closed(hidden, [(7, 64), (7, 64 + 56 + 64)])
+    out["unaligned_index_entry"] = h + closed(r1 + r3, [(7, 64), (9, 64 + len(r1) + 4)])
+    # Huge declared records: a payload size past the end of the file (a torn tail), and the
+    # largest token count a record can declare with a matching (huge) payload size.
+    big = record(1, bytes(64), 5, 0, 0xFFFFFFFF, 0, 3)
+    big = big[:8] + struct.pack("<Q", 0xFFFFFFFF * 3 * 4) + big[16:]
+    out["huge_record"] = h + big
+    out["huge_record_then_index"] = h + closed(r1 + big, [(7, 64), (5, 64 + len(r1))])
     return {name: bytes([1]) + data for name, data in out.items()}
 
 

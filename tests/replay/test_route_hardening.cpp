@@ -456,3 +456,59 @@ TEST_CASE("an empty routed_experts array imports into a route file as nothing (f
   store.record_sequence(2, 5, 0, 0, 2, std::span<const std::int32_t>{});
   CHECK(store.recorded_positions(2) == 0);
 }
+
+TEST_CASE("a crafted index listing one record many times, or records inside each other, is an error at open") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{64, 1, 1};
+  const auto path = dir / "crafted.mrr";
+  std::vector<unsigned char> payload(1000);
+  for (std::size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<unsigned char>(i % 64);
+
+  SUBCASE("one record listed 5000 times (82 KB; it cost 2.5 GB and 39 s to open)") {
+    auto file = file_header(64, 1, 1, 1);
+    add_record(file, routes_header(7, 0, 1000, 1, 1000), payload);
+    add_index(file, std::vector<std::pair<std::uint64_t, std::uint64_t>>(5000, {7, 64}));
+    write_file(path, file);
+    CHECK_THROWS_WITH_AS(mrr::FileRouteStore::open(path, shape), doctest::Contains("lists the record at offset 64 twice"),
+                         mrr::RouteFileError);
+    CHECK_THROWS_WITH_AS(mrr::FileRouteStore::append(path, shape), doctest::Contains("twice"), mrr::RouteFileError);
+  }
+  SUBCASE("two entries closer than a record header") {
+    auto file = file_header(64, 1, 1, 1);
+    add_record(file, routes_header(7, 0, 1000, 1, 1000), payload);
+    add_index(file, {{7, 64}, {7, 64 + 16}});
+    write_file(path, file);
+    CHECK_THROWS_WITH_AS(mrr::FileRouteStore::open(path, shape), doctest::Contains("which overlap"), mrr::RouteFileError);
+  }
+  SUBCASE("an entry inside another record's payload: the outer record runs into it") {
+    // A valid record header (with its own small payload) hidden inside the payload of record A.
+    std::vector<unsigned char> inner;
+    add_record(inner, routes_header(7, 5000, 8, 1, 8), std::vector<unsigned char>(8, 3));
+    std::vector<unsigned char> outer = payload;
+    std::copy(inner.begin(), inner.end(), outer.begin() + 200);
+    auto file = file_header(64, 1, 1, 1);
+    add_record(file, routes_header(7, 0, 1000, 1, 1000), outer);
+    add_index(file, {{7, 64}, {7, 64 + rf::kRecordHeaderBytes + 200}});
+    write_file(path, file);
+    const auto store = mrr::FileRouteStore::open(path, shape);
+    CHECK_THROWS_WITH_AS(hits(store, 7, 0, 0), doctest::Contains("running into the next record at offset 320"),
+                         mrr::RouteFileError);
+  }
+  SUBCASE("an entry that is not 8-byte aligned") {
+    auto file = file_header(64, 1, 1, 1);
+    add_record(file, routes_header(7, 0, 1000, 1, 1000), payload);
+    add_index(file, {{7, 64}, {7, 64 + 1003}});
+    write_file(path, file);
+    CHECK_THROWS_WITH_AS(mrr::FileRouteStore::open(path, shape), doctest::Contains("not 8-byte aligned"),
+                         mrr::RouteFileError);
+  }
+  SUBCASE("the same records with an honest index open and read") {
+    auto file = file_header(64, 1, 1, 1);
+    add_record(file, routes_header(7, 0, 1000, 1, 1000), payload);
+    add_index(file, {{7, 64}});
+    write_file(path, file);
+    const auto store = mrr::FileRouteStore::open(path, shape);
+    CHECK(store.recovery().opened_from_index);
+    CHECK(hits(store, 7, 999, 0) == 1);
+  }
+}

@@ -125,7 +125,7 @@ TEST_CASE("re-recording: identical is a no-op, different is an error, and nothin
   const auto l3 = mrr::TokenLayout::packed(twice, std::vector<std::int64_t>{0, 1, 2});
   mrr::ExpertIds conflict(2, 2);
   conflict << 0, 1, 1, 0;
-  CHECK_THROWS_WITH_AS(store.record(0, l3, conflict), doctest::Contains("two rows of the batch hold sequence 3 position 0"),
+  CHECK_THROWS_WITH_AS(store.record(0, l3, conflict), doctest::Contains("two rows of the batch (rows 0 and 1) hold sequence 3 position 0"),
                        mrr::RouteStoreError);
   CHECK_THROWS_AS(store.record(1, layout, ids), mrr::InvalidArgument);  // layer out of range
 }

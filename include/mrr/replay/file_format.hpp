@@ -51,6 +51,10 @@ struct FileHeader {
   std::uint16_t version = kVersion;
   std::uint8_t id_width = 1;
   RouteShape shape;
+  // Chosen at random when the file is created (0 in files written before it existed): a reader
+  // compares the header it opened with the file's current one before trusting what it read, so
+  // another route file copied over an open one is an error, not its ids.
+  std::uint64_t file_id = 0;
 };
 
 struct RecordHeader {
@@ -89,6 +93,7 @@ inline void encode(const FileHeader& h, unsigned char* out /* kHeaderBytes */) {
   detail::put<std::uint32_t>(out + 16, static_cast<std::uint32_t>(h.shape.num_experts));
   detail::put<std::uint32_t>(out + 20, static_cast<std::uint32_t>(h.shape.num_layers));
   detail::put<std::uint32_t>(out + 24, static_cast<std::uint32_t>(h.shape.topk));
+  detail::put<std::uint64_t>(out + 32, h.file_id);
   detail::put<std::uint64_t>(out + 56, XXH64(out, 56, 0));
 }
 
@@ -115,19 +120,36 @@ inline std::string decode(const unsigned char* in, FileHeader& h) {
   h.shape.num_experts = static_cast<std::int32_t>(experts);
   h.shape.num_layers = static_cast<std::int32_t>(layers);
   h.shape.topk = static_cast<std::int32_t>(topk);
+  h.file_id = detail::get<std::uint64_t>(in + 32);
   if (h.id_width != id_width_for(h.shape.num_experts))
     return mrr::detail::str("its header has id width ", int{h.id_width}, " where num_experts = ", experts, " needs ",
                             id_width_for(h.shape.num_experts));
   return "";
 }
 
+// A record's checksum, computed as its payload streams past in pieces of any size (a reader
+// verifies records far larger than its buffers): XXH64 of the first kChecksummedHeaderBytes
+// header bytes followed by the payload.
+class RecordChecksum {
+ public:
+  explicit RecordChecksum(const unsigned char* header /* kRecordHeaderBytes */) {
+    XXH64_reset(&state_, 0);
+    XXH64_update(&state_, header, kChecksummedHeaderBytes);
+  }
+  void update(const void* payload, std::size_t bytes) {
+    if (bytes != 0) XXH64_update(&state_, payload, bytes);
+  }
+  std::uint64_t digest() const { return XXH64_digest(&state_); }
+
+ private:
+  XXH64_state_t state_;
+};
+
 inline std::uint64_t checksum(const unsigned char* header /* kRecordHeaderBytes */, const void* payload,
                               std::size_t payload_bytes) {
-  XXH64_state_t state;
-  XXH64_reset(&state, 0);
-  XXH64_update(&state, header, kChecksummedHeaderBytes);
-  if (payload_bytes != 0) XXH64_update(&state, payload, payload_bytes);
-  return XXH64_digest(&state);
+  RecordChecksum c(header);
+  c.update(payload, payload_bytes);
+  return c.digest();
 }
 
 // The header check: the low 32 bits of XXH64 of the first 48 header bytes. It lets a reader trust

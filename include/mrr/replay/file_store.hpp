@@ -2,13 +2,17 @@
 // replay_file, which verl declares but never implemented). Every record call reaches the OS in
 // one write before it returns, so a writer killed at any point loses at most the record it was
 // writing; reopening recovers every complete record and reports the torn tail. A damaged record
-// is an error when read, never wrong ids. Reads go through a read-only mapping of the file and
-// decode straight into the caller's output; the store keeps only where each sequence's rows are,
-// not a decoded copy. Format: docs/route-file-format.md. Not thread-safe.
+// is an error when read, never wrong ids. Reads are positioned reads (pread) in chunks of at most
+// kReadChunk bytes, decoded into the caller's output; the store keeps only where each sequence's
+// rows are, not a decoded copy. A file truncated or replaced underneath an open store is an
+// error, never a crash (no mapping to fault on) and never another file's ids (the header, with
+// its random file id, is compared after reading). Format: docs/route-file-format.md. Not
+// thread-safe.
 #pragma once
 
 #include <mrr/detail/checked.hpp>
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/regular_file.hpp>
 #include <mrr/error.hpp>
 #include <mrr/replay/file_format.hpp>
 #include <mrr/replay/layout.hpp>
@@ -18,17 +22,20 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <iterator>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -70,14 +77,20 @@ class FileRouteStore {
     shape.validate();
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) throw_create_error(path);
+    lock_for_writing(fd, path);
+    if (!is_empty(fd)) {
+      ::close(fd);
+      throw RouteFileError(detail::str("cannot create route file ", path.string(),
+                                       ": another writer (FileRouteStore::append) started it between its creation and "
+                                       "this writer's lock; append to it, or choose a new name"));
+    }
     return start_new_file(path, fd, shape, options);
   }
 
   // An existing file, read-only. With `expected`, a file of another model is an error naming
-  // the field that differs.
+  // the field that differs. A FIFO, directory or device is refused without waiting on it.
   static FileRouteStore open(const std::filesystem::path& path, std::optional<RouteShape> expected = std::nullopt) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw_open_error(path);
+    const int fd = open_existing(path, O_RDONLY);
     // Readers take no lock: a file being appended to is read up to its last complete record.
     FileRouteStore store(path, fd, false, {}, RouteShape{1, 1, 1});
     store.read_header(expected);
@@ -85,20 +98,27 @@ class FileRouteStore {
     return store;
   }
 
-  // An existing file to add routes to (created when missing). A torn last record is truncated
+  // An existing file to add routes to (created when missing; an empty file, such as one whose
+  // creator stopped before writing its header, is started anew). A torn last record is truncated
   // away (and reported in recovery()) so new records follow the last complete one. Like create,
-  // it holds an exclusive lock until close(): two writers never interleave their appends.
+  // it holds an exclusive lock until close(): two writers never interleave their appends, and of
+  // two processes appending to a new file at once, one records and the other is told the file is
+  // locked.
   static FileRouteStore append(const std::filesystem::path& path, RouteShape shape, FileStoreOptions options = {}) {
     shape.validate();
-    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0 && errno == ENOENT && !std::filesystem::is_symlink(std::filesystem::symlink_status(path))) {
-      fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-      if (fd >= 0) return start_new_file(path, fd, shape, options);
-      if (errno != EEXIST) throw_create_error(path);
-      fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);  // another process created it meanwhile
+    detail::RegularFile f = detail::open_regular_file(path.c_str(), O_RDWR);
+    if (!f.ok() && f.err == ENOENT && !std::filesystem::is_symlink(std::filesystem::symlink_status(path))) {
+      f.fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (f.fd < 0 && errno != EEXIST) throw_create_error(path);
+      if (f.fd < 0) f = detail::open_regular_file(path.c_str(), O_RDWR);  // another process created it meanwhile
     }
-    if (fd < 0) throw_open_error(path);
+    const int fd = checked_open_result(path, f);
     lock_for_writing(fd, path);
+    // Under the lock, an empty file is new: created by this call, or by another writer that has
+    // not written its header yet (it is then refused as "locked" when it tries; had it locked
+    // first, the file would not be empty now), or left by one that stopped before writing it. It
+    // holds no routes, so it is started as a new file.
+    if (is_empty(fd)) return start_new_file(path, fd, shape, options);
     FileRouteStore store(path, fd, true, options, shape);
     store.read_header(shape);
     store.load_index_or_scan();
@@ -120,8 +140,15 @@ class FileRouteStore {
         order_(std::move(other.order_)),
         loaded_(std::move(other.loaded_)),
         cache_(std::move(other.cache_)),
-        map_(std::exchange(other.map_, nullptr)),
-        map_len_(std::exchange(other.map_len_, 0)),
+        boundaries_(std::move(other.boundaries_)),
+        header_bytes_(other.header_bytes_),
+        identity_(other.identity_),
+        absolute_path_(std::move(other.absolute_path_)),
+        closed_(other.closed_),
+        read_buffer_(std::move(other.read_buffer_)),
+        compare_buffer_(std::move(other.compare_buffer_)),
+        header_scratch_(std::move(other.header_scratch_)),
+        sparse_scratch_(std::move(other.sparse_scratch_)),
         write_buffer_(std::move(other.write_buffer_)),
         write_pending_(std::move(other.write_pending_)),
         sorted_runs_(std::move(other.sorted_runs_)),
@@ -139,14 +166,14 @@ class FileRouteStore {
     } catch (...) {
       // The records are on disk; only the index may be missing, and reopening rescans.
     }
-    unmap();
+    if (fd_ >= 0) ::close(fd_);
   }
 
   const RouteShape& shape() const { return header_.shape; }
   const std::filesystem::path& path() const { return path_; }
   const RouteFileRecovery& recovery() const { return recovery_; }
-  bool writable() const { return writable_; }
-  bool is_open() const { return fd_ >= 0; }
+  bool writable() const { return writable_ && !closed_; }
+  bool is_open() const { return fd_ >= 0 && !closed_; }
   int id_width() const { return header_.id_width; }
 
   // Records the ids [layout rows, k] that `layer` chose; padding rows are skipped. All rows are
@@ -161,8 +188,7 @@ class FileRouteStore {
                     detail::shape_of(ids), " for a layout of ", layout.size(), " rows and k=", k);
     const auto stride = static_cast<std::size_t>(ids.outerStride());
     auto row_ids = [&](std::size_t r) { return ids.data() + r * stride; };
-    check_batch_agrees(layout, row_ids, fn);
-    ensure_mapped();
+    detail::check_batch_agrees(layout.runs(), row_ids, k, fn, sorted_runs_);
     auto& buffer = write_buffer_;
     auto& pending = write_pending_;
     buffer.clear();
@@ -172,6 +198,7 @@ class FileRouteStore {
       // Rows already in the file must hold the same ids (a no-op); the rest become records.
       std::int64_t cursor = run.first_position;
       const std::int64_t run_end = run.first_position + static_cast<std::int64_t>(run.count);
+      auto row_of = [&](std::int64_t pos) { return row_ids(run.first_row + static_cast<std::size_t>(pos - run.first_position)); };
       auto emit = [&](std::int64_t from, std::int64_t to) {
         if (to <= from) return;
         const auto count = static_cast<std::size_t>(to - from);
@@ -185,16 +212,15 @@ class FileRouteStore {
         for_each_overlap(*seq, layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
           const std::size_t row = run.first_row + static_cast<std::size_t>(a - run.first_position);
           check_id_rows(row_ids(row), stride, static_cast<std::size_t>(b - a), fn, TokenRun{run.uid, a, row, 0}, layer);
-          for (std::int64_t pos = a; pos < b; ++pos)
-            if (!same_row(s, pos, row_ids(run.first_row + static_cast<std::size_t>(pos - run.first_position)), k))
-              detail::RouteTable::conflict(fn, run.uid, pos, layer);
+          if (const std::int64_t pos = first_mismatch(s, a, b, row_of); pos != b)
+            detail::RouteTable::conflict(fn, run.uid, pos, layer);
           emit(cursor, a);
           cursor = std::max(cursor, b);
         });
       emit(cursor, run_end);
     }
     check_sparse_before_write(pending, fn);
-    commit(buffer, pending);
+    commit(buffer, pending, fn);
   }
 
   // A span of one sequence for a range of layers, ids laid out [tokens][layers][k] (vLLM order).
@@ -212,18 +238,19 @@ class FileRouteStore {
     for (int l = 0; l < num_layers; ++l)
       check_id_rows(ids.data() + static_cast<std::size_t>(l) * static_cast<std::size_t>(k), row_stride,
                     static_cast<std::size_t>(num_tokens), fn, TokenRun{uid, first_position, 0, 0}, first_layer + l);
-    ensure_mapped();
     const SequenceIndex* seq = ensure_loaded(uid);
     bool any_new = seq == nullptr;
     const std::int64_t end = first_position + num_tokens;
     if (seq != nullptr)
       for (int l = 0; l < num_layers; ++l) {
         std::int64_t cursor = first_position;
+        auto row_of = [&](std::int64_t pos) {
+          return ids.data() + static_cast<std::size_t>(pos - first_position) * row_stride +
+                 static_cast<std::size_t>(l) * static_cast<std::size_t>(k);
+        };
         for_each_overlap(*seq, first_layer + l, first_position, end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
-          for (std::int64_t pos = a; pos < b; ++pos)
-            if (!same_row(s, pos, ids.data() + static_cast<std::size_t>(pos - first_position) * row_stride +
-                                      static_cast<std::size_t>(l) * static_cast<std::size_t>(k), k))
-              detail::RouteTable::conflict(fn, uid, pos, first_layer + l);
+          if (const std::int64_t pos = first_mismatch(s, a, b, row_of); pos != b)
+            detail::RouteTable::conflict(fn, uid, pos, first_layer + l);
           any_new = any_new || a > cursor;
           cursor = std::max(cursor, b);
         });
@@ -239,37 +266,41 @@ class FileRouteStore {
     (void)encode_ids(ids.data(), ids.size(), payload);  // range-checked above
     finish_route_record(buffer, pending);
     check_sparse_before_write(pending, fn);
-    commit(buffer, pending);
+    commit(buffer, pending, fn);
   }
 
-  // As MemoryRouteStore::lookup. Ids are decoded straight from the mapped file into `out`; each
+  // As MemoryRouteStore::lookup. Ids are read from the file in chunks and decoded into `out`; each
   // record is verified (checksum, id range, agreement with overlapping records) when its sequence
-  // is first used. No allocation once `out`, `found` and the sequence's index are sized.
+  // is first used. No allocation once `out`, `found`, the read buffer and the sequence's index are
+  // sized. Throws RouteFileError when the file was truncated or replaced since it was opened.
   std::size_t lookup(int layer, const TokenLayout& layout, ExpertIds& out, std::vector<std::uint8_t>& found) const {
     constexpr const char* fn = "FileRouteStore::lookup";
     cache_.check_layer(layer, fn);
+    require_readable(fn);
     const int k = shape().topk;
     const std::size_t rows = layout.size();
     if (out.rows() != static_cast<Eigen::Index>(rows) || out.cols() != k) out.resize(static_cast<Eigen::Index>(rows), k);
     found.assign(rows, 0);
     std::size_t hits = 0;
+    bool read_any = false;
     for (const TokenRun& run : layout.runs()) {
-      const SequenceIndex* seq = ensure_loaded(run.uid);
+      const SequenceIndex* seq = ensure_loaded(run.uid, &read_any);
       if (seq == nullptr) continue;
       std::int64_t cursor = run.first_position;  // rows below it are filled (overlapping records agree)
       const std::int64_t run_end = run.first_position + static_cast<std::int64_t>(run.count);
       for_each_overlap(*seq, layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
         a = std::max(a, cursor);
         if (b <= a) return;
-        const std::size_t row = run.first_row + static_cast<std::size_t>(a - run.first_position);
-        const auto count = static_cast<std::size_t>(b - a);
-        decode_rows(map_ + s.payload + static_cast<std::uint64_t>(a - s.first) * s.stride, s.stride, count,
-                    out.data() + row * static_cast<std::size_t>(k));
-        std::memset(found.data() + row, 1, count);
-        hits += count;
+        for_each_row_chunk(s, a, b, read_buffer_, [&](std::int64_t pos, std::size_t n, const unsigned char* src) {
+          const std::size_t row = run.first_row + static_cast<std::size_t>(pos - run.first_position);
+          decode_rows(src, s.stride, n, out.data() + row * static_cast<std::size_t>(k));
+          std::memset(found.data() + row, 1, n);
+        });
+        hits += static_cast<std::size_t>(b - a);
         cursor = b;
       });
     }
+    if (hits > 0 || read_any) check_unchanged(fn);  // what was read is this file's, not a replacement's
     if (hits != rows)
       for (std::size_t r = 0; r < rows; ++r)
         if (found[r] == 0) std::fill_n(out.data() + r * static_cast<std::size_t>(k), k, -1);
@@ -277,7 +308,9 @@ class FileRouteStore {
   }
 
   std::int64_t recorded_positions(SequenceId uid) const {
-    const SequenceIndex* s = ensure_loaded(uid);
+    bool read_any = false;
+    const SequenceIndex* s = ensure_loaded(uid, &read_any);
+    if (read_any) check_unchanged("FileRouteStore::recorded_positions");
     return s != nullptr && !s->segments.empty() ? s->end : 0;
   }
   bool contains(SequenceId uid) const { return index_.count(uid) != 0; }
@@ -292,13 +325,18 @@ class FileRouteStore {
   // The routes of one sequence as a table, read from the file and verified (throws
   // RouteFileError if damaged). lookup() does not need it: it decodes from the file directly.
   const SequenceRoutes* sequence(SequenceId uid) const {
+    constexpr const char* fn = "FileRouteStore::sequence";
+    require_readable(fn);
     const SequenceIndex* s = ensure_loaded(uid);
     if (s == nullptr) return nullptr;
     if (const SequenceRoutes* done = cache_.find(uid)) return done;
     SequenceRoutes seq(shape());
     if (s->end > s->first) seq.reserve(s->first, s->end);
     for (const Segment& g : s->segments)
-      for (std::uint32_t t = 0; t < g.count; ++t) seq.put_encoded(g.first + t, g.layer, map_ + g.payload + std::uint64_t{t} * g.stride);
+      for_each_row_chunk(g, g.first, g.end(), read_buffer_, [&](std::int64_t pos, std::size_t n, const unsigned char* src) {
+        for (std::size_t t = 0; t < n; ++t) seq.put_encoded(pos + static_cast<std::int64_t>(t), g.layer, src + t * g.stride);
+      });
+    check_unchanged(fn);
     cache_.insert(uid, std::move(seq));
     return cache_.find(uid);
   }
@@ -316,23 +354,19 @@ class FileRouteStore {
       throw RouteFileError(detail::str("route file ", path_.string(), ": fdatasync failed: ", std::strerror(errno)));
   }
 
-  // Writes the index and tail records (when routes were added), syncs if configured, closes.
+  // Writes the index and tail records (when routes were added), syncs if configured, and ends
+  // writing: the lock is released, so another writer may append. The store stays readable (its
+  // descriptor is kept until it is destroyed), so what was recorded can still be looked up.
   void close() {
-    if (fd_ < 0) return;
+    if (fd_ < 0 || closed_) return;
     if (writable_ && index_dirty_) {
+      check_still_ours("FileRouteStore::close");
       write_index();
       index_dirty_ = false;
       if (options_.sync_on_close) sync();
     }
-    // The mapping outlives the descriptor, so what was recorded stays readable after close().
-    if (recovery_.records > 0) {
-      try {
-        ensure_mapped();
-      } catch (const RouteFileError&) {
-        // Lookups after close() then report the failed mapping.
-      }
-    }
-    ::close(std::exchange(fd_, -1));
+    closed_ = true;
+    if (writable_) (void)::flock(fd_, LOCK_UN);
   }
 
  private:
@@ -365,18 +399,56 @@ class FileRouteStore {
       : path_(std::move(path)), fd_(fd), writable_(writable), options_(options), cache_(shape) {
     header_.shape = shape;
     header_.id_width = static_cast<std::uint8_t>(id_width_for(shape.num_experts));
+    if (writable_) remember_identity();
   }
 
+  // Writes the header of a new file to `fd` (locked for writing, empty).
   static FileRouteStore start_new_file(const std::filesystem::path& path, int fd, const RouteShape& shape,
                                        const FileStoreOptions& options) {
-    lock_for_writing(fd, path);
     FileRouteStore store(path, fd, true, options, shape);
-    unsigned char header[route_file::kHeaderBytes];
-    route_file::encode(store.header_, header);
-    store.write_all(header, sizeof header, 0);
+    store.header_.file_id = new_file_id();
+    route_file::encode(store.header_, store.header_bytes_.data());
+    store.write_all(store.header_bytes_.data(), store.header_bytes_.size(), 0);
     store.end_ = route_file::kHeaderBytes;
     store.index_dirty_ = true;
     return store;
+  }
+
+  static bool is_empty(int fd) {
+    struct stat st {};
+    return ::fstat(fd, &st) == 0 && st.st_size == 0;
+  }
+
+  // A random 64-bit id for a new file's header: what tells two route files of one shape apart.
+  static std::uint64_t new_file_id() {
+    std::uint64_t seed[3] = {static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()),
+                             static_cast<std::uint64_t>(::getpid()), 0};
+    try {
+      std::random_device rd;
+      seed[2] = (std::uint64_t{rd()} << 32) ^ rd();
+    } catch (...) {
+      // No entropy source: time and pid still differ between files.
+    }
+    static std::atomic<std::uint64_t> counter{0};  // files created by this process
+    seed[1] ^= counter.fetch_add(1, std::memory_order_relaxed) << 32;
+    const std::uint64_t id = XXH64(seed, sizeof seed, 0);
+    return id != 0 ? id : 1;  // 0 means "written before file ids existed"
+  }
+
+  // Opens an existing file for reading or appending; anything but a regular file is refused
+  // without being waited on (a FIFO would block the first read forever).
+  static int open_existing(const std::filesystem::path& path, int flags) {
+    return checked_open_result(path, detail::open_regular_file(path.c_str(), flags));
+  }
+  static int checked_open_result(const std::filesystem::path& path, const detail::RegularFile& f) {
+    if (f.not_regular())
+      throw RouteFileError(detail::str("cannot open route file ", path.string(), ": it is ", f.kind,
+                                       ", not a regular file (route files are read with positioned reads)"));
+    if (!f.ok()) {
+      errno = f.err;
+      throw_open_error(path);
+    }
+    return f.fd;
   }
 
   // One writer per file: flock(LOCK_EX | LOCK_NB) on the open file, released when it is closed
@@ -432,10 +504,57 @@ class FileRouteStore {
   }
 
   void require_writable(const char* fn) const {
-    if (fd_ < 0) throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(), " is closed"));
+    if (fd_ < 0 || closed_) throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(), " is closed"));
     if (!writable_)
       throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(),
                                        " was opened read-only (FileRouteStore::open); use create or append to record"));
+  }
+  void require_readable(const char* fn) const {
+    if (fd_ < 0)
+      throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(), " has no open descriptor (moved from)"));
+  }
+
+  // The file's device and inode, and the path's absolute form, kept by a writer: the path is
+  // checked to still name this file before every write (see check_still_ours).
+  void remember_identity() {
+    struct stat st {};
+    if (::fstat(fd_, &st) == 0) identity_ = {st.st_dev, st.st_ino};
+    std::error_code ec;
+    absolute_path_ = std::filesystem::absolute(path_, ec);
+    if (ec) absolute_path_ = path_;
+  }
+
+  // A writer's records must reach the file its path names: if the path was renamed over or
+  // removed, they would go to an unlinked file (lost at close) while another writer could take
+  // the path; if the file was truncated or rewritten by someone else, they would land in a file
+  // that no longer matches what this writer knows. Each is an error before anything is written.
+  void check_still_ours(const char* fn) const {
+    struct stat path_st {}, fd_st {};
+    const bool named = ::stat(absolute_path_.c_str(), &path_st) == 0;
+    if (!named || path_st.st_dev != identity_.first || path_st.st_ino != identity_.second)
+      throw RouteFileError(detail::str(
+          "mrr::", fn, ": route file ", path_.string(), " was ", named ? "replaced (another file renamed over it)" : "removed",
+          " while this writer had it open; its records would go to a file no path names, so nothing more is "
+          "recorded (what was recorded before is in the file this writer opened)"));
+    if (::fstat(fd_, &fd_st) != 0 || static_cast<std::uint64_t>(fd_st.st_size) != end_)
+      throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(), " is ", fd_st.st_size,
+                                       " bytes where this writer left ", end_,
+                                       ": another program truncated or wrote it while it was open for recording; "
+                                       "nothing more is recorded"));
+    check_unchanged(fn);
+  }
+
+  // Whatever was read is from the file this store opened: the header (with its random file id)
+  // must still be the one it read. Called after reading, so a file replaced in place (another
+  // route file copied over it: truncated, then written from the start) is caught even when the
+  // copy raced the read. A file truncated under a reader shows as a short read (read_exact).
+  void check_unchanged(const char* fn) const {
+    std::array<unsigned char, route_file::kHeaderBytes> now{};
+    const ssize_t got = ::pread(fd_, now.data(), now.size(), 0);
+    if (got != static_cast<ssize_t>(now.size()) || now != header_bytes_)
+      throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(),
+                                       " was replaced or rewritten while open (its header is no longer the one it had "
+                                       "when opened); refusing to return routes read from it: reopen it"));
   }
 
   std::uint64_t file_size() const {
@@ -450,9 +569,13 @@ class FileRouteStore {
     while (n > 0) {
       const ssize_t got = ::pread(fd_, p, n, static_cast<off_t>(offset));
       if (got < 0 && errno == EINTR) continue;
-      if (got <= 0)
+      if (got < 0)
         throw RouteFileError(detail::str("route file ", path_.string(), ": read failed at offset ", offset, ": ",
-                                         got < 0 ? std::strerror(errno) : "unexpected end of file"));
+                                         std::strerror(errno)));
+      if (got == 0)
+        throw RouteFileError(detail::str("route file ", path_.string(), " ends at offset ", offset,
+                                         ", before bytes it held when opened: it was truncated or replaced while "
+                                         "open; refusing to return routes from it"));
       p += got;
       n -= static_cast<std::size_t>(got);
       offset += static_cast<std::uint64_t>(got);
@@ -482,10 +605,10 @@ class FileRouteStore {
     if (file_size() < route_file::kHeaderBytes)
       throw RouteFileError(detail::str("route file ", path_.string(), " is too short to hold a header (",
                                        file_size(), " bytes): not a route file, or its writer stopped while creating it"));
-    unsigned char buf[route_file::kHeaderBytes];
-    read_exact(buf, sizeof buf, 0);
+    auto& buf = header_bytes_;
+    read_exact(buf.data(), buf.size(), 0);
     route_file::FileHeader h;
-    if (const std::string why = route_file::decode(buf, h); !why.empty())
+    if (const std::string why = route_file::decode(buf.data(), h); !why.empty())
       throw RouteFileError(detail::str("route file ", path_.string(), " cannot be used: ", why));
     if (expected) {
       const auto& e = *expected;
@@ -561,14 +684,45 @@ class FileRouteStore {
       }
       add_to_index(route_file::detail::get<std::uint64_t>(e), offset);
     }
+    check_index_entries(index_offset);
     recovery_.opened_from_index = true;
     recovery_.records = count;
     return true;
   }
 
+  // An index is trusted only as a list of distinct, non-overlapping records: one listed twice (or
+  // inside another) would be read and verified again for every listing, so a small crafted file
+  // could cost time quadratic in its size. Records start 8-byte aligned, at least a record header
+  // apart, and before the index; each record's size is checked against the next boundary when
+  // its sequence is read (record_limit), so reading a file costs at most its size.
+  void check_index_entries(std::uint64_t index_offset) {
+    boundaries_.clear();
+    boundaries_.reserve(order_.size() + 1);
+    for (const auto& entry : order_) boundaries_.push_back(entry.second);
+    std::sort(boundaries_.begin(), boundaries_.end());
+    for (std::size_t i = 0; i < boundaries_.size(); ++i) {
+      const std::uint64_t at = boundaries_[i];
+      const std::uint64_t next = i + 1 < boundaries_.size() ? boundaries_[i + 1] : index_offset;
+      if (at % 8 != 0) damaged(index_offset, detail::str("its index lists a record at offset ", at, ", not 8-byte aligned"));
+      if (next == at) damaged(index_offset, detail::str("its index lists the record at offset ", at, " twice"));
+      if (next - at < route_file::kRecordHeaderBytes)
+        damaged(index_offset, detail::str("its index lists records at offsets ", at, " and ", next,
+                                          ", which overlap (a record header alone is ",
+                                          route_file::kRecordHeaderBytes, " bytes)"));
+    }
+    boundaries_.push_back(index_offset);  // no record runs into the index
+  }
+
+  // Where the record at `offset` must end at the latest: the next record (or index) the file is
+  // known to hold there, else the end of the file.
+  std::uint64_t record_limit(std::uint64_t offset) const {
+    const auto next = std::upper_bound(boundaries_.begin(), boundaries_.end(), offset);
+    return next == boundaries_.end() ? end_ : std::min(*next, end_);
+  }
+
   void scan(std::uint64_t size) {
     std::uint64_t offset = route_file::kHeaderBytes;
-    std::vector<unsigned char> payload;
+    boundaries_.clear();
     while (offset < size) {
       const std::uint64_t left = size - offset;
       unsigned char hb[route_file::kRecordHeaderBytes];
@@ -588,19 +742,41 @@ class FileRouteStore {
       // of the file is the record being written when the writer stopped.
       const std::uint64_t need = route_file::record_bytes(h.payload_bytes);
       if (h.payload_bytes > left || need > left) return torn(offset, size);
-      payload.resize(static_cast<std::size_t>(h.payload_bytes));
-      read_exact(payload.data(), payload.size(), offset + route_file::kRecordHeaderBytes);
-      if (route_file::checksum(hb, payload.data(), payload.size()) != h.checksum) {
+      if (stream_payload(hb, h, offset, [](const unsigned char*, std::size_t) {}) != h.checksum) {
         if (offset + need == size) return torn(offset, size);  // the last record, partly persisted
         damaged(offset, detail::str("a record (sequence uid ", h.uid, ") fails its checksum"));
       }
       if (h.type == route_file::RecordType::routes) {
-        check_route_record(h, offset);
+        check_route_record(h, offset, size);
         add_to_index(h.uid, offset);
+        boundaries_.push_back(offset);
         ++recovery_.records;
       }
       offset += need;
     }
+  }
+
+  // Reads the payload of the record at `offset` (header hb, h) in chunks of at most kReadChunk
+  // bytes, calls f(bytes, n) on each, and returns its checksum: memory stays bounded whatever
+  // the record's size.
+  template <class F>
+  std::uint64_t stream_payload(const unsigned char* hb, const route_file::RecordHeader& h, std::uint64_t offset, F&& f) const {
+    route_file::RecordChecksum sum(hb);
+    for (std::uint64_t done = 0; done < h.payload_bytes;) {
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kReadChunk, h.payload_bytes - done));
+      const unsigned char* p = read_at(offset + route_file::kRecordHeaderBytes + done, n, read_buffer_);
+      sum.update(p, n);
+      f(p, n);
+      done += n;
+    }
+    return sum.digest();
+  }
+
+  // Reads n bytes at `offset` into buf (grown as needed) and returns them.
+  const unsigned char* read_at(std::uint64_t offset, std::size_t n, std::vector<unsigned char>& buf) const {
+    if (buf.size() < n) buf.resize(std::max(n, std::min<std::size_t>(kReadChunk, 2 * buf.size())));
+    read_exact(buf.data(), n, offset);
+    return buf.data();
   }
 
   bool all_zero(std::uint64_t from, std::uint64_t to) const {
@@ -621,9 +797,10 @@ class FileRouteStore {
     end_ = offset;
   }
 
-  // Every field of a routes record against the file's shape, the position bound and the file's
-  // size, before anything is sized from it.
-  void check_route_record(const route_file::RecordHeader& h, std::uint64_t offset) const {
+  // Every field of a routes record against the file's shape, the position bound and `limit`
+  // (where the record must end: the next record, or the end of the file), before anything is
+  // sized from it.
+  void check_route_record(const route_file::RecordHeader& h, std::uint64_t offset, std::uint64_t limit) const {
     const auto& s = shape();
     if (h.num_layers == 0 || h.first_layer + h.num_layers > s.num_layers)
       damaged(offset, detail::str("a record of sequence uid ", h.uid, " has first_layer ", h.first_layer,
@@ -637,51 +814,45 @@ class FileRouteStore {
       damaged(offset, detail::str("a record of sequence uid ", h.uid, " has payload_bytes ", h.payload_bytes,
                                   " where num_tokens x num_layers x topk x id width = ", h.num_tokens, " x ",
                                   h.num_layers, " x ", s.topk, " x ", int{header_.id_width}));
-    if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes ||
-        h.payload_bytes > end_ - offset - route_file::kRecordHeaderBytes)
+    const std::uint64_t room =
+        offset <= limit && limit - offset >= route_file::kRecordHeaderBytes ? limit - offset - route_file::kRecordHeaderBytes : 0;
+    if (offset > limit || limit - offset < route_file::kRecordHeaderBytes || h.payload_bytes > room ||
+        route_file::padded(h.payload_bytes) > room)
       damaged(offset, detail::str("a record of sequence uid ", h.uid, " has payload_bytes ", h.payload_bytes,
-                                  ", past the end of the file (", end_, " bytes)"));
+                                  limit == end_ ? detail::str(", past the end of the file (", end_, " bytes)")
+                                                : detail::str(", running into the next record at offset ", limit)));
   }
 
-  // A reader indexes a sequence by its records' extent: positions [first, end) x layers.
-  // Records far apart (positions 0 and 2^31, say) would make a table (sequence()) out of all
-  // proportion to the file, so a sequence spanning more than kSparseFactor times the rows its
-  // records hold, plus kSparseSlack bytes, is refused (docs/route-file-format.md, "Bounds");
-  // writers refuse to create one.
-  static constexpr std::uint64_t kSparseFactor = 32;
-  static constexpr std::uint64_t kSparseSlack = std::uint64_t{1} << 20;
+  // How many bytes are read at a time: small enough to stay in L2 while decoded, large enough
+  // that a system call costs little per byte. Route files are far larger; nothing else is sized
+  // from them.
+  static constexpr std::size_t kReadChunk = std::size_t{1} << 18;
 
-  // Empty when a sequence spanning [first, end) and holding rows_held (position, layer) rows is
-  // within the bound, else why not.
-  std::string sparse_violation(SequenceId uid, std::int64_t first, std::int64_t end, std::uint64_t rows_held) const {
-    if (end <= first) return "";
-    const auto per_row = static_cast<std::uint64_t>(1 + shape().topk * header_.id_width);
-    const std::uint64_t table = static_cast<std::uint64_t>(end - first) * static_cast<std::uint64_t>(shape().num_layers);
-    std::uint64_t table_bytes = 0, held_bytes = 0;
-    if (detail::checked_mul(table, per_row, table_bytes) && detail::checked_mul(rows_held, per_row, held_bytes) &&
-        table_bytes / kSparseFactor <= held_bytes + kSparseSlack / kSparseFactor)
-      return "";
-    return detail::str("the records of sequence uid ", uid, " span positions [", first, ", ", end, ") but hold ",
-                       rows_held, " of its ", table, " (position, layer) rows; a table that sparse is refused");
+  // Calls f(pos, n, rows) for the rows of segment s at positions [from, to), read from the file
+  // kReadChunk bytes at a time: the row of pos + i is at rows + i * s.stride.
+  template <class F>
+  void for_each_row_chunk(const Segment& s, std::int64_t from, std::int64_t to, std::vector<unsigned char>& buf,
+                          F&& f) const {
+    const auto row_bytes = static_cast<std::size_t>(shape().topk) * header_.id_width;
+    const auto per_chunk = static_cast<std::int64_t>(std::max<std::size_t>(1, kReadChunk / s.stride));
+    for (std::int64_t pos = from; pos < to;) {
+      const std::int64_t n = std::min(per_chunk, to - pos);
+      const std::size_t bytes = static_cast<std::size_t>(n - 1) * s.stride + row_bytes;
+      f(pos, static_cast<std::size_t>(n), read_at(s.payload + static_cast<std::uint64_t>(pos - s.first) * s.stride, bytes, buf));
+      pos += n;
+    }
   }
 
-  // Maps the file (read-only, shared: a writer's later appends show through) far enough to cover
-  // every complete record. Pointers into the map are never kept across calls, so a writer may
-  // remap when the file has grown past it.
-  void ensure_mapped() const {
-    if (end_ <= map_len_) return;
-    unmap();
-    const std::uint64_t want = writable_ ? std::max<std::uint64_t>(end_ + end_ / 2, std::uint64_t{1} << 20) : end_;
-    void* p = ::mmap(nullptr, static_cast<std::size_t>(want), PROT_READ, MAP_SHARED, fd_, 0);
-    if (p == MAP_FAILED)
-      throw RouteFileError(detail::str("route file ", path_.string(), ": cannot map it for reading: ", std::strerror(errno)));
-    map_ = static_cast<const unsigned char*>(p);
-    map_len_ = want;
-  }
-  void unmap() const {
-    if (map_ != nullptr) ::munmap(const_cast<unsigned char*>(map_), static_cast<std::size_t>(map_len_));
-    map_ = nullptr;
-    map_len_ = 0;
+  // The first position in [a, b) whose row in segment s differs from the k ids at ids_of(pos),
+  // or b when all agree.
+  template <class IdsOf>
+  std::int64_t first_mismatch(const Segment& s, std::int64_t a, std::int64_t b, IdsOf&& ids_of) const {
+    std::int64_t bad = b;
+    for_each_row_chunk(s, a, b, compare_buffer_, [&](std::int64_t pos, std::size_t n, const unsigned char* rows) {
+      for (std::size_t i = 0; i < n && bad == b; ++i)
+        if (!same_row(rows + i * s.stride, ids_of(pos + static_cast<std::int64_t>(i)))) bad = pos + static_cast<std::int64_t>(i);
+    });
+    return bad;
   }
 
   // Calls f(segment, a, b) for each segment of `layer` holding positions [a, b) of [from, to),
@@ -701,11 +872,10 @@ class FileRouteStore {
       if (it->end() > from) f(*it, std::max(from, it->first), std::min(to, it->end()));
   }
 
-  // Whether the stored row of `pos` in segment s holds exactly these k ids.
-  bool same_row(const Segment& s, std::int64_t pos, const std::int32_t* ids, int k) const {
-    const unsigned char* p = map_ + s.payload + static_cast<std::uint64_t>(pos - s.first) * s.stride;
+  // Whether the encoded row at p holds exactly these k ids.
+  bool same_row(const unsigned char* p, const std::int32_t* ids) const {
     const int w = header_.id_width;
-    for (int j = 0; j < k; ++j)
+    for (int j = 0; j < shape().topk; ++j)
       if (detail::load_id(p + j * w, w) != static_cast<std::uint32_t>(ids[j])) return false;
     return true;
   }
@@ -762,92 +932,53 @@ class FileRouteStore {
       cache_.check_ids(ids + r * stride, fn, run.uid, run.first_position + static_cast<std::int64_t>(r), layer);
   }
 
-  // Two runs of one batch covering the same tokens must agree.
-  template <class RowIds>
-  void check_batch_agrees(const TokenLayout& layout, RowIds&& row_ids, const char* fn) {
-    if (layout.runs().size() < 2) return;
-    auto& sorted = sorted_runs_;
-    sorted.assign(layout.runs().begin(), layout.runs().end());
-    std::sort(sorted.begin(), sorted.end(), [](const TokenRun& a, const TokenRun& b) {
-      return a.uid != b.uid ? a.uid < b.uid : a.first_position < b.first_position;
-    });
-    const int k = shape().topk;
-    std::int64_t reach = -1;  // furthest end so far among runs of the current uid
-    std::size_t reach_run = 0;
-    for (std::size_t i = 0; i < sorted.size(); ++i) {
-      const TokenRun& b = sorted[i];
-      if (i > 0 && sorted[i - 1].uid != b.uid) reach = -1;
-      const std::int64_t b_end = b.first_position + static_cast<std::int64_t>(b.count);
-      if (reach > b.first_position) {  // overlaps the run reaching furthest, which starts no later
-        const TokenRun& a = sorted[reach_run];
-        for (std::int64_t pos = b.first_position; pos < std::min(reach, b_end); ++pos) {
-          const auto* ra = row_ids(a.first_row + static_cast<std::size_t>(pos - a.first_position));
-          const auto* rb = row_ids(b.first_row + static_cast<std::size_t>(pos - b.first_position));
-          if (!std::equal(ra, ra + k, rb))
-            throw RouteStoreError(detail::str("mrr::", fn, ": two rows of the batch hold sequence ", a.uid,
-                                              " position ", pos, " but carry different experts"));
-        }
-      }
-      if (b_end > reach) {
-        reach = b_end;
-        reach_run = i;
-      }
-    }
-  }
-
   // A writer never makes a sequence that readers would refuse as too sparse.
   void check_sparse_before_write(const std::vector<Pending>& pending, const char* fn) const {
-    for (std::size_t i = 0; i < pending.size(); ++i) {
-      const SequenceId uid = pending[i].header.uid;
-      std::int64_t first = kMaxPositions, end = 0;
-      std::uint64_t rows = 0;
-      if (auto it = loaded_.find(uid); it != loaded_.end()) {
-        first = it->second.first;
-        end = it->second.end;
-        rows = it->second.rows_held;
-      }
-      bool seen_before = false;
-      for (std::size_t j = 0; j < pending.size(); ++j) {
-        const auto& h = pending[j].header;
-        if (h.uid != uid) continue;
-        if (j < i) seen_before = true;
-        first = std::min(first, h.first_position);
-        end = std::max(end, h.first_position + std::int64_t{h.num_tokens});
-        rows += std::uint64_t{h.num_tokens} * h.num_layers;
-      }
-      if (seen_before) continue;
-      if (const std::string why = sparse_violation(uid, first, end, rows); !why.empty())
-        detail::throw_invalid_argument(fn, "refusing to record: ", why, " by readers (docs/route-file-format.md)");
-    }
+    auto& added = sparse_scratch_;
+    added.clear();
+    for (const Pending& p : pending)
+      added.push_back({p.header.uid, p.header.first_position, p.header.first_position + std::int64_t{p.header.num_tokens},
+                       std::uint64_t{p.header.num_tokens} * p.header.num_layers});
+    detail::check_sparse_growth(shape(), added, [&](SequenceId uid) {
+      detail::SequenceExtent e;
+      if (auto it = loaded_.find(uid); it != loaded_.end()) e.add(it->second.first, it->second.end, it->second.rows_held);
+      return e;
+    }, fn);
   }
 
   // The record index of a sequence: read (headers checked, records verified) on first use, kept
-  // up to date by this writer's appends. nullptr for a sequence the file does not hold.
-  const SequenceIndex* ensure_loaded(SequenceId uid) const {
+  // up to date by this writer's appends. nullptr for a sequence the file does not hold. Sets
+  // *read_any when it read the file (the caller then checks the file is unchanged).
+  const SequenceIndex* ensure_loaded(SequenceId uid, bool* read_any = nullptr) const {
     if (auto found = loaded_.find(uid); found != loaded_.end()) return &found->second;
     auto it = index_.find(uid);
     if (it == index_.end()) return nullptr;
-    ensure_mapped();
+    if (read_any != nullptr) *read_any = true;
     SequenceIndex seq;
     const int k = shape().topk, w = header_.id_width;
     const auto row_bytes = static_cast<std::uint32_t>(k * w);
-    for (const std::uint64_t offset : it->second) {
+    auto& headers = header_scratch_;
+    headers.resize(it->second.size() * route_file::kRecordHeaderBytes);
+    for (std::size_t i = 0; i < it->second.size(); ++i) {
+      const std::uint64_t offset = it->second[i];
       if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes)
         damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
-      const unsigned char* hb = map_ + offset;
+      unsigned char* hb = headers.data() + i * route_file::kRecordHeaderBytes;
+      read_exact(hb, route_file::kRecordHeaderBytes, offset);
       route_file::RecordHeader h;
       if (!route_file::decode(hb, h) || h.type != route_file::RecordType::routes || h.uid != uid)
         damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
-      check_route_record(h, offset);
+      check_route_record(h, offset, record_limit(offset));
       seq.first = std::min(seq.first, h.first_position);
       seq.end = std::max(seq.end, h.first_position + std::int64_t{h.num_tokens});
       seq.rows_held += std::uint64_t{h.num_tokens} * h.num_layers;  // < 2^48 per record
     }
-    if (const std::string why = sparse_violation(uid, seq.first, seq.end, seq.rows_held); !why.empty())
+    if (const std::string why = detail::sparse_violation(shape(), {uid, seq.first, seq.end, seq.rows_held}); !why.empty())
       damaged(it->second.front(), why);
     seq.segments.reserve(it->second.size());
-    for (const std::uint64_t offset : it->second) {
-      const unsigned char* hb = map_ + offset;
+    for (std::size_t i = 0; i < it->second.size(); ++i) {
+      const std::uint64_t offset = it->second[i];
+      const unsigned char* hb = headers.data() + i * route_file::kRecordHeaderBytes;
       route_file::RecordHeader h;
       (void)route_file::decode(hb, h);
       verify_record(h, hb, offset);
@@ -858,8 +989,15 @@ class FileRouteStore {
                                 row_bytes * h.num_layers});
     }
     std::sort(seq.segments.begin(), seq.segments.end(), segment_order);
-    // Records covering the same (position, layer) must agree: each overlapped row is compared
-    // with the earlier segment reaching furthest (which holds it), so all copies agree in turn.
+    check_overlaps_agree(seq, uid);
+    return &loaded_.insert_or_assign(uid, std::move(seq)).first->second;
+  }
+
+  // Records covering the same (position, layer) must agree: each overlapped row is compared with
+  // the earlier segment reaching furthest (which holds it), so all copies agree in turn. Reads
+  // both sides in chunks; the work is bounded by the rows the records hold.
+  void check_overlaps_agree(SequenceIndex& seq, SequenceId uid) const {
+    const auto row_bytes = static_cast<std::size_t>(shape().topk) * header_.id_width;
     for (std::size_t i = 1, reach = 0; i < seq.segments.size(); ++i) {
       const Segment& g = seq.segments[i];
       if (seq.segments[reach].layer != g.layer) {
@@ -869,41 +1007,52 @@ class FileRouteStore {
       const Segment& r = seq.segments[reach];
       if (r.end() > g.first) {
         seq.overlapping = true;
-        for (std::int64_t pos = g.first; pos < std::min(r.end(), g.end()); ++pos)
-          if (std::memcmp(map_ + r.payload + static_cast<std::uint64_t>(pos - r.first) * r.stride,
-                          map_ + g.payload + static_cast<std::uint64_t>(pos - g.first) * g.stride, row_bytes) != 0)
-            damaged(g.record, detail::str("two records of sequence uid ", uid, " disagree at position ", pos, " layer ",
-                                          g.layer));
+        for_each_row_chunk(g, g.first, std::min(r.end(), g.end()), read_buffer_,
+                           [&](std::int64_t pos, std::size_t n, const unsigned char* g_rows) {
+          for_each_row_chunk(r, pos, pos + static_cast<std::int64_t>(n), compare_buffer_,
+                             [&](std::int64_t rpos, std::size_t rn, const unsigned char* r_rows) {
+            for (std::size_t t = 0; t < rn; ++t)
+              if (std::memcmp(r_rows + t * r.stride, g_rows + static_cast<std::size_t>(rpos - pos + static_cast<std::int64_t>(t)) * g.stride,
+                              row_bytes) != 0)
+                damaged(g.record, detail::str("two records of sequence uid ", uid, " disagree at position ",
+                                              rpos + static_cast<std::int64_t>(t), " layer ", g.layer));
+          });
+        });
       }
       if (g.end() > r.end()) reach = i;
     }
-    return &loaded_.insert_or_assign(uid, std::move(seq)).first->second;
   }
 
   static bool segment_order(const Segment& a, const Segment& b) {
     return a.layer != b.layer ? a.layer < b.layer : a.first != b.first ? a.first < b.first : a.payload < b.payload;
   }
 
-  // Checksum, and every id < num_experts (unless every value of the id width is a valid expert).
+  // Checksum, and every id < num_experts (unless every value of the id width is a valid expert),
+  // reading the payload in chunks.
   void verify_record(const route_file::RecordHeader& h, const unsigned char* hb, std::uint64_t offset) const {
-    const unsigned char* payload = hb + route_file::kRecordHeaderBytes;
-    const auto n = static_cast<std::size_t>(h.payload_bytes);
-    if (route_file::checksum(hb, payload, n) != h.checksum)
-      damaged(offset, detail::str("a record of sequence uid ", h.uid, " fails its checksum"));
     const int w = header_.id_width;
-    if (shape().num_experts >= (std::int64_t{1} << (8 * w))) return;
-    const auto limit = static_cast<std::uint32_t>(shape().num_experts);
+    const bool check_ids = shape().num_experts < (std::int64_t{1} << (8 * w));
     std::uint32_t top = 0;
-    if (w == 1) {
-      for (std::size_t i = 0; i < n; ++i) top = std::max<std::uint32_t>(top, payload[i]);
-    } else if (w == 2) {
-      for (std::size_t i = 0; i < n; i += 2) top = std::max<std::uint32_t>(top, route_file::detail::get<std::uint16_t>(payload + i));
-    } else {
-      for (std::size_t i = 0; i < n; i += 4) top = std::max(top, route_file::detail::get<std::uint32_t>(payload + i));
-    }
-    if (top >= limit)
+    const std::uint64_t sum = stream_payload(hb, h, offset, [&](const unsigned char* p, std::size_t n) {
+      if (check_ids) top = std::max(top, max_id(p, n));
+    });
+    if (sum != h.checksum) damaged(offset, detail::str("a record of sequence uid ", h.uid, " fails its checksum"));
+    if (top >= static_cast<std::uint32_t>(shape().num_experts))
       damaged(offset, detail::str("a record of sequence uid ", h.uid, " holds expert id ", top, " >= num_experts ",
                                   shape().num_experts));
+  }
+
+  // The largest id among n bytes of encoded ids (n a multiple of the id width).
+  std::uint32_t max_id(const unsigned char* p, std::size_t n) const {
+    std::uint32_t top = 0;
+    if (header_.id_width == 1) {
+      for (std::size_t i = 0; i < n; ++i) top = std::max<std::uint32_t>(top, p[i]);
+    } else if (header_.id_width == 2) {
+      for (std::size_t i = 0; i < n; i += 2) top = std::max<std::uint32_t>(top, route_file::detail::get<std::uint16_t>(p + i));
+    } else {
+      for (std::size_t i = 0; i < n; i += 4) top = std::max(top, route_file::detail::get<std::uint32_t>(p + i));
+    }
+    return top;
   }
 
   // Ids to their little-endian encoding, range-checked in the same pass (one loop per width;
@@ -966,14 +1115,17 @@ class FileRouteStore {
     route_file::encode(p.header, buffer.data() + p.at + route_file::kRecordHeaderBytes, buffer.data() + p.at);
   }
 
-  // One write for the whole call; memory state changes only after it succeeded.
-  void commit(const std::vector<unsigned char>& buffer, const std::vector<Pending>& pending) {
+  // One write for the whole call, after checking the path still names this writer's file and
+  // nobody else changed it; memory state changes only after the write succeeded.
+  void commit(const std::vector<unsigned char>& buffer, const std::vector<Pending>& pending, const char* fn) {
     if (buffer.empty()) return;
+    check_still_ours(fn);
     write_all(buffer.data(), buffer.size(), end_);
     const auto row_bytes = static_cast<std::uint32_t>(shape().topk * header_.id_width);
     for (const Pending& p : pending) {
       const std::uint64_t offset = end_ + p.at;
       add_to_index(p.header.uid, offset);
+      boundaries_.push_back(offset);
       ++recovery_.records;
       // The writer keeps its sequences' record index current: later records are checked against
       // it, and lookups read the new rows back through the page cache (no decoded copy).
@@ -1038,8 +1190,15 @@ class FileRouteStore {
   std::vector<std::pair<SequenceId, std::uint64_t>> order_;  // route records in file order
   mutable std::unordered_map<SequenceId, SequenceIndex> loaded_;  // sequences read or written so far
   mutable detail::RouteTable cache_;  // tables built by sequence(), and the shape checks
-  mutable const unsigned char* map_ = nullptr;  // the file, mapped read-only (see ensure_mapped)
-  mutable std::uint64_t map_len_ = 0;
+  std::vector<std::uint64_t> boundaries_;  // sorted offsets of the records (and index) known: record_limit
+  std::array<unsigned char, route_file::kHeaderBytes> header_bytes_{};  // the header as opened or written
+  std::pair<dev_t, ino_t> identity_{};   // a writer's file (check_still_ours)
+  std::filesystem::path absolute_path_;  // a writer's path, immune to chdir
+  bool closed_ = false;                  // close() was called: no more writes, reads still work
+  mutable std::vector<unsigned char> read_buffer_;     // chunks read from the file (kReadChunk)
+  mutable std::vector<unsigned char> compare_buffer_;  // a second chunk, for comparisons
+  mutable std::vector<unsigned char> header_scratch_;  // record headers of a sequence being loaded
+  mutable std::vector<detail::SequenceExtent> sparse_scratch_;
   std::vector<unsigned char> write_buffer_;  // reused across record calls
   std::vector<Pending> write_pending_;
   std::vector<TokenRun> sorted_runs_;

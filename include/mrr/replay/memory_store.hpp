@@ -22,9 +22,16 @@ class MemoryRouteStore {
   const RouteShape& shape() const { return table_.shape(); }
 
   // Records the ids [layout rows, k] that `layer` chose for the rows of a micro-batch; padding
-  // rows are skipped. All rows are checked before any is stored.
+  // rows are skipped. All rows are checked (ids in range, agreement with earlier records and
+  // between rows of the batch for the same token, the sparse bound) before any is stored.
   void record(int layer, const TokenLayout& layout, ExpertIdsRef ids) {
-    for (const TokenRun& run : table_.new_runs(layer, layout, ids, "MemoryRouteStore::record")) {
+    constexpr const char* fn = "MemoryRouteStore::record";
+    const std::vector<TokenRun> runs = table_.new_runs(layer, layout, ids, fn);
+    added_.clear();
+    for (const TokenRun& run : runs)
+      added_.push_back({run.uid, run.first_position, run.first_position + static_cast<std::int64_t>(run.count), run.count});
+    table_.check_sparse(added_, fn);
+    for (const TokenRun& run : runs) {
       SequenceRoutes& seq = table_.get_or_add(run.uid);
       for (std::size_t i = 0; i < run.count; ++i)
         seq.put(run.first_position + static_cast<std::int64_t>(i), layer,
@@ -39,6 +46,9 @@ class MemoryRouteStore {
     constexpr const char* fn = "MemoryRouteStore::record_sequence";
     table_.check_block_extent(first_position, num_tokens, first_layer, num_layers, ids.size(), fn);
     if (!table_.new_block(uid, first_position, num_tokens, first_layer, num_layers, ids, fn)) return;
+    added_.assign(1, {uid, first_position, first_position + num_tokens,
+                      static_cast<std::uint64_t>(num_tokens) * static_cast<std::uint64_t>(num_layers)});
+    table_.check_sparse(added_, fn);
     const int k = shape().topk;
     SequenceRoutes& seq = table_.get_or_add(uid);
     for (std::int64_t t = 0; t < num_tokens; ++t)
@@ -64,6 +74,7 @@ class MemoryRouteStore {
 
  private:
   detail::RouteTable table_;
+  std::vector<detail::SequenceExtent> added_;  // scratch of the sparse check
 };
 
 MRR_NAMESPACE_END

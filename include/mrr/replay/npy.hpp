@@ -7,12 +7,16 @@
 
 #include <mrr/detail/checked.hpp>
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/regular_file.hpp>
 #include <mrr/error.hpp>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -149,41 +153,56 @@ template <class... Args>
 inline NpyIntArray read_npy(const std::filesystem::path& path) {
   constexpr const char* fn = "read_npy";
   auto fail = [&](auto&&... what) { detail::npy_fail(path, what...); };
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InvalidArgument(detail::str("mrr::", fn, ": cannot open ", path.string()));
-  in.seekg(0, std::ios::end);
-  const std::streamoff file_size = in.tellg();
-  in.seekg(0, std::ios::beg);
-  if (file_size < 0 || !in) fail("cannot be sized (not a regular file?)");
-  const auto size = static_cast<std::uint64_t>(file_size);
+  // A FIFO or device would block the first read (or never end): only regular files are read.
+  const detail::RegularFile opened = detail::open_regular_file(path.c_str(), O_RDONLY);
+  if (opened.not_regular()) fail("is ", opened.kind, ", not a regular file");
+  if (!opened.ok())
+    throw InvalidArgument(detail::str("mrr::", fn, ": cannot open ", path.string(), ": ", std::strerror(opened.err)));
+  const detail::UniqueFd fd(opened.fd);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0 || st.st_size < 0) fail("cannot be sized");
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  std::uint64_t offset = 0;
+  // Reads exactly n bytes at the current offset; false at the end of the file.
+  auto read = [&](void* out, std::size_t n) {
+    auto* p = static_cast<unsigned char*>(out);
+    while (n > 0) {
+      const ssize_t got = ::pread(fd.get(), p, n, static_cast<off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) return false;
+      p += got;
+      n -= static_cast<std::size_t>(got);
+      offset += static_cast<std::uint64_t>(got);
+    }
+    return true;
+  };
 
   char magic[8];
-  in.read(magic, 8);
-  if (!in || std::memcmp(magic, "\x93NUMPY", 6) != 0) fail("is not a .npy file (bad magic)");
+  if (!read(magic, 8) || std::memcmp(magic, "\x93NUMPY", 6) != 0) fail("is not a .npy file (bad magic)");
   const int major = static_cast<unsigned char>(magic[6]);
   std::uint32_t header_len = 0;
   std::uint64_t preamble = 0;
+  bool ok = true;
   if (major == 1) {
     unsigned char len[2] = {0, 0};
-    in.read(reinterpret_cast<char*>(len), 2);
+    ok = read(len, 2);
     header_len = len[0] | (std::uint32_t{len[1]} << 8);
     preamble = 10;
   } else if (major == 2 || major == 3) {
     unsigned char len[4] = {0, 0, 0, 0};
-    in.read(reinterpret_cast<char*>(len), 4);
+    ok = read(len, 4);
     header_len = len[0] | (std::uint32_t{len[1]} << 8) | (std::uint32_t{len[2]} << 16) | (std::uint32_t{len[3]} << 24);
     preamble = 12;
   } else {
     fail("has unsupported .npy version ", major);
   }
-  if (!in) fail("ends inside its preamble");
+  if (!ok) fail("ends inside its preamble");
   if (header_len > detail::kNpyMaxHeaderBytes || header_len > size - preamble)
     fail("has header_len ", header_len, ", more than ",
          header_len > detail::kNpyMaxHeaderBytes ? "a .npy header may hold" : "the file holds", " (", size,
          " bytes in all)");
   std::string header(header_len, '\0');
-  in.read(header.data(), header_len);
-  if (!in) fail("ends inside its header");
+  if (!read(header.data(), header_len)) fail("ends inside its header");
 
   NpyIntArray out;
   detail::NpyHeaderParser(header, path).parse(out);
@@ -207,8 +226,7 @@ inline NpyIntArray read_npy(const std::filesystem::path& path) {
          " (", data_bytes, " bytes of values expected, ", size - data_offset, " present)");
 
   std::vector<unsigned char> raw(static_cast<std::size_t>(data_bytes));
-  in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
-  if (static_cast<std::uint64_t>(in.gcount()) != data_bytes) fail("could not be read to its end");
+  if (!read(raw.data(), raw.size())) fail("could not be read to its end");
   out.values.resize(static_cast<std::size_t>(count));
   for (std::size_t i = 0; i < out.values.size(); ++i) {
     const unsigned char* p = raw.data() + i * static_cast<std::size_t>(bytes);

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -32,6 +33,10 @@ class SequenceRoutes {
 
   // One past the highest position holding a route in any layer.
   std::int64_t positions() const { return positions_; }
+  // The lowest position holding a route (kMaxPositions when none), and how many (position, layer)
+  // rows hold one: with positions(), what the sparse bound (sparse_violation) is applied to.
+  std::int64_t first_position() const { return first_; }
+  std::uint64_t rows_held() const { return rows_held_; }
   std::size_t bytes() const { return present_.capacity() * (1 + static_cast<std::size_t>(row_bytes())); }
   int row_bytes() const { return k_ * width_; }
 
@@ -91,7 +96,10 @@ class SequenceRoutes {
   std::uint8_t* writable_row(std::int64_t pos, int layer) {
     if (pos < base_ || pos >= base_ + capacity_positions()) cover(pos, pos + 1, true);
     if (pos >= positions_) positions_ = pos + 1;
-    present_[slot(pos, layer)] = 1;
+    first_ = std::min(first_, pos);
+    std::uint8_t& present = present_[slot(pos, layer)];
+    rows_held_ += present == 0;
+    present = 1;
     return ids_.get() + slot(pos, layer) * static_cast<std::size_t>(row_bytes());
   }
   // Grows the table to cover [first, end), with geometric headroom when `grow` (sequences are
@@ -131,11 +139,102 @@ class SequenceRoutes {
   int width_, layers_, k_;
   std::int64_t base_ = 0;       // position of the first row of the table
   std::int64_t positions_ = 0;  // one past the highest position recorded
+  std::int64_t first_ = kMaxPositions;  // the lowest position recorded
+  std::uint64_t rows_held_ = 0;         // (position, layer) rows recorded
   std::unique_ptr<std::uint8_t[]> ids_;
   std::vector<std::uint8_t> present_;
 };
 
 namespace detail {
+
+// Every store refuses a batch in which two rows for the same token (sequence, position) carry
+// different experts: which of them would be kept is arbitrary, so recording either is wrong. Runs
+// are sorted by (uid, first position); each is compared with the earlier run of its uid reaching
+// furthest, which holds every position an earlier run could share with it, so all rows of a token
+// are compared in a chain (O(runs log runs + rows)). `sorted` is scratch space.
+template <class RowIds>
+void check_batch_agrees(std::span<const TokenRun> runs, RowIds&& row_ids, int k, const char* fn,
+                        std::vector<TokenRun>& sorted) {
+  if (runs.size() < 2) return;
+  sorted.assign(runs.begin(), runs.end());
+  std::sort(sorted.begin(), sorted.end(), [](const TokenRun& a, const TokenRun& b) {
+    return a.uid != b.uid ? a.uid < b.uid : a.first_position < b.first_position;
+  });
+  std::int64_t reach = -1;  // furthest end so far among runs of the current uid
+  std::size_t reach_run = 0;
+  for (std::size_t i = 0; i < sorted.size(); ++i) {
+    const TokenRun& b = sorted[i];
+    if (i > 0 && sorted[i - 1].uid != b.uid) reach = -1;
+    const std::int64_t b_end = b.first_position + static_cast<std::int64_t>(b.count);
+    if (reach > b.first_position) {
+      const TokenRun& a = sorted[reach_run];
+      for (std::int64_t pos = b.first_position; pos < std::min(reach, b_end); ++pos) {
+        const auto* ra = row_ids(a.first_row + static_cast<std::size_t>(pos - a.first_position));
+        const auto* rb = row_ids(b.first_row + static_cast<std::size_t>(pos - b.first_position));
+        if (!std::equal(ra, ra + k, rb))
+          throw RouteStoreError(str("mrr::", fn, ": two rows of the batch (rows ", a.first_row + static_cast<std::size_t>(pos - a.first_position),
+                                    " and ", b.first_row + static_cast<std::size_t>(pos - b.first_position),
+                                    ") hold sequence ", a.uid, " position ", pos,
+                                    " but carry different experts; nothing was recorded"));
+      }
+    }
+    if (b_end > reach) {
+      reach = b_end;
+      reach_run = i;
+    }
+  }
+}
+
+// The sparse bound (docs/route-file-format.md, "Bounds"). A sequence's table is dense over the
+// positions recorded, from the lowest to the highest, and over every layer, so records far apart
+// (positions 0 and 2^32 - 1 over 48 layers: 1.5 TiB) would cost memory out of all proportion to
+// what they hold. Each (position, layer) row held pays for kSparseFactor whole positions (all
+// layers) of table, plus kSparseSlack bytes in all: R2 recording, which holds one layer of a
+// span before the next, and context-parallel shards stay far inside it. A sequence past it is
+// refused: by writers before anything is stored, by file readers as damage.
+inline constexpr std::uint64_t kSparseFactor = 32;
+inline constexpr std::uint64_t kSparseSlack = std::uint64_t{1} << 20;
+
+// The extent of a sequence's routes: positions [first, end), and the (position, layer) rows held.
+struct SequenceExtent {
+  SequenceId uid = 0;
+  std::int64_t first = kMaxPositions, end = 0;
+  std::uint64_t rows = 0;
+  void add(std::int64_t from, std::int64_t to, std::uint64_t rows_added) {
+    first = std::min(first, from);
+    end = std::max(end, to);
+    rows += rows_added;
+  }
+};
+
+// Empty when the extent is within the sparse bound for this shape, else why not.
+inline std::string sparse_violation(const RouteShape& shape, const SequenceExtent& e) {
+  if (e.end <= e.first) return "";
+  const auto per_row = static_cast<std::uint64_t>(1 + shape.topk * id_width_for(shape.num_experts));
+  const auto layers = static_cast<std::uint64_t>(shape.num_layers);
+  const std::uint64_t table = static_cast<std::uint64_t>(e.end - e.first) * layers;
+  std::uint64_t table_bytes = 0, paid_bytes = 0;
+  if (checked_mul(table, per_row, table_bytes) && checked_product(paid_bytes, e.rows, layers, per_row) &&
+      table_bytes / kSparseFactor <= paid_bytes + kSparseSlack / kSparseFactor)
+    return "";
+  return str("the routes of sequence uid ", e.uid, " would span positions [", e.first, ", ", e.end, ") but hold ",
+             e.rows, " (position, layer) rows; a table that sparse is refused");
+}
+
+// Writers call this before storing anything: `added` (any order, uids may repeat) extends the
+// sequences whose current extent current(uid) gives; a sequence that would become too sparse is
+// an InvalidArgument naming it, and nothing is recorded.
+template <class Current>
+void check_sparse_growth(const RouteShape& shape, std::vector<SequenceExtent>& added, Current&& current, const char* fn) {
+  std::sort(added.begin(), added.end(), [](const SequenceExtent& a, const SequenceExtent& b) { return a.uid < b.uid; });
+  for (std::size_t i = 0; i < added.size();) {
+    SequenceExtent e = current(added[i].uid);
+    e.uid = added[i].uid;
+    for (; i < added.size() && added[i].uid == e.uid; ++i) e.add(added[i].first, added[i].end, added[i].rows);
+    if (const std::string why = sparse_violation(shape, e); !why.empty())
+      throw_invalid_argument(fn, "refusing to record: ", why, " (docs/route-file-format.md, \"Bounds\")");
+  }
+}
 
 // uid -> SequenceRoutes, with the checks every store applies.
 class RouteTable {
@@ -208,24 +307,7 @@ class RouteTable {
       }
       if (pending.count > 0) out.push_back(pending);
     }
-    // Two runs of one batch covering the same tokens must agree.
-    std::vector<TokenRun> sorted(layout.runs().begin(), layout.runs().end());
-    std::sort(sorted.begin(), sorted.end(), [](const TokenRun& a, const TokenRun& b) {
-      return a.uid != b.uid ? a.uid < b.uid : a.first_position < b.first_position;
-    });
-    for (std::size_t i = 1; i < sorted.size(); ++i) {
-      const TokenRun &a = sorted[i - 1], &b = sorted[i];
-      const std::int64_t a_end = a.first_position + static_cast<std::int64_t>(a.count);
-      if (a.uid != b.uid || b.first_position >= a_end) continue;
-      for (std::int64_t pos = b.first_position; pos < std::min(a_end, b.first_position + static_cast<std::int64_t>(b.count));
-           ++pos) {
-        const auto* ra = row_ids(a.first_row + static_cast<std::size_t>(pos - a.first_position));
-        const auto* rb = row_ids(b.first_row + static_cast<std::size_t>(pos - b.first_position));
-        if (!std::equal(ra, ra + shape_.topk, rb))
-          throw RouteStoreError(detail::str("mrr::", fn, ": two rows of the batch hold sequence ", a.uid, " position ",
-                                            pos, " but carry different experts"));
-      }
-    }
+    check_batch_agrees(layout.runs(), row_ids, shape_.topk, fn, sorted_runs_);
     return out;
   }
 
@@ -268,6 +350,23 @@ class RouteTable {
     return any_new;
   }
 
+  // The extent of a sequence's routes so far (empty for one not held).
+  SequenceExtent extent(SequenceId uid) const {
+    SequenceExtent e;
+    e.uid = uid;
+    if (const SequenceRoutes* s = find(uid); s != nullptr && s->rows_held() > 0) {
+      e.first = s->first_position();
+      e.end = s->positions();
+      e.rows = s->rows_held();
+    }
+    return e;
+  }
+
+  // Refuses (before anything is stored) additions that would make a sequence too sparse.
+  void check_sparse(std::vector<SequenceExtent>& added, const char* fn) const {
+    check_sparse_growth(shape_, added, [&](SequenceId uid) { return extent(uid); }, fn);
+  }
+
   std::size_t lookup(int layer, const TokenLayout& layout, ExpertIds& out, std::vector<std::uint8_t>& found,
                      const char* fn) const {
     check_layer(layer, fn);
@@ -291,6 +390,7 @@ class RouteTable {
  private:
   RouteShape shape_;
   std::unordered_map<SequenceId, SequenceRoutes> sequences_;
+  mutable std::vector<TokenRun> sorted_runs_;  // scratch of check_batch_agrees
 };
 
 }  // namespace detail
