@@ -4,6 +4,9 @@
 // Runs until SIGINT or SIGTERM, then finishes the requests in progress and exits 0.
 #include <mrr/reward/http_proxy.hpp>
 
+#include <cerrno>
+#include <chrono>
+#include <climits>
 #include <csignal>
 #include <cstdio>
 #include <cstdint>
@@ -24,9 +27,14 @@ failures on another worker, and evicts workers that fail their health checks.
                            add them later with POST /_mrr/workers?url=URL)
   --host HOST              address to listen on (default 127.0.0.1)
   --port N                 port to listen on, 0 for any free one (default 8000)
-  --threads N              requests handled at once (default 64)
+  --threads N              requests handled at once, at most 4096 (default 64)
   --max-connections N      connections open at once; more get 503 (default 1024)
   --max-body-bytes N       larger request bodies get 413 (default 67108864, 64 MiB)
+  --max-body-bytes-in-flight N
+                           request bodies held at once, in bytes received; a request that
+                           would pass it gets 503 (default 1073741824, 1 GiB)
+  --max-response-bytes N   a larger worker response is abandoned, the client gets 502
+                           (default 67108864, 64 MiB)
   --header-timeout-ms N    a request head must arrive within this (default 10000)
   --body-timeout-ms N      a request body must arrive within this (default 60000)
   --max-attempts N         attempts per request, each on another worker (default 3)
@@ -73,11 +81,22 @@ mrr::reward::ServerOptions listen_address(const std::string& text) {
   return out;
 }
 
-long number(const std::string& option, const char* text) {
-  char* end = nullptr;
-  const long value = std::strtol(text, &end, 10);
-  if (end == text || *end != '\0' || value < 0) bad_usage(option + " needs a non-negative integer, got '" + text + "'");
+// A decimal integer in [0, max]; anything else (a sign, junk, a value strtoull would clamp) is an
+// error naming the option.
+std::uint64_t number(const std::string& option, const char* text, std::uint64_t max = INT64_MAX) {
+  const std::string_view digits(text);
+  if (digits.empty() || digits.size() > 20 || digits.find_first_not_of("0123456789") != std::string_view::npos)
+    bad_usage(option + " needs a non-negative integer, got '" + text + "'");
+  errno = 0;
+  const unsigned long long value = std::strtoull(text, nullptr, 10);
+  if (errno == ERANGE || value > max)
+    bad_usage(option + " is out of range: '" + text + "' (at most " + std::to_string(max) + ")");
   return value;
+}
+
+// Milliseconds, at most a year (a longer timeout would overflow the clock's nanoseconds).
+std::chrono::milliseconds millis(const std::string& option, const char* text) {
+  return std::chrono::milliseconds(number(option, text, 365ull * 24 * 3600 * 1000));
 }
 
 }  // namespace
@@ -87,7 +106,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> workers;
   mrr::reward::RouterOptions options;
   options.proxy.server.port = 8000;
-  long health_interval_ms = 1000;
+  milliseconds health_interval(1000);
   if (const char* token = std::getenv("MRR_REWARD_ADMIN_TOKEN")) options.proxy.admin_token = token;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -110,17 +129,21 @@ int main(int argc, char** argv) {
     else if (arg == "--host")
       options.proxy.server.host = value;
     else if (arg == "--port")
-      options.proxy.server.port = static_cast<int>(number(arg, value));
+      options.proxy.server.port = static_cast<int>(number(arg, value, 65535));
     else if (arg == "--threads")
-      options.proxy.server.threads = static_cast<std::size_t>(number(arg, value));
+      options.proxy.server.threads = static_cast<std::size_t>(number(arg, value, 4096));
     else if (arg == "--max-connections")
       options.proxy.server.max_connections = static_cast<std::size_t>(number(arg, value));
     else if (arg == "--max-body-bytes")
-      options.proxy.server.max_body_bytes = static_cast<std::uint64_t>(number(arg, value));
+      options.proxy.server.max_body_bytes = number(arg, value);
+    else if (arg == "--max-body-bytes-in-flight")
+      options.proxy.server.max_buffered_body_bytes = number(arg, value);
+    else if (arg == "--max-response-bytes")
+      options.transport.max_response_bytes = number(arg, value);
     else if (arg == "--header-timeout-ms")
-      options.proxy.server.header_timeout = milliseconds(number(arg, value));
+      options.proxy.server.header_timeout = millis(arg, value);
     else if (arg == "--body-timeout-ms")
-      options.proxy.server.body_timeout = milliseconds(number(arg, value));
+      options.proxy.server.body_timeout = millis(arg, value);
     else if (arg == "--admin-token")
       options.proxy.admin_token = value;
     else if (arg == "--admin-listen")
@@ -128,26 +151,30 @@ int main(int argc, char** argv) {
     else if (arg == "--allow-worker-host")
       options.proxy.worker_policy.allowed_hosts.emplace_back(value);
     else if (arg == "--max-attempts")
-      options.dispatch.max_attempts = static_cast<int>(number(arg, value));
+      options.dispatch.max_attempts = static_cast<int>(number(arg, value, INT_MAX));
     else if (arg == "--attempt-timeout-ms")
-      options.dispatch.attempt_timeout = milliseconds(number(arg, value));
+      options.dispatch.attempt_timeout = millis(arg, value);
     else if (arg == "--request-timeout-ms")
-      options.dispatch.request_timeout = milliseconds(number(arg, value));
+      options.dispatch.request_timeout = millis(arg, value);
     else if (arg == "--backoff-ms")
-      options.dispatch.backoff_initial = milliseconds(number(arg, value));
+      options.dispatch.backoff_initial = millis(arg, value);
     else if (arg == "--max-in-flight")
       options.dispatch.max_in_flight_per_worker = static_cast<std::size_t>(number(arg, value));
     else if (arg == "--health-interval-ms")
-      health_interval_ms = number(arg, value);
+      health_interval = millis(arg, value);
     else if (arg == "--health-path")
       options.transport.health_path = value;
     else
       bad_usage("unknown option: " + arg);
   }
-  if (health_interval_ms == 0)
+  if (health_interval == milliseconds::zero())
     options.health.reset();
   else
-    options.health->interval = milliseconds(health_interval_ms);
+    options.health->interval = health_interval;
+  const auto& server = options.proxy.server;
+  if (server.max_body_bytes > server.max_buffered_body_bytes)
+    bad_usage("--max-body-bytes (" + std::to_string(server.max_body_bytes) + ") is over --max-body-bytes-in-flight (" +
+              std::to_string(server.max_buffered_body_bytes) + "): such a body could never be accepted");
 
   // Block the stop signals before any thread starts, so that only sigwait below receives them.
   sigset_t stop_signals;

@@ -1,11 +1,13 @@
 // libFuzzer target for what the reward proxy decides about a request before any I/O
 // (mrr/reward/request_checks.hpp): worker-URL validation and the allow-list, admin authentication
-// and command parsing, hop-by-hop header filtering, body framing and the chunked decoder. Every
+// and command parsing, hop-by-hop header filtering, strict request-head parsing (request
+// smuggling shapes), body framing and the chunked decoder. Every
 // input must end in a result or an mrr::InvalidArgument; anything else (another exception, a
 // sanitizer report, a broken invariant) is a bug.
 //
 // Input: the first byte picks the function; the rest is split at '\n' where several fields are
-// needed (method, path, url parameter, body; or header lines "Name: value").
+// needed (method, path, url parameter, body; or header lines "Name: value"). In head mode the
+// rest is also parsed whole as a raw request head ("POST / HTTP/1.1\r\n...\r\n\r\n").
 #include <mrr/reward/request_checks.hpp>
 
 #include <cstddef>
@@ -76,7 +78,34 @@ void admin(std::string_view input) {
   }
 }
 
+// A raw head: what parse_request_head accepts holds no byte that could frame a request differently
+// behind the proxy, and its framing check agrees with the fields it parsed.
+void raw_head(std::string_view input) {
+  const auto end = mrr::reward::find_head_end(input);
+  const auto parsed = mrr::reward::parse_request_head(input.substr(0, end));  // all of it without an end
+  if (const auto* rejection = std::get_if<mrr::reward::RequestRejection>(&parsed)) {
+    check(rejection->status >= 400 && rejection->status < 600);
+    (void)mrr::reward::json_error_body(rejection->error, rejection->detail);
+    return;
+  }
+  check(end != std::string_view::npos);
+  const auto& head = std::get<mrr::reward::RequestHead>(parsed);
+  check(head.version == "HTTP/1.1" || head.version == "HTTP/1.0");
+  for (const char c : head.target)
+    check(c > 0x20 && c < 0x7f);
+  for (const auto& [name, value] : head.headers) {
+    check(!name.empty());
+    for (const char c : name)
+      check(mrr::reward::detail::is_tchar(c));
+    for (const char c : value)
+      check(mrr::reward::detail::is_field_value_byte(c));
+    check(value.empty() || (value.front() != ' ' && value.back() != ' '));
+  }
+  (void)mrr::reward::check_request_head(head.target, head.headers, 1 << 20);
+}
+
 void head(std::string_view input) {
+  raw_head(input);
   const auto f = split(input, '\n', 2);
   const auto headers = headers_of(f.size() > 1 ? f[1] : "");
   const auto forwarded = mrr::reward::forwardable(headers);

@@ -22,7 +22,8 @@ namespace mrr_test {
 
 class ChildProcess {
  public:
-  explicit ChildProcess(std::vector<std::string> argv) {
+  // With `merge_stderr`, read_line() reads the child's stderr as well (for its error messages).
+  explicit ChildProcess(std::vector<std::string> argv, bool merge_stderr = false) {
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
     std::vector<char*> args;
@@ -36,6 +37,7 @@ class ChildProcess {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != parent) ::_exit(127);
       ::dup2(fds[1], STDOUT_FILENO);
+      if (merge_stderr) ::dup2(fds[1], STDERR_FILENO);
       ::execv(args[0], args.data());
       ::_exit(127);
     }

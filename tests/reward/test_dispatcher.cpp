@@ -9,6 +9,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <set>
@@ -48,6 +51,15 @@ std::size_t in_flight_of(const TestDispatcher& d, const std::string& worker) {
   const auto s = d.stats(worker);
   REQUIRE(s.has_value());
   return s->in_flight;
+}
+
+// This process's resident memory (VmRSS of /proc/self/status), 0 if unknown.
+std::uint64_t vm_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
 }
 
 bool healthy(const TestDispatcher& d, const std::string& worker) {
@@ -162,6 +174,39 @@ TEST_SUITE("reward") {
       auto s3 = d.acquire(request_with("", "s3"), far_future());
       CHECK(s3.worker() == "a");
     }
+  }
+
+  // A sticky id is the client's to choose (X-Request-Id through the proxy): a full table of long
+  // ids once kept every id twice (map key and LRU list), 65,536 x 8 KB x 2 = 1 GiB.
+  TEST_CASE("sticky sessions: memory per remembered session does not grow with the id's length") {
+    DispatchOptions options;
+    options.sticky_sessions = true;
+    options.sticky_capacity = 65536;
+    mrr::reward::Dispatcher d({"a", "b"}, options);
+    InProcessTransport answer([](std::string_view, const Request&) { return Response{200, {}, "ok"}; });
+    const std::uint64_t before = vm_rss_bytes();
+    REQUIRE(before > 0);
+    std::string id(8192, 'x');
+    for (std::size_t i = 0; i < options.sticky_capacity; ++i) {
+      std::snprintf(id.data(), 17, "%016zx", i);  // distinct ids of 8 KB each
+      Request r;
+      r.session = id;
+      REQUIRE(d.dispatch(answer, r).outcome == Outcome::answered);
+    }
+    const std::uint64_t grown = vm_rss_bytes() - std::min(before, vm_rss_bytes());
+    MESSAGE("65,536 sticky ids of 8 KB: RSS grew by ", grown >> 20, " MiB");
+    CHECK(grown < (32ull << 20));  // ~100 bytes a session: 6.5 MiB, plus allocator slack
+    // Every id was pinned to a (all ties); a remembered id goes back there even while a is busier.
+    auto busy = d.acquire(Request{}, far_future());
+    REQUIRE(busy.worker() == "a");
+    std::snprintf(id.data(), 17, "%016zx", std::size_t{7});
+    Request remembered;
+    remembered.session = id;
+    CHECK(d.dispatch(answer, remembered).worker == "a");
+    std::snprintf(id.data(), 17, "%016zx", options.sticky_capacity);
+    Request fresh;
+    fresh.session = id;
+    CHECK(d.dispatch(answer, fresh).worker == "b");
   }
 
   TEST_CASE("slots are released on every path") {

@@ -2,6 +2,7 @@
 // bind address and URL checks; slow and oversized requests; bodies forwarded as raw bytes whatever
 // their content type; malformed framing refused with a JSON reason. Each case failed before the
 // proxy owned its connection loop. Timing is asserted only as generous upper bounds.
+#include "raw_client.hpp"
 #include "test_worker.hpp"
 
 #include <mrr/reward/http_proxy.hpp>
@@ -25,99 +26,17 @@
 #include <vector>
 
 using namespace std::chrono_literals;
+using namespace std::string_literals;
 using mrr::reward::HttpRouter;
 using mrr::reward::RouterOptions;
+using mrr_test::json_body;
+using mrr_test::RawClient;
+using mrr_test::status_line;
 using nlohmann::json;
 
 namespace {
 
 const std::string token = "hardening-token-0123456789abcdef";
-
-// A TCP connection to 127.0.0.1 that writes exactly the bytes given, for requests no HTTP client
-// library would send.
-class RawClient {
- public:
-  explicit RawClient(int port) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    REQUIRE(fd_ >= 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<std::uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  }
-  RawClient(const RawClient&) = delete;
-  RawClient& operator=(const RawClient&) = delete;
-  ~RawClient() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  [[nodiscard]] bool connected() const { return connected_; }
-
-  bool send(std::string_view bytes) {
-    while (!bytes.empty()) {
-      const ssize_t n = ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-      if (n <= 0) return false;
-      bytes.remove_prefix(static_cast<std::size_t>(n));
-    }
-    return true;
-  }
-
-  // One whole response (head + Content-Length; bytes after it are kept for the next call), or
-  // what arrived before the peer closed or the timeout.
-  std::string read_response(std::chrono::milliseconds timeout = 20s) {
-    const auto give_up = std::chrono::steady_clock::now() + timeout;
-    for (;;) {
-      if (const auto head = in_.find("\r\n\r\n"); head != std::string::npos) {
-        const auto cl = in_.find("Content-Length: ");
-        if (cl != std::string::npos && cl < head) {
-          const std::size_t end = head + 4 + std::stoul(in_.substr(cl + 16));
-          if (in_.size() >= end) {
-            std::string one = in_.substr(0, end);
-            in_.erase(0, end);
-            return one;
-          }
-        }
-      }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return std::exchange(in_, {});
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
-      char chunk[4096];
-      const ssize_t n = ::recv(fd_, chunk, sizeof chunk, 0);
-      if (n <= 0) return std::exchange(in_, {});
-      in_.append(chunk, static_cast<std::size_t>(n));
-    }
-  }
-
-  // Whether the peer closes the connection within `timeout`.
-  bool closed_by_peer(std::chrono::milliseconds timeout) {
-    const auto give_up = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < give_up) {
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, 100) <= 0) continue;
-      char chunk[4096];
-      const ssize_t n = ::recv(fd_, chunk, sizeof chunk, 0);
-      if (n <= 0) return true;
-    }
-    return false;
-  }
-
- private:
-  int fd_ = -1;
-  bool connected_ = false;
-  std::string in_;
-};
-
-int status_line(const std::string& response) {
-  if (response.rfind("HTTP/1.1 ", 0) != 0 || response.size() < 12) return 0;
-  return std::stoi(response.substr(9, 3));
-}
-
-json json_body(const std::string& response) {
-  const auto head = response.find("\r\n\r\n");
-  if (head == std::string::npos) return json();
-  return json::parse(response.substr(head + 4), nullptr, false);
-}
 
 mrr::reward::ServerOptions small_server() {
   mrr::reward::ServerOptions o;
@@ -163,6 +82,24 @@ class EchoWorker {
 
  private:
   mrr::reward::RewardServer server_;
+};
+
+// A worker that counts the requests reaching it, and echoes them.
+class CountingWorker {
+ public:
+  CountingWorker()
+      : server_(
+            [this](const mrr::reward::Request& r) {
+              ++requests_;
+              return mrr_test::answer({"counted"}, r);
+            },
+            small_server()) {}
+  [[nodiscard]] std::string url() const { return server_.url(); }
+  [[nodiscard]] int requests() const { return requests_; }
+
+ private:
+  std::atomic<int> requests_{0};
+  mrr::reward::RewardServer server_;  // after requests_: stopped before it goes
 };
 
 }  // namespace
@@ -428,6 +365,147 @@ TEST_SUITE("reward") {
     const std::string ok = same.read_response();
     CHECK(status_line(ok) == 200);
     CHECK(json_body(ok)["body"] == "hello");
+  }
+
+  TEST_CASE("body slowloris: 70 connections trickling their bodies do not stop normal requests") {
+    EchoWorker worker;
+    HttpRouter router({worker.url()}, router_options());  // 4 threads and a 60 s body timeout
+    std::vector<std::unique_ptr<RawClient>> slow;
+    for (int i = 0; i < 70; ++i) {
+      slow.push_back(std::make_unique<RawClient>(router.port()));
+      REQUIRE(slow.back()->connected());
+      REQUIRE(slow.back()->send("POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"));
+    }
+    // A body byte per connection every half second, until the normal requests are done.
+    std::jthread trickle([&](const std::stop_token& stop) {
+      for (int round = 0; round < 600 && !stop.stop_requested(); ++round) {
+        if (round % 5 == 0)
+          for (auto& c : slow)
+            c->send("x");
+        std::this_thread::sleep_for(100ms);
+      }
+    });
+    auto client = client_of(router.url());
+    client.set_read_timeout(5s);  // the slow bodies would hold every thread for 60 s
+    for (int i = 0; i < 20; ++i) {
+      CAPTURE(i);
+      const auto r = client.Post("/score", R"({"solution": "#### 1", "truth": "1"})", "application/json");
+      REQUIRE(r);
+      CHECK(r->status == 200);
+      CHECK(json::parse(r->body)["score"] == 1.0);
+    }
+  }
+
+  TEST_CASE("a slow body is cut at the body timeout, a stalled one at the read timeout, with 408") {
+    EchoWorker worker;
+    RouterOptions options = router_options();
+    SUBCASE("body timeout") {
+      options.proxy.server.body_timeout = 600ms;
+      HttpRouter router({worker.url()}, options);
+      RawClient raw(router.port());
+      REQUIRE(raw.send("POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"));
+      std::string response;
+      for (int i = 0; i < 100 && response.empty(); ++i) {  // a byte every 100 ms: never a long pause
+        raw.send("x");
+        if (raw.has_data(100ms)) response = raw.read_response();
+      }
+      CHECK(status_line(response) == 408);
+      CHECK(json_body(response)["detail"] == "the body did not arrive within the body timeout");
+    }
+    SUBCASE("read timeout") {
+      options.proxy.server.read_timeout = 300ms;
+      HttpRouter router({worker.url()}, options);
+      RawClient raw(router.port());
+      REQUIRE(raw.send("POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"));
+      const std::string response = raw.read_response(10s);
+      CHECK(status_line(response) == 408);
+      CHECK(json_body(response)["detail"] == "the body paused for longer than the read timeout");
+    }
+  }
+
+  TEST_CASE("request bodies held at once are bounded: the request that would pass the budget gets 503") {
+    EchoWorker worker;
+    RouterOptions options = router_options();
+    options.proxy.server.max_body_bytes = 4 << 20;
+    options.proxy.server.max_buffered_body_bytes = 8 << 20;
+    HttpRouter router({worker.url()}, options);
+    const std::string head =
+        "POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: " + std::to_string(4 << 20) +
+        "\r\n\r\n";
+    // Three bodies 3 MiB in are 9 MiB: one is refused as its bytes arrive; two whole ones fit in 8.
+    std::vector<std::unique_ptr<RawClient>> clients;
+    for (int i = 0; i < 3; ++i) {
+      clients.push_back(std::make_unique<RawClient>(router.port()));
+      REQUIRE(clients.back()->connected());
+      clients.back()->send(head + std::string(3 << 20, static_cast<char>('a' + i)));  // the refused one may be cut
+    }
+    int refused = -1;
+    for (int round = 0; round < 250 && refused < 0; ++round)
+      for (int i = 0; i < 3 && refused < 0; ++i)
+        if (clients[static_cast<std::size_t>(i)]->has_data(20ms)) refused = i;
+    REQUIRE(refused >= 0);
+    const std::string refusal = clients[static_cast<std::size_t>(refused)]->read_response();
+    CHECK(status_line(refusal) == 503);
+    CHECK(json_body(refusal)["error"] == "overloaded");
+    CHECK(json_body(refusal)["detail"].get<std::string>().find("max_buffered_body_bytes") != std::string::npos);
+    for (int i = 0; i < 3; ++i) {
+      if (i == refused) continue;
+      CAPTURE(i);
+      RawClient& c = *clients[static_cast<std::size_t>(i)];
+      REQUIRE(c.send(std::string(1 << 20, 'z')));
+      const std::string response = c.read_response();
+      CHECK(status_line(response) == 200);
+      const std::string body = json_body(response)["body"];
+      CHECK(body == std::string(3 << 20, static_cast<char>('a' + i)) + std::string(1 << 20, 'z'));
+    }
+    // A body limit over the budget could never be met: refused when the server starts.
+    options.proxy.server.max_buffered_body_bytes = 2 << 20;
+    CHECK_THROWS_WITH_AS(HttpRouter({worker.url()}, options),
+                         doctest::Contains("max_body_bytes (4194304) is over max_buffered_body_bytes (2097152)"),
+                         mrr::InvalidArgument);
+  }
+
+  TEST_CASE("request-smuggling material is refused with 400 and never reaches the worker") {
+    CountingWorker worker;
+    HttpRouter router({worker.url()}, router_options());
+    // Each head: the malformed field lines (RFC 9112), and what the detail names.
+    const std::pair<std::string, std::string> cases[] = {
+        {"X-Note: a\rTransfer-Encoding: chunked\r\nContent-Length: 5\r\n", "bare CR"},
+        {"X-Note: a\r\n Transfer-Encoding: chunked\r\nContent-Length: 5\r\n", "obs-fold"},
+        {"\tX-Note: b\r\nContent-Length: 5\r\n", "obs-fold"},
+        {"Transfer-Encoding : chunked\r\nContent-Length: 5\r\n", "whitespace before its colon"},
+        {"Content-Length\t: 5\r\n", "whitespace before its colon"},
+        {"X-Note: a\nContent-Length: 5\r\n", "bare LF"},
+        {"X-Note: a\0b\r\nContent-Length: 5\r\n"s, "control byte 0x00"},
+        {"X Note: a\r\nContent-Length: 5\r\n", "not a token"},
+        {": chunked\r\nContent-Length: 5\r\n", "empty field name"},
+    };
+    for (const auto& [fields, named] : cases) {
+      CAPTURE(fields);
+      RawClient raw(router.port());
+      REQUIRE(raw.send("POST /score HTTP/1.1\r\nHost: x\r\n" + fields + "\r\nhello"));
+      const std::string response = raw.read_response();
+      CHECK(status_line(response) == 400);
+      CHECK(json_body(response)["error"] == "bad_request");
+      CHECK(json_body(response)["detail"].get<std::string>().find(named) != std::string::npos);
+    }
+    CHECK(worker.requests() == 0);
+    auto client = client_of(router.url());
+    CHECK(status_of(client.Post("/score", "{}", "application/json")) == 200);
+    CHECK(worker.requests() == 1);
+  }
+
+  TEST_CASE("header values are forwarded as sent: a percent-encoded CR LF does not become a new field") {
+    EchoWorker worker;
+    HttpRouter router({worker.url()}, router_options());
+    RawClient raw(router.port());
+    REQUIRE(raw.send("POST /score HTTP/1.1\r\nHost: x\r\nX-Note: a%0d%0aX-Injected: yes\r\n"
+                     "Content-Length: 2\r\n\r\n{}"));
+    const std::string response = raw.read_response();
+    REQUIRE(status_line(response) == 200);
+    const json headers = json_body(response)["headers"];
+    CHECK(headers["x-note"] == "a%0d%0aX-Injected: yes");
+    CHECK(!headers.contains("x-injected"));
   }
 
 }  // TEST_SUITE

@@ -1,6 +1,7 @@
 // examples/reward_router end to end: the program is started as a child process in front of a real
 // worker, a request goes through it, and SIGTERM stops it cleanly. Bad arguments exit with 2.
 #include "child_process.hpp"
+#include "raw_client.hpp"
 #include "test_worker.hpp"
 
 #include <mrr/reward/http_server.hpp>
@@ -13,8 +14,10 @@
 #include <csignal>
 #include <cstdint>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #ifndef MRR_REWARD_ROUTER
@@ -110,6 +113,105 @@ TEST_SUITE("reward") {
       mrr_test::ChildProcess bad(args);
       CHECK(bad.wait(20s) == 2);
     }
+  }
+
+  TEST_CASE("reward_router: an out-of-range number is an error naming its flag, not a clamped value") {
+    const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
+        {{"--max-body-bytes", "99999999999999999999"}, {"--max-body-bytes", "out of range"}},
+        {{"--max-body-bytes", "9223372036854775808"}, {"--max-body-bytes", "out of range"}},
+        {{"--max-body-bytes", "-1"}, {"--max-body-bytes", "non-negative integer"}},
+        {{"--max-body-bytes", "2147483648"}, {"--max-body-bytes", "--max-body-bytes-in-flight"}},
+        {{"--port", "4294967297"}, {"--port", "out of range"}},
+        {{"--body-timeout-ms", "9223372036854775807"}, {"--body-timeout-ms", "out of range"}},
+    };
+    for (const auto& [flags, named] : cases) {
+      CAPTURE(flags[0]);
+      CAPTURE(flags[1]);
+      std::vector<std::string> args{MRR_REWARD_ROUTER, "--port", "0"};
+      args.insert(args.end(), flags.begin(), flags.end());
+      mrr_test::ChildProcess bad(args, /*merge_stderr=*/true);
+      const std::string message = bad.read_line();
+      for (const auto& word : named)
+        CHECK(message.find(word) != std::string::npos);
+      CHECK(bad.wait(20s) == 2);
+    }
+  }
+
+  // A request head may declare a body of max_body_bytes and send none of it; memory must follow the
+  // bytes that arrive. The router was allocating (and zeroing) each declared length at once: 64
+  // such requests took it from 11 MB to 3.8 GB.
+  TEST_CASE("reward_router: bodies declared but not sent cost the bytes received, not the declared length") {
+    mrr::reward::RewardServer worker([](const mrr::reward::Request& r) { return mrr_test::answer({"w"}, r); });
+    mrr_test::ChildProcess router({MRR_REWARD_ROUTER, "--port", "0", "--worker", worker.url(), "--health-interval-ms",
+                                   "0"});
+    const std::string url = listening_url(router);
+    httplib::Client client(url);
+    client.set_read_timeout(20s);
+    REQUIRE(status_of(client.Post("/score", "{}", "application/json")) == 200);
+    const std::uint64_t baseline = proc_status_bytes(router.pid(), "VmRSS");
+    REQUIRE(baseline > 0);
+    const int port = std::stoi(url.substr(url.rfind(':') + 1));
+    // Each declares the default limit of 64 MiB; half send ~80 bytes in all, half 100 KiB of body.
+    std::vector<std::unique_ptr<mrr_test::RawClient>> declared;
+    for (int i = 0; i < 64; ++i) {
+      declared.push_back(std::make_unique<mrr_test::RawClient>(port));
+      REQUIRE(declared.back()->connected());
+      const std::string start = i % 2 == 0 ? "{\"a\": 1" : std::string(100 << 10, 'x');
+      REQUIRE(declared.back()->send("POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 67108864\r\n\r\n" + start));
+    }
+    // The router keeps serving meanwhile (and by then has read every one of those heads).
+    std::this_thread::sleep_for(500ms);
+    const auto r = client.Post("/score", R"({"solution": "#### 2", "truth": "2"})", "application/json");
+    REQUIRE(r);
+    CHECK(r->status == 200);
+    const std::uint64_t peak = proc_status_bytes(router.pid(), "VmHWM");
+    const std::uint64_t grown = peak - std::min(peak, baseline);
+    MESSAGE("router RSS: baseline ", baseline >> 20, " MiB, peak ", peak >> 20,
+            " MiB with 64 bodies of 64 MiB declared");
+    CHECK(grown < (32ull << 20));  // the bound: the 3.2 MiB received plus a few KiB per connection
+    declared.clear();
+    router.signal(SIGTERM);
+    CHECK(router.wait(20s) == 0);
+  }
+
+  // A worker's answer is relayed from memory: without a limit three answers of 300 MB took the
+  // router to 908 MB.
+  TEST_CASE("reward_router: a worker response over --max-response-bytes is a 502, and is not held") {
+    const std::string huge(128u << 20, 'r');
+    mrr::reward::RewardServer worker([&huge](const mrr::reward::Request&) {
+      return mrr::reward::Response{200, {{"Content-Type", "text/plain"}}, huge};
+    });
+    // One attempt each: three failures in a row would evict the only worker before the last request.
+    mrr_test::ChildProcess router({MRR_REWARD_ROUTER, "--port", "0", "--worker", worker.url(), "--health-interval-ms",
+                                   "0", "--max-attempts", "1", "--max-response-bytes", "1048576"});
+    const std::string url = listening_url(router);
+    const std::uint64_t baseline = proc_status_bytes(router.pid(), "VmRSS");
+    REQUIRE(baseline > 0);
+    std::vector<std::string> details(3);
+    std::vector<int> statuses(3, 0);
+    std::vector<std::thread> threads;
+    for (std::size_t i = 0; i < 3; ++i)
+      threads.emplace_back([&, i] {
+        httplib::Client c(url);
+        c.set_read_timeout(30s);
+        const auto r = c.Post("/score", "{}", "application/json");
+        if (!r) return;
+        statuses[i] = r->status;
+        const auto body = nlohmann::json::parse(r->body, nullptr, false);
+        if (body.is_object() && body.contains("detail")) details[i] = body["detail"];
+      });
+    for (auto& t : threads)
+      t.join();
+    for (std::size_t i = 0; i < 3; ++i) {
+      CAPTURE(i);
+      CHECK(statuses[i] == 502);
+      CHECK(details[i].find("max_response_bytes (1048576 bytes)") != std::string::npos);
+    }
+    const std::uint64_t peak = proc_status_bytes(router.pid(), "VmHWM");
+    MESSAGE("router RSS: baseline ", baseline >> 20, " MiB, peak ", peak >> 20, " MiB with three 128 MiB answers");
+    CHECK(peak - std::min(peak, baseline) < (32ull << 20));
+    router.signal(SIGTERM);
+    CHECK(router.wait(20s) == 0);
   }
 
   TEST_CASE("reward_router --admin-listen serves the admin API on its own address only") {

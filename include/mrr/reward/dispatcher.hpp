@@ -42,7 +42,8 @@ enum class TieBreak {
 struct DispatchOptions {
   TieBreak tie_break = TieBreak::lowest_index;
   bool sticky_sessions = false;                              // requests with the same Request::session go to one worker
-  std::size_t sticky_capacity = 65536;                       // sessions remembered (least recently used are forgotten)
+  // Sessions remembered (the least recently used are forgotten), ~100 bytes each however long the id.
+  std::size_t sticky_capacity = 65536;
   std::size_t max_in_flight_per_worker = 0;                  // 0: no cap; otherwise excess requests wait for room
   int max_attempts = 3;                                      // attempts per request, each on another worker if any
   Duration backoff_initial = std::chrono::milliseconds(50);  // pause before the 2nd attempt
@@ -137,6 +138,24 @@ struct WorkerState {
 
 inline std::uint64_t body_hash(std::string_view body) noexcept {
   return XXH3_64bits(body.data(), body.size());
+}
+
+// A sticky session as the dispatcher remembers it: the XXH3-128 of the client's key, so that every
+// remembered session costs the same few bytes however long the key is (65,536 ids of 8 KB would
+// otherwise be 1 GB). Two keys share a pin only if their 128-bit hashes collide.
+struct SessionKey {
+  std::uint64_t low = 0;
+  std::uint64_t high = 0;
+  bool operator==(const SessionKey&) const = default;
+};
+
+struct SessionKeyHash {
+  std::size_t operator()(const SessionKey& k) const noexcept { return static_cast<std::size_t>(k.low ^ k.high); }
+};
+
+inline SessionKey session_key(std::string_view session) noexcept {
+  const XXH128_hash_t h = XXH3_128bits(session.data(), session.size());
+  return {h.low64, h.high64};
 }
 
 inline std::string excerpt(std::string_view text, std::size_t limit = 256) {
@@ -474,7 +493,7 @@ class BasicDispatcher {
     std::erase_if(candidates_, [fewest_tries](const Candidate& c) { return c.tries > fewest_tries; });
 
     if (options_.sticky_sessions && !request.session.empty()) {
-      if (const auto it = sessions_.find(request.session); it != sessions_.end()) {
+      if (const auto it = sessions_.find(detail::session_key(request.session)); it != sessions_.end()) {
         if (const auto pinned = it->second.worker.lock()) {
           for (const auto& c : candidates_)
             if (*c.worker == pinned) return pinned;
@@ -497,7 +516,8 @@ class BasicDispatcher {
     return nullptr;  // unreachable: at least one candidate has the least count
   }
 
-  void pin(const std::string& session, const WorkerPtr& worker) {
+  void pin(const std::string& session_id, const WorkerPtr& worker) {
+    const detail::SessionKey session = detail::session_key(session_id);
     if (const auto it = sessions_.find(session); it != sessions_.end()) {
       it->second.worker = worker;
       recency_.splice(recency_.begin(), recency_, it->second.position);
@@ -562,7 +582,7 @@ class BasicDispatcher {
   };
   struct Pin {
     std::weak_ptr<detail::WorkerState> worker;
-    std::list<std::string>::iterator position;
+    std::list<detail::SessionKey>::iterator position;
   };
 
   const DispatchOptions options_;
@@ -572,8 +592,8 @@ class BasicDispatcher {
   std::vector<WorkerPtr> workers_;
   std::size_t total_in_flight_ = 0;
   std::vector<Candidate> candidates_;  // scratch for choose(), reused to avoid allocation
-  std::unordered_map<std::string, Pin> sessions_;
-  std::list<std::string> recency_;  // sessions, most recently used first
+  std::unordered_map<detail::SessionKey, Pin, detail::SessionKeyHash> sessions_;
+  std::list<detail::SessionKey> recency_;  // sessions, most recently used first
 };
 
 using Dispatcher = BasicDispatcher<>;

@@ -173,7 +173,7 @@ class BasicHttpProxy {
                                      "(--admin-token or MRR_REWARD_ADMIN_TOKEN)"}});
         return;
       }
-      if (!bearer_token_matches(in.get_header_value("Authorization"), options_.admin_token)) {
+      if (!bearer_token_matches(header_value(request.headers, "Authorization"), options_.admin_token)) {
         detail::set_json(out, 401,
                          {{"error", "unauthorized"}, {"detail", "send Authorization: Bearer <admin token>"}});
         out.set_header("WWW-Authenticate", "Bearer");

@@ -3,10 +3,14 @@
 //
 // cpp-httplib 0.11 gives each connection a pool thread for as long as it is open and bounds reads
 // only per recv(), so 100 clients sending a byte every few seconds hold every thread (slowloris),
-// and `Content-Length: 10^15` keeps one busy skipping. Here one thread reads request heads for all
-// connections with poll(); a pool thread is taken only once a whole head has arrived, and reads the
-// body itself against a deadline and a size limit, so cpp-httplib's form, multipart and
-// decompression parsers never see it. cpp-httplib still parses the head and writes the response.
+// and `Content-Length: 10^15` keeps one busy skipping. Here one thread reads whole requests, head
+// and body, for all connections with poll(): it parses the head strictly (parse_request_head),
+// checks its framing, and collects the body as it arrives, against deadlines, a size limit and a
+// server-wide budget of body bytes held. A pool thread is taken only once a request is complete,
+// so clients that trickle a head or a body hold no thread, and memory follows the bytes that
+// actually arrived, never a declared length. cpp-httplib's form, multipart and decompression
+// parsers never see a body; it still parses the head (for the handler's path and parameters) and
+// writes the response.
 // mrr-requires: mrr_reward_http
 #pragma once
 
@@ -39,12 +43,14 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <utility>
+#include <variant>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
@@ -59,29 +65,26 @@ class ServerError : public std::runtime_error {
 struct ServerOptions {
   std::string host = "127.0.0.1";  // loopback by default: expose a reward service on purpose only
   int port = 0;                    // 0: an ephemeral port, see port()
-  // Requests handled at once. A connection holds a thread only from the end of its request head
-  // to the end of its response; idle connections and heads still arriving hold none.
+  // Requests handled at once. A connection holds a thread only from the end of its request body
+  // to the end of its response; idle connections and requests still arriving hold none.
   std::size_t threads = 64;
   // Connections open at once, idle and half-sent ones included; more are answered 503 and closed.
   std::size_t max_connections = 1024;
   std::size_t keep_alive_max_count = 1000;  // requests per connection before the server closes it
   std::chrono::seconds keep_alive_timeout{5};        // an idle connection is closed after this
   Duration header_timeout = std::chrono::seconds(10);  // from a request's first byte to the end of its head
-  Duration body_timeout = std::chrono::seconds(60);    // the whole body, from the end of the head
-  Duration read_timeout = std::chrono::seconds(60);    // the longest pause between two reads of a body
+  Duration body_timeout = std::chrono::seconds(60);    // the whole body, from the end of the head (408)
+  Duration read_timeout = std::chrono::seconds(60);    // the longest pause between two reads of a body (408)
   Duration write_timeout = std::chrono::seconds(60);   // to write one whole response
   std::size_t max_header_bytes = 64 * 1024;            // request line and header fields together (431)
   std::uint64_t max_body_bytes = 64ull << 20;          // a larger body is refused with 413
+  // Request bodies held at once, in bytes received: arriving, waiting for a thread or being served.
+  // A request whose body would pass it is answered 503. At least max_body_bytes.
+  std::uint64_t max_buffered_body_bytes = 1ull << 30;
   int backlog = 1024;
 };
 
 namespace detail {
-
-// The end-to-end fields of a cpp-httplib header map.
-inline Headers forwardable(const httplib::Headers& headers) {
-  Headers all(headers.begin(), headers.end());
-  return reward::forwardable(all);
-}
 
 // Moves the worker's answer into cpp-httplib's response: the body is not copied.
 inline void write_response(Response&& in, httplib::Response& out) {
@@ -96,50 +99,30 @@ inline void set_rejection(httplib::Response& out, const RequestRejection& r) {
   out.set_content(json_error_body(r.error, r.detail), "application/json");
 }
 
-// A socket with deadlines: reads until `read deadline` (the head's, then the body's), each read
-// waiting at most read_timeout; one response written within write_timeout. Reads are buffered,
-// and what is left after a request (a pipelined next one) stays with the connection.
+// A connection as cpp-httplib sees it on a pool thread: reads come from the connection's buffer
+// only (the connection loop has received the whole head; nothing of a pipelined next request is
+// taken from the socket behind the loop's back), and one response is written within write_timeout.
+// What is left in the buffer after the head stays with the connection.
 class DeadlineStream final : public httplib::Stream {
  public:
   DeadlineStream(int fd, std::string& buffer, const ServerOptions& options)
       : fd_(fd), buffer_(buffer), options_(options) {}
 
-  void set_read_deadline(TimePoint t) noexcept { read_deadline_ = t; }
   [[nodiscard]] bool broken() const noexcept { return broken_; }
-  [[nodiscard]] bool timed_out() const noexcept { return timed_out_; }
 
-  // Buffered bytes not read yet; consume() marks some as read; fill() reads more (false: EOF,
-  // error or deadline).
-  [[nodiscard]] std::string_view buffered() const noexcept {
-    return std::string_view(buffer_).substr(std::min(pos_, buffer_.size()));
-  }
-  void consume(std::size_t n) noexcept { pos_ += n; }
-  bool fill() {
-    compact();
-    const std::size_t old = buffer_.size();
-    buffer_.resize(old + chunk);
-    const ssize_t n = receive(buffer_.data() + old, chunk);
-    buffer_.resize(old + static_cast<std::size_t>(std::max<ssize_t>(n, 0)));
-    return n > 0;
-  }
   // The unread bytes, for the connection's next request.
   void keep_leftover() {
     compact();
   }
 
-  bool is_readable() const override { return pos_ < buffer_.size() || wait_for(POLLIN, read_deadline_); }
+  bool is_readable() const override { return pos_ < buffer_.size(); }
   bool is_writable() const override { return wait_for(POLLOUT, write_deadline()); }
 
   ssize_t read(char* ptr, size_t size) override {
-    if (pos_ < buffer_.size()) {
-      const std::size_t n = std::min(size, buffer_.size() - pos_);
-      std::memcpy(ptr, buffer_.data() + pos_, n);
-      pos_ += n;
-      return static_cast<ssize_t>(n);
-    }
-    if (size >= chunk) return receive(ptr, size);  // large reads go straight into the caller's memory
-    if (!fill()) return broken_ ? -1 : 0;
-    return read(ptr, size);
+    const std::size_t n = std::min(size, buffer_.size() - std::min(pos_, buffer_.size()));
+    std::memcpy(ptr, buffer_.data() + pos_, n);
+    pos_ += n;
+    return static_cast<ssize_t>(n);  // 0 past the head: cpp-httplib disagreed with parse_request_head
   }
 
   ssize_t write(const char* ptr, size_t size) override {
@@ -156,20 +139,9 @@ class DeadlineStream final : public httplib::Stream {
   socket_t socket() const override { return fd_; }
 
  private:
-  static constexpr std::size_t chunk = 16 * 1024;
-
   void compact() {
     buffer_.erase(0, std::min(pos_, buffer_.size()));
     pos_ = 0;
-  }
-
-  ssize_t receive(char* ptr, std::size_t size) {
-    for (;;) {
-      if (!wait_for(POLLIN, read_deadline_)) return fail();
-      const ssize_t n = ::recv(fd_, ptr, size, 0);
-      if (n >= 0) return n;
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return fail();
-    }
   }
 
   ssize_t fail() {
@@ -182,23 +154,17 @@ class DeadlineStream final : public httplib::Stream {
     return *write_deadline_;
   }
 
-  // Waits until the socket is ready or the deadline (or one read_timeout) passes.
+  // Waits until the socket is ready, at most until the deadline or for one read_timeout.
   bool wait_for(short events, TimePoint deadline) const {
     for (;;) {
       const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) {
-        timed_out_ = true;
-        return false;
-      }
+      if (now >= deadline) return false;
       const auto left = std::min<Duration>(deadline - now, options_.read_timeout);
       const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
       pollfd p{fd_, events, 0};
       const int r = ::poll(&p, 1, static_cast<int>(std::min<long long>(ms, 1 << 30)));
       if (r > 0) return true;
-      if (r == 0 && deadline - now > options_.read_timeout) {
-        timed_out_ = true;
-        return false;  // a pause longer than read_timeout
-      }
+      if (r == 0 && deadline - now > options_.read_timeout) return false;  // a pause longer than read_timeout
       if (r < 0 && errno != EINTR) return false;
     }
   }
@@ -225,111 +191,90 @@ class DeadlineStream final : public httplib::Stream {
   std::string& buffer_;
   std::size_t pos_ = 0;
   const ServerOptions& options_;
-  TimePoint read_deadline_ = TimePoint::max();
   mutable std::optional<TimePoint> write_deadline_;
-  mutable bool timed_out_ = false;
   bool broken_ = false;
+};
+
+// A request the connection loop has received whole: its head as parse_request_head read it, and
+// its body (decoded if it was chunked).
+struct ReceivedRequest {
+  RequestHead head;
+  BodyFraming framing;
+  std::string body;
+  std::optional<ChunkedDecoder> chunks;  // while a chunked body arrives
+  std::uint64_t charged = 0;             // bytes counted in the server's BodyBudget
+};
+
+// The request bodies a server holds at once, in bytes, against ServerOptions::max_buffered_body_bytes.
+class BodyBudget {
+ public:
+  void set_limit(std::uint64_t limit) noexcept { limit_ = limit; }
+  [[nodiscard]] std::uint64_t limit() const noexcept { return limit_; }
+  [[nodiscard]] std::uint64_t used() const noexcept { return used_.load(std::memory_order_relaxed); }
+
+  // Counts `n` more bytes, or returns false (and counts nothing) if that would pass the limit.
+  bool take(std::uint64_t n) noexcept {
+    std::uint64_t now = used_.load(std::memory_order_relaxed);
+    do {
+      if (n > limit_ - std::min(limit_, now)) return false;
+    } while (!used_.compare_exchange_weak(now, now + n, std::memory_order_relaxed));
+    return true;
+  }
+  void give_back(std::uint64_t n) noexcept { used_.fetch_sub(n, std::memory_order_relaxed); }
+
+ private:
+  std::uint64_t limit_ = 0;
+  std::atomic<std::uint64_t> used_{0};
 };
 
 // The request a pool thread is serving, for the hooks cpp-httplib calls on that thread.
 struct Exchange {
-  DeadlineStream* stream = nullptr;
-  const ServerOptions* options = nullptr;
-  Headers hidden;      // fields kept from cpp-httplib (Accept-Encoding: it would compress relayed bodies)
-  bool close = false;  // the body was not read to its end: the connection cannot carry another request
-  std::size_t bytes = 0;  // body and response sizes, to decide whether to return memory to the OS
+  ReceivedRequest* request = nullptr;
+  std::size_t response_bytes = 0;  // to decide whether to return memory to the OS afterwards
 };
+
+// Large bodies leave freed memory in malloc's arenas (the connection loop's, where a body grew as
+// it arrived, and the pool thread's); give it back to the OS rather than keep it.
+inline void return_free_memory(std::size_t bytes_freed) {
+#if defined(__GLIBC__)
+  if (bytes_freed >= (std::size_t{1} << 20)) ::malloc_trim(0);
+#else
+  (void)bytes_freed;
+#endif
+}
 
 inline thread_local Exchange* current_exchange = nullptr;
 
-inline Headers all_headers(const httplib::Request& in, const Exchange& ex) {
-  Headers out;
-  out.reserve(in.headers.size() + ex.hidden.size());
-  for (const auto& [name, value] : in.headers)
-    if (!iequals(name, "REMOTE_ADDR") && !iequals(name, "REMOTE_PORT") && !iequals(name, "LOCAL_ADDR") &&
-        !iequals(name, "LOCAL_PORT"))
-      out.emplace_back(name, value);
-  out.insert(out.end(), ex.hidden.begin(), ex.hidden.end());
-  return out;
-}
-
-// Reads the body announced by `framing` from the exchange's stream; a rejection if it cannot.
-inline std::optional<RequestRejection> read_body(Exchange& ex, const BodyFraming& framing, std::string& body) {
-  DeadlineStream& in = *ex.stream;
-  const auto incomplete = [&] {
-    if (in.timed_out())
-      return RequestRejection{408, "request_timeout", "the body did not arrive within the body timeout"};
-    return RequestRejection{400, "bad_request", "the connection ended before the whole body"};
-  };
-  if (framing.kind == BodyFraming::Kind::length) {
-    body.resize(static_cast<std::size_t>(framing.length));  // exactly once: no growth, no second copy
-    std::size_t done = 0;
-    while (done < body.size()) {
-      const ssize_t n = in.read(body.data() + done, body.size() - done);
-      if (n <= 0) return incomplete();
-      done += static_cast<std::size_t>(n);
-    }
-  } else if (framing.kind == BodyFraming::Kind::chunked) {
-    ChunkedDecoder decoder(ex.options->max_body_bytes);
-    while (!decoder.done()) {
-      if (in.buffered().empty() && !in.fill()) return incomplete();
-      in.consume(decoder.feed(in.buffered(), body));
-      if (decoder.too_large())
-        return RequestRejection{413, "payload_too_large",
-                                mrr::detail::str("the chunked body is over the limit of ", ex.options->max_body_bytes,
-                                                 " bytes")};
-      if (decoder.failed()) return RequestRejection{400, "bad_request", "bad chunked body: " + decoder.error()};
-    }
-  }
-  ex.bytes += body.size();
-  return std::nullopt;
-}
-
 // A handler of whole requests: cpp-httplib's parsed head (path, params, remote address), the
-// request with its body and end-to-end headers, and the response to fill.
+// request with its body and end-to-end headers (as parse_request_head read them: cpp-httplib
+// percent-decodes header values, which would turn "%0d%0a" into a line break on the way to a
+// worker), and the response to fill.
 using RequestHandler = std::function<void(const httplib::Request&, Request&&, httplib::Response&)>;
 
 // A cpp-httplib server driven by ServerThread's connection loop rather than its own listen().
 class Server : public httplib::Server {
  public:
-  // Every request of every method goes to `handler`, with its body read by read_body.
+  // Every request of every method goes to `handler`, with the body the connection loop received.
   void serve(RequestHandler handler) {
     set_pre_routing_handler([handler = std::move(handler)](const httplib::Request& in, httplib::Response& out) {
       Exchange* ex = current_exchange;
-      if (ex == nullptr) {  // not driven by ServerThread: no stream to read the body from
+      if (ex == nullptr) {  // not driven by ServerThread: the body was not received
         set_rejection(out, {500, "internal", "the server runs outside mrr's connection loop"});
         return HandlerResponse::Handled;
       }
-      Headers headers = all_headers(in, *ex);
-      const HeadCheck head = check_request_head(in.target, headers, ex->options->max_body_bytes);
-      std::optional<RequestRejection> rejection = head.rejection;
-      std::string body;
-      if (!rejection) rejection = read_body(*ex, head.framing, body);
-      if (rejection) {
-        ex->close = true;
-        set_rejection(out, *rejection);
-        out.set_header("Connection", "close");
-        return HandlerResponse::Handled;
+      ReceivedRequest& received = *ex->request;
+      const std::size_t request_bytes = received.body.size();
+      {
+        Request request;
+        request.method = std::move(received.head.method);
+        request.target = std::move(received.head.target);  // raw: the query string stays as sent
+        request.headers = reward::forwardable(received.head.headers);
+        request.body = std::move(received.body);
+        handler(in, std::move(request), out);
       }
-      Request request;
-      request.method = in.method;
-      request.target = in.target.empty() ? std::string("/") : in.target;  // raw: the query string stays as sent
-      request.headers = reward::forwardable(headers);
-      request.body = std::move(body);
-      handler(in, std::move(request), out);
-      ex->bytes += out.body.size();
+      return_free_memory(request_bytes);  // the request is gone: before the client has its answer
+      ex->response_bytes = out.body.size();
       return HandlerResponse::Handled;
-    });
-    // A refused body is refused before the client sends it, not after "100 Continue".
-    set_expect_100_continue_handler([](const httplib::Request& in, httplib::Response& out) {
-      Exchange* ex = current_exchange;
-      if (ex == nullptr) return 100;
-      const HeadCheck head = check_request_head(in.target, all_headers(in, *ex), ex->options->max_body_bytes);
-      if (!head.rejection) return 100;
-      ex->close = true;
-      set_rejection(out, *head.rejection);
-      out.set_header("Connection", "close");
-      return head.rejection->status;
     });
   }
 
@@ -348,8 +293,30 @@ class Server : public httplib::Server {
   void widen_backlog(int backlog) { ::listen(svr_sock_, backlog); }
 };
 
-// An answer written straight to a socket by the connection loop (503 when full, 408, 431).
-inline void send_canned(int fd, int status, std::string_view reason, std::string_view error, std::string_view detail) {
+inline std::string_view reason_phrase(int status) noexcept {
+  switch (status) {
+    case 400:
+      return "Bad Request";
+    case 408:
+      return "Request Timeout";
+    case 413:
+      return "Content Too Large";
+    case 431:
+      return "Request Header Fields Too Large";
+    case 501:
+      return "Not Implemented";
+    case 503:
+      return "Service Unavailable";
+    case 505:
+      return "HTTP Version Not Supported";
+    default:
+      return "Error";
+  }
+}
+
+// An answer written straight to a socket by the connection loop (refusals, 408, 503 when full).
+inline void send_canned(int fd, int status, std::string_view error, std::string_view detail) {
+  const std::string_view reason = reason_phrase(status);
   const std::string body = json_error_body(error, detail);
   const std::string text =
       mrr::detail::str("HTTP/1.1 ", status, " ", reason, "\r\nContent-Type: application/json\r\nContent-Length: ",
@@ -357,8 +324,8 @@ inline void send_canned(int fd, int status, std::string_view reason, std::string
   [[maybe_unused]] const ssize_t n = ::send(fd, text.data(), text.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
-// Binds `server` as configured and serves it until stop(): one thread reads request heads of every
-// connection with poll(), `threads` pool threads serve requests whose head has arrived.
+// Binds `server` as configured and serves it until stop(): one thread receives the requests of
+// every connection with poll(), head and body; `threads` pool threads serve complete requests.
 class ServerThread {
  public:
   ServerThread() = default;
@@ -376,7 +343,11 @@ class ServerThread {
                              options.read_timeout > Duration::zero() && options.write_timeout > Duration::zero(),
                          fn, "timeouts must be positive");
     mrr::detail::require(options.max_header_bytes >= 1024, fn, "max_header_bytes must be >= 1024");
+    mrr::detail::require(options.max_buffered_body_bytes >= options.max_body_bytes, fn, "max_body_bytes (",
+                         options.max_body_bytes, ") is over max_buffered_body_bytes (", options.max_buffered_body_bytes,
+                         "): a body that large could never be accepted; raise max_buffered_body_bytes too");
     options_ = options;
+    budget_.set_limit(options.max_buffered_body_bytes);
     server.set_keep_alive_max_count(options.keep_alive_max_count);
     server.set_keep_alive_timeout(options.keep_alive_timeout.count());
     // SO_REUSEADDR only: cpp-httplib's default adds SO_REUSEPORT, which would let a second server
@@ -407,7 +378,7 @@ class ServerThread {
     return port_;
   }
 
-  // Stops accepting, serves the requests whose head has arrived, joins the threads. Idempotent.
+  // Stops accepting, serves the requests that have arrived whole, joins the threads. Idempotent.
   void stop() {
     if (!reactor_.joinable()) return;
     {
@@ -421,7 +392,7 @@ class ServerThread {
       t.join();
     pool_.clear();
     for (auto& c : returned_)
-      ::close(c.fd);
+      close_connection(c);
     returned_.clear();
     ::close(wake_[0]);
     ::close(wake_[1]);
@@ -431,44 +402,68 @@ class ServerThread {
   [[nodiscard]] int port() const noexcept { return port_; }
   // Connections open now (for tests and monitoring).
   [[nodiscard]] std::size_t open_connections() const noexcept { return open_; }
+  // Bytes of request bodies held now, against max_buffered_body_bytes (for tests and monitoring).
+  [[nodiscard]] std::uint64_t buffered_body_bytes() const noexcept { return budget_.used(); }
 
  private:
   struct Connection {
-    enum class State { head, idle, linger };
+    enum class State { idle, head, body, linger };
     int fd = -1;
     State state = State::head;
-    TimePoint deadline{};
+    TimePoint deadline{};       // of the state: the head's, the sooner of the body's and the next read's, ...
+    TimePoint body_deadline{};  // the whole body's
+    // Received bytes that are not the body: the request head (cpp-httplib parses it again on the
+    // pool thread), then a pipelined next request.
     std::string buffer;
+    ReceivedRequest request;
     std::size_t requests = 0;
     bool counted = true;  // in open_ (a shed connection lingers uncounted)
   };
+
+  static constexpr std::size_t scratch_bytes = 64 * 1024;
+  static constexpr std::size_t round_bytes = 1 << 20;  // read from one connection per poll round, for fairness
+  static constexpr std::size_t first_body_bytes = 64 * 1024;  // see make_room
 
   void wake() {
     const char byte = 1;
     [[maybe_unused]] const ssize_t n = ::write(wake_[1], &byte, 1);
   }
 
+  void release_body(Connection& c) noexcept {
+    budget_.give_back(c.request.charged);
+    c.request = ReceivedRequest{};
+  }
+
   void close_connection(Connection& c) {
     ::close(c.fd);
     if (c.counted) --open_;
+    release_body(c);
     c.fd = -1;
   }
 
   // Half-closes and drains for a moment before closing, so that the client reads our answer
   // rather than a reset caused by the request bytes we did not read.
-  static void linger(Connection& c, TimePoint now) {
+  void linger(Connection& c, TimePoint now) {
     ::shutdown(c.fd, SHUT_WR);
+    release_body(c);
     c.state = Connection::State::linger;
     c.deadline = now + std::chrono::seconds(1);
     c.buffer.clear();
     c.buffer.shrink_to_fit();
   }
 
+  // Answers a request the connection loop refuses, and ends the connection.
+  void refuse(Connection& c, const RequestRejection& r, TimePoint now) {
+    send_canned(c.fd, r.status, r.error, r.detail);
+    linger(c, now);
+  }
+
   void react() {
     std::vector<Connection> watched;
     std::vector<pollfd> fds;
-    char scratch[16 * 1024];
+    std::vector<char> scratch(scratch_bytes);
     for (;;) {
+      std::size_t first_returned = watched.size();
       {
         std::lock_guard lock(mutex_);
         if (stopping_) break;
@@ -476,6 +471,10 @@ class ServerThread {
           watched.push_back(std::move(c));
         returned_.clear();
       }
+      // A connection back from the pool may hold its next request already (pipelined).
+      for (std::size_t i = first_returned; i < watched.size(); ++i)
+        if (watched[i].state == Connection::State::head) start_request(watched[i], std::chrono::steady_clock::now());
+      std::erase_if(watched, [](const Connection& c) { return c.fd < 0; });
       fds.clear();
       fds.push_back({server_->listening_socket(), POLLIN, 0});
       fds.push_back({wake_[0], POLLIN, 0});
@@ -484,24 +483,32 @@ class ServerThread {
       ::poll(fds.data(), fds.size(), 200);
       const TimePoint now = std::chrono::steady_clock::now();
       if (fds[1].revents != 0)
-        while (::read(wake_[0], scratch, sizeof(scratch)) > 0) {
+        while (::read(wake_[0], scratch.data(), scratch.size()) > 0) {
         }
       const std::size_t polled = watched.size();
       if (fds[0].revents & POLLIN) accept_new(watched, now);
       for (std::size_t i = 0; i < polled; ++i) {
         Connection& c = watched[i];
-        if (fds[i + 2].revents != 0) read_head(c, scratch, sizeof(scratch), now);
-        if (c.fd >= 0 && now >= c.deadline) {
-          if (c.state == Connection::State::head && !c.buffer.empty())
-            send_canned(c.fd, 408, "Request Timeout", "request_timeout",
-                        "the request head did not arrive within the header timeout");
-          close_connection(c);
-        }
+        if (fds[i + 2].revents != 0) receive(c, scratch, now);
+        if (c.fd >= 0 && now >= c.deadline) expire(c, now);
       }
       std::erase_if(watched, [](const Connection& c) { return c.fd < 0; });
     }
     for (auto& c : watched)
       close_connection(c);
+  }
+
+  void expire(Connection& c, TimePoint now) {
+    if (c.state == Connection::State::head && !c.buffer.empty())
+      refuse(c, {408, "request_timeout", "the request head did not arrive within the header timeout"}, now);
+    else if (c.state == Connection::State::body)
+      refuse(c,
+             {408, "request_timeout",
+              now >= c.body_deadline ? "the body did not arrive within the body timeout"
+                                     : "the body paused for longer than the read timeout"},
+             now);
+    else
+      close_connection(c);  // idle past keep-alive, an empty head, or done lingering
   }
 
   void accept_new(std::vector<Connection>& watched, TimePoint now) {
@@ -514,7 +521,7 @@ class ServerThread {
       c.fd = fd;
       if (open_ >= options_.max_connections) {
         // Shed: a short answer now, not a connection that waits for a thread nobody will free.
-        send_canned(fd, 503, "Service Unavailable", "overloaded",
+        send_canned(fd, 503, "overloaded",
                     mrr::detail::str("the server has its maximum of ", options_.max_connections,
                                      " connections open"));
         if (watched.size() >= 2 * options_.max_connections) {
@@ -531,35 +538,149 @@ class ServerThread {
     }
   }
 
-  void read_head(Connection& c, char* scratch, std::size_t size, TimePoint now) {
-    for (;;) {
-      const ssize_t n = ::recv(c.fd, scratch, size, 0);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+  // Reads what the connection has (at most round_bytes, so that one fast client cannot hold the
+  // loop) and moves its request forward.
+  void receive(Connection& c, std::vector<char>& scratch, TimePoint now) {
+    for (std::size_t taken = 0; taken < round_bytes && c.fd >= 0;) {
+      const ssize_t n = ::recv(c.fd, scratch.data(), scratch.size(), 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (n <= 0) {
         close_connection(c);  // the client is gone (or, lingering, has read our answer)
         return;
       }
-      if (n < 0) break;
-      if (c.state == Connection::State::linger) continue;  // drained and dropped
-      if (c.state == Connection::State::idle) {
-        c.state = Connection::State::head;
-        c.deadline = now + options_.header_timeout;
+      taken += static_cast<std::size_t>(n);
+      const std::string_view bytes(scratch.data(), static_cast<std::size_t>(n));
+      switch (c.state) {
+        case Connection::State::linger:
+          break;  // drained and dropped
+        case Connection::State::idle:
+          c.state = Connection::State::head;
+          c.deadline = now + options_.header_timeout;
+          [[fallthrough]];
+        case Connection::State::head:
+          c.buffer.append(bytes);
+          start_request(c, now);
+          break;
+        case Connection::State::body:
+          take_body(c, bytes, now);
+          break;
       }
-      c.buffer.append(scratch, static_cast<std::size_t>(n));
-      if (c.buffer.size() > options_.max_header_bytes + size) break;
     }
-    if (c.state != Connection::State::head) return;
-    if (find_head_end(c.buffer) != std::string::npos) {
-      {
-        std::lock_guard lock(mutex_);
-        ready_.push_back(std::move(c));
+  }
+
+  // With a whole head in the buffer: parses and checks it (refusing what it must), then takes the
+  // body bytes that came with it.
+  void start_request(Connection& c, TimePoint now) {
+    const std::size_t end = find_head_end(c.buffer);
+    if (end == std::string::npos ? c.buffer.size() > options_.max_header_bytes : end > options_.max_header_bytes) {
+      const std::string detail = mrr::detail::str("the request head is over ", options_.max_header_bytes, " bytes");
+      refuse(c, {431, "header_too_large", detail}, now);
+      return;
+    }
+    if (end == std::string::npos) return;
+    auto parsed = parse_request_head(std::string_view(c.buffer).substr(0, end));
+    if (const auto* rejection = std::get_if<RequestRejection>(&parsed)) {
+      refuse(c, *rejection, now);
+      return;
+    }
+    RequestHead& head = std::get<RequestHead>(parsed);
+    const HeadCheck check = check_request_head(head.target, head.headers, options_.max_body_bytes);
+    if (check.rejection) {
+      refuse(c, *check.rejection, now);
+      return;
+    }
+    const bool expects_continue = iequals(header_value(head.headers, "Expect"), "100-continue");
+    c.request = ReceivedRequest{std::move(head), check.framing, {}, {}, 0};
+    if (check.framing.kind == BodyFraming::Kind::chunked) c.request.chunks.emplace(options_.max_body_bytes);
+    const std::string after_head = c.buffer.substr(end);
+    c.buffer.resize(end);
+    c.state = Connection::State::body;
+    c.body_deadline = saturating_add(now, options_.body_timeout);
+    c.deadline = std::min(c.body_deadline, saturating_add(now, options_.read_timeout));
+    // The client waits for this before sending the body (the checks above are the ones a refusal
+    // instead of "100 Continue" would come from).
+    if (expects_continue && after_head.empty() && check.framing.kind != BodyFraming::Kind::none) {
+      constexpr std::string_view go_on = "HTTP/1.1 100 Continue\r\n\r\n";
+      [[maybe_unused]] const ssize_t n = ::send(c.fd, go_on.data(), go_on.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    take_body(c, after_head, now);
+  }
+
+  // Adds body bytes to the request (counted against the budget first: memory follows the bytes
+  // that arrived, never a declared length); hands the request to the pool once it is whole.
+  void take_body(Connection& c, std::string_view bytes, TimePoint now) {
+    ReceivedRequest& r = c.request;
+    std::size_t used = 0;
+    if (r.framing.kind == BodyFraming::Kind::length) {
+      used = static_cast<std::size_t>(std::min<std::uint64_t>(bytes.size(), r.framing.length - r.body.size()));
+      if (!charge(c, used, now) || !make_room(c, used, now)) return;
+      r.body.append(bytes.data(), used);
+    } else if (r.framing.kind == BodyFraming::Kind::chunked) {
+      // Decoded bytes are never more than the bytes fed: count those, give back the framing.
+      if (!charge(c, bytes.size(), now)) return;
+      const std::size_t before = r.body.size();
+      used = r.chunks->feed(bytes, r.body);
+      const std::size_t framing = bytes.size() - (r.body.size() - before);
+      budget_.give_back(framing);
+      r.charged -= framing;
+      if (r.chunks->too_large()) {
+        refuse(c,
+               {413, "payload_too_large",
+                mrr::detail::str("the chunked body is over the limit of ", options_.max_body_bytes, " bytes")},
+               now);
+        return;
       }
-      ready_cv_.notify_one();
-      c = Connection{};  // fd -1: removed from the watched set
-    } else if (c.buffer.size() > options_.max_header_bytes) {
-      send_canned(c.fd, 431, "Request Header Fields Too Large", "header_too_large",
-                  mrr::detail::str("the request head is over ", options_.max_header_bytes, " bytes"));
-      linger(c, now);
+      if (r.chunks->failed()) {
+        refuse(c, {400, "bad_request", "bad chunked body: " + r.chunks->error()}, now);
+        return;
+      }
     }
+    if (!bytes.empty()) c.deadline = std::min(c.body_deadline, saturating_add(now, options_.read_timeout));
+    const bool whole = r.framing.kind == BodyFraming::Kind::length ? r.body.size() == r.framing.length
+                       : r.framing.kind == BodyFraming::Kind::chunked ? r.chunks->done()
+                                                                       : true;
+    if (!whole) return;
+    r.chunks.reset();
+    c.buffer.append(bytes.substr(used));  // the start of a pipelined next request
+    {
+      std::lock_guard lock(mutex_);
+      ready_.push_back(std::move(c));
+    }
+    ready_cv_.notify_one();
+    c = Connection{};  // fd -1: removed from the watched set
+  }
+
+  // Room for `n` more bytes of a body of known length: first at most 64 KiB, then, once the client
+  // has sent that much, the whole declared length at once. Reserved pages are not resident until
+  // written, so resident memory follows the bytes received either way, and a body is not moved
+  // (nor left behind in pieces in this thread's malloc arena) as it grows.
+  bool make_room(Connection& c, std::size_t n, TimePoint now) {
+    std::string& body = c.request.body;
+    if (n <= body.capacity() - body.size()) return true;
+    const auto declared = static_cast<std::size_t>(c.request.framing.length);
+    try {
+      const std::size_t first = std::min<std::size_t>(declared, std::max<std::size_t>(n, first_body_bytes));
+      body.reserve(body.empty() ? first : declared);
+      return true;
+    } catch (const std::bad_alloc&) {
+      refuse(c, {503, "overloaded", mrr::detail::str("no memory for a body of ", declared, " bytes")}, now);
+      return false;
+    }
+  }
+
+  // Counts `n` body bytes of the connection's request against the budget, or answers 503.
+  bool charge(Connection& c, std::uint64_t n, TimePoint now) {
+    if (budget_.take(n)) {
+      c.request.charged += n;
+      return true;
+    }
+    refuse(c,
+           {503, "overloaded",
+            mrr::detail::str("the server holds ", budget_.used(), " bytes of request bodies; this one would pass its ",
+                             "limit of ", budget_.limit(), " bytes (max_buffered_body_bytes); retry later")},
+           now);
+    return false;
   }
 
   void work() {
@@ -578,23 +699,19 @@ class ServerThread {
 
   void serve(Connection& c) {
     bool reuse = false;
-    std::size_t bytes = 0;
+    std::size_t response_bytes = 0;
     {
       DeadlineStream stream(c.fd, c.buffer, options_);
-      stream.set_read_deadline(saturating_add(std::chrono::steady_clock::now(), options_.header_timeout));
-      Exchange ex{&stream, &options_, {}, false, 0};
+      Exchange ex{&c.request, 0};
       current_exchange = &ex;
       const bool last = ++c.requests >= options_.keep_alive_max_count || stopping_;
       bool closed = false;
       bool ok = false;
       try {
-        ok = server_->process(stream, last, closed, [&](httplib::Request& req) {
-          stream.set_read_deadline(saturating_add(std::chrono::steady_clock::now(), options_.body_timeout));
-          // cpp-httplib would gzip a relayed body for a client that accepts it, and cut it to a
-          // Range: the handler sees these fields, cpp-httplib does not.
-          const auto [first, last_field] = req.headers.equal_range("Accept-Encoding");
-          for (auto it = first; it != last_field; ++it)
-            ex.hidden.emplace_back(it->first, it->second);
+        ok = server_->process(stream, last, closed, [](httplib::Request& req) {
+          // The connection loop has answered Expect and read the body. cpp-httplib would gzip a
+          // relayed body for a client that accepts it, and cut it to a Range.
+          req.headers.erase("Expect");
           req.headers.erase("Accept-Encoding");
           req.ranges.clear();
         });
@@ -603,27 +720,18 @@ class ServerThread {
       }
       current_exchange = nullptr;
       stream.keep_leftover();
-      reuse = ok && !closed && !last && !ex.close && !stream.broken();
-      bytes = ex.bytes;
+      reuse = ok && !closed && !last && !stream.broken();
+      response_bytes = ex.response_bytes;
     }
-#if defined(__GLIBC__)
-    // Large bodies leave freed memory in the thread's arena; give it back rather than keep it.
-    if (bytes >= (std::size_t{1} << 20)) ::malloc_trim(0);
-#endif
+    release_body(c);
+    return_free_memory(response_bytes);
     const TimePoint now = std::chrono::steady_clock::now();
     if (!reuse) {
-      linger(c, now);
-    } else if (find_head_end(c.buffer) != std::string::npos) {  // a pipelined request is already here
-      std::lock_guard lock(mutex_);
-      if (!stopping_) {
-        ready_.push_back(std::move(c));
-        return;
-      }
       linger(c, now);
     } else if (c.buffer.empty()) {
       c.state = Connection::State::idle;
       c.deadline = now + options_.keep_alive_timeout;
-    } else {
+    } else {  // a pipelined request: the connection loop reads it as soon as it has the connection back
       c.state = Connection::State::head;
       c.deadline = now + options_.header_timeout;
     }
@@ -636,11 +744,12 @@ class ServerThread {
 
   Server* server_ = nullptr;
   ServerOptions options_;
+  BodyBudget budget_;
   std::thread reactor_;
   std::vector<std::thread> pool_;
   std::mutex mutex_;
   std::condition_variable ready_cv_;
-  std::deque<Connection> ready_;         // heads complete, waiting for a pool thread
+  std::deque<Connection> ready_;         // requests received whole, waiting for a pool thread
   std::vector<Connection> returned_;     // back from the pool to the reactor
   std::atomic<std::size_t> open_{0};
   std::atomic<bool> stopping_{false};  // set under mutex_, so that waiters on ready_cv_ see it

@@ -30,6 +30,9 @@ struct HttpTransportOptions {
   Duration connect_timeout = std::chrono::seconds(2);  // capped by the attempt's budget
   std::string health_path = "/health";                 // GET; any 2xx is healthy
   std::size_t max_idle_connections = 256;              // kept open per worker for reuse
+  // A worker's response body over this many bytes is abandoned as it arrives (at once when its
+  // Content-Length says so): the attempt fails with Failure::io, and the proxy answers 502.
+  std::uint64_t max_response_bytes = 64ull << 20;
 };
 
 namespace detail {
@@ -65,7 +68,7 @@ inline std::chrono::microseconds at_least_1ms(Duration d) {
 // Thread-safe; satisfies Transport and HealthProbe. Workers are URLs (parse_worker_url).
 class HttpTransport {
  public:
-  explicit HttpTransport(HttpTransportOptions options = {}) : options_(std::move(options)) {}
+  explicit HttpTransport(HttpTransportOptions options = {}) : options_(validated(std::move(options))) {}
 
   Reply send(std::string_view worker, const Request& request, Duration timeout) {
     std::shared_ptr<detail::Endpoint> ep;
@@ -98,13 +101,16 @@ class HttpTransport {
     }
     // The socket timeouts bound each read; this bounds the whole body of a worker that trickles.
     out.progress = [deadline](std::uint64_t, std::uint64_t) { return std::chrono::steady_clock::now() < deadline; };
-    // The answer is read into a string sized from its Content-Length at once, not grown by doubling.
+    // The answer is read into a string sized from its Content-Length at once, not grown by doubling,
+    // and abandoned once it passes max_response_bytes (at once when its length says it will).
     std::string body;
-    out.content_receiver = [&body](const char* data, std::size_t n, std::uint64_t offset, std::uint64_t total) {
-      if (offset == 0) {
-        body.clear();
-        if (total > body.capacity()) body.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(total, 1ull << 30)));
-      }
+    bool too_large = false;
+    const std::uint64_t limit = options_.max_response_bytes;
+    out.content_receiver = [&](const char* data, std::size_t n, std::uint64_t offset, std::uint64_t total) {
+      if (offset == 0) body.clear();
+      too_large = (offset == 0 && total > limit) || n > limit - body.size();
+      if (too_large) return false;  // cpp-httplib stops reading: Error::Canceled
+      if (offset == 0 && total > body.capacity()) body.reserve(static_cast<std::size_t>(total));
       body.append(data, n);
       return true;
     };
@@ -112,6 +118,9 @@ class HttpTransport {
     httplib::Response in;
     httplib::Error error = httplib::Error::Success;
     if (!client->send(out, in, error)) {
+      if (too_large)
+        return Reply::failed(Failure::io, mrr::detail::str("the worker's response is over max_response_bytes (",
+                                                           limit, " bytes)"));
       const auto elapsed = std::chrono::steady_clock::now() - start;
       return Reply::failed(classify(error, elapsed, timeout), httplib::to_string(error));
     }
@@ -150,6 +159,11 @@ class HttpTransport {
   [[nodiscard]] const HttpTransportOptions& options() const noexcept { return options_; }
 
  private:
+  static HttpTransportOptions validated(HttpTransportOptions o) {
+    mrr::detail::require(o.max_response_bytes >= 1, "reward::HttpTransportOptions", "max_response_bytes must be >= 1");
+    return o;
+  }
+
   static Failure classify(httplib::Error error, Duration elapsed, Duration budget) {
     switch (error) {
       case httplib::Error::Connection:

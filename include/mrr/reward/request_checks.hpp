@@ -321,6 +321,135 @@ inline HeadCheck reject(int status, std::string error, std::string detail) {
 
 }  // namespace detail
 
+// A request head as it arrived: the request line's parts and the field lines, names and values
+// exactly as sent (nothing percent-decoded), values without their surrounding whitespace.
+struct RequestHead {
+  std::string method;
+  std::string target;
+  std::string version;  // "HTTP/1.1" or "HTTP/1.0"
+  Headers headers;
+};
+
+namespace detail {
+
+// RFC 9110 §5.6.2: the characters of a token (method, field name).
+inline bool is_tchar(char c) noexcept {
+  return is_alpha(c) || is_digit(c) || std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+}
+
+// A byte that may appear inside a field value (RFC 9110 §5.5): visible ASCII, SP, HTAB and
+// obs-text; no other control character (CR, LF and NUL above all).
+inline bool is_field_value_byte(char c) noexcept {
+  const auto u = static_cast<unsigned char>(c);
+  return u == '\t' || (u >= 0x20 && u != 0x7f);
+}
+
+inline std::string byte_name(char c) {
+  const auto u = static_cast<unsigned char>(c);
+  return mrr::detail::str("0x", "0123456789abcdef"[u >> 4], "0123456789abcdef"[u & 15]);
+}
+
+// At most 64 bytes of a client's field name, for an error message.
+inline std::string_view quoted_name(std::string_view name) noexcept { return name.substr(0, 64); }
+
+inline std::variant<RequestHead, RequestRejection> bad_head(std::string detail) {
+  return RequestRejection{400, "bad_request", std::move(detail)};
+}
+
+// "METHOD SP target SP HTTP/x.y" (RFC 9112 §3), one space each.
+inline std::optional<RequestRejection> parse_request_line(std::string_view line, RequestHead& out) {
+  const auto sp1 = line.find(' ');
+  const auto sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
+  if (sp2 == std::string_view::npos || line.find(' ', sp2 + 1) != std::string_view::npos)
+    return RequestRejection{400, "bad_request", "the request line is not 'METHOD target HTTP/1.1'"};
+  const std::string_view method = line.substr(0, sp1);
+  const std::string_view target = line.substr(sp1 + 1, sp2 - sp1 - 1);
+  const std::string_view version = line.substr(sp2 + 1);
+  if (method.empty() || !std::all_of(method.begin(), method.end(), is_tchar))
+    return RequestRejection{400, "bad_request", "the method is not a token"};
+  if (target.empty() || !std::all_of(target.begin(), target.end(), [](char c) { return c > 0x20 && c < 0x7f; }))
+    return RequestRejection{400, "bad_request", "the request target has a control, space or non-ASCII byte"};
+  if (version.size() != 8 || !version.starts_with("HTTP/") || !is_digit(version[5]) || version[6] != '.' ||
+      !is_digit(version[7]))
+    return RequestRejection{400, "bad_request", "the request line does not end with an HTTP version"};
+  if (version != "HTTP/1.1" && version != "HTTP/1.0")
+    return RequestRejection{505, "http_version_not_supported", "only HTTP/1.0 and HTTP/1.1 are served"};
+  out.method = std::string(method);
+  out.target = std::string(target);
+  out.version = std::string(version);
+  return std::nullopt;
+}
+
+// "name: value" (RFC 9112 §5): the name a token directly followed by ':', OWS around the value.
+inline std::optional<RequestRejection> parse_field_line(std::string_view line, std::size_t number, Headers& out) {
+  if (line.front() == ' ' || line.front() == '\t')
+    return RequestRejection{400, "bad_request",
+                            mrr::detail::str("line ", number, " of the head is an obs-fold continuation line ",
+                                             "(starts with whitespace; RFC 9112 §5.2)")};
+  const auto colon = line.find(':');
+  if (colon == std::string_view::npos)
+    return RequestRejection{400, "bad_request", mrr::detail::str("line ", number, " of the head has no ':'")};
+  std::string_view name = line.substr(0, colon);
+  if (name.empty())
+    return RequestRejection{400, "bad_request",
+                            mrr::detail::str("line ", number, " of the head has an empty field name")};
+  if (name.back() == ' ' || name.back() == '\t')
+    return RequestRejection{400, "bad_request",
+                            mrr::detail::str("header field '", quoted_name(name),
+                                             "' has whitespace before its colon (RFC 9112 §5.1)")};
+  if (!std::all_of(name.begin(), name.end(), is_tchar))
+    return RequestRejection{400, "bad_request",
+                            mrr::detail::str("header field name '", quoted_name(name), "' is not a token")};
+  std::string_view value = line.substr(colon + 1);
+  for (const char c : value)
+    if (!is_field_value_byte(c))
+      return RequestRejection{400, "bad_request",
+                              mrr::detail::str("the value of header field '", quoted_name(name),
+                                               "' holds the control byte ", byte_name(c), " (RFC 9110 §5.5)")};
+  while (!value.empty() && (value.front() == ' ' || value.front() == '\t'))
+    value.remove_prefix(1);
+  while (!value.empty() && (value.back() == ' ' || value.back() == '\t'))
+    value.remove_suffix(1);
+  out.emplace_back(std::string(name), std::string(value));
+  return std::nullopt;
+}
+
+}  // namespace detail
+
+// Parses a request head, `head` being exactly the bytes up to and including its empty line
+// (find_head_end), strictly as RFC 9112 asks of a server: every line ends in CRLF (a bare CR or a
+// bare LF is refused, §2.2), a field name is a token directly followed by ':' (whitespace before
+// the colon is refused, §5.1), obs-fold continuation lines are refused (§5.2), and a field value
+// holds no control byte but HTAB (RFC 9110 §5.5). Such bytes are where a proxy and the server
+// behind it can read different requests from the same stream (request smuggling), so they are
+// answered 400, never repaired and forwarded. The proxy forwards the fields as parsed here.
+inline std::variant<RequestHead, RequestRejection> parse_request_head(std::string_view head) {
+  RequestHead out;
+  std::size_t number = 0;
+  while (!head.empty()) {
+    ++number;
+    const auto lf = head.find('\n');
+    if (lf == std::string_view::npos) return detail::bad_head("the head does not end with an empty line");
+    if (lf == 0 || head[lf - 1] != '\r')
+      return detail::bad_head(mrr::detail::str("line ", number, " of the head ends with a bare LF (RFC 9112 §2.2)"));
+    const std::string_view line = head.substr(0, lf - 1);
+    head.remove_prefix(lf + 1);
+    if (line.find('\r') != std::string_view::npos)
+      return detail::bad_head(mrr::detail::str("line ", number, " of the head holds a bare CR (RFC 9112 §2.2)"));
+    std::optional<RequestRejection> rejection;
+    if (number == 1) {
+      rejection = detail::parse_request_line(line, out);
+    } else if (line.empty()) {
+      if (!head.empty()) return detail::bad_head("bytes follow the empty line that ends the head");
+      return out;
+    } else {
+      rejection = detail::parse_field_line(line, number, out.headers);
+    }
+    if (rejection) return *rejection;
+  }
+  return detail::bad_head("the head does not end with an empty line");
+}
+
 // Checks what the body framing of a request says, before reading any of it: Content-Length
 // fields must agree (a comma-separated list of equal values counts as one) and be numbers;
 // Transfer-Encoding may only be "chunked" and not come with Content-Length (request smuggling);
