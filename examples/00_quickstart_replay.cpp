@@ -108,6 +108,7 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(replay.stats().recorded_rows), file.string().c_str());
 
     // ... and replay them in the update pass (engine B), with activation recomputation.
+    replay.set_activation_recompute(true);
     replay.begin_pass(mrr::TrainingPass::actor_update);
     long mismatches = 0;
     std::vector<mrr::Routing<float>> forward;
@@ -132,8 +133,7 @@ int main(int argc, char** argv) {
   std::printf("\nreopened: %s\n", reopened.recovery().describe(file).c_str());
   mrr::RoutingReplay replay(mrr::ReplayMode::R2, reopened);
   replay.set_micro_batch(layout);
-  replay.begin_pass(mrr::TrainingPass::actor_update);
-  replay.set_activation_recompute(false);
+  replay.begin_pass(mrr::TrainingPass::actor_update);  // activations kept: nothing queued
   long mismatches = 0;
   for (int l = 0; l < kLayers; ++l) {
     const auto native_a = routers[l].route(logits_engine_a(model, l));

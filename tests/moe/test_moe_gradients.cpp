@@ -178,6 +178,7 @@ TEST_CASE("MoELayer: activation recomputation replays each forward's routes firs
   // The update's forwards (F1 F2) run on drifted gates and queue their replayed ids ...
   RowMatrix<double> drifted = model.gate + 0.3 * mrr::test::random_normal<double>(6, kHidden, 24);
   layer.set_gate_weight(drifted);
+  replay.set_activation_recompute(true);
   replay.begin_pass(mrr::TrainingPass::actor_update);
   replay.set_micro_batch(mb1);
   const auto f1 = layer.forward(x1);

@@ -287,3 +287,26 @@ TEST_CASE("a FIFO as a route file, replay_file or .npy is refused at once, never
   CHECK_THROWS_WITH_AS(mrr::FileRouteStore::open(dir.path()), doctest::Contains("is a directory, not a regular file"),
                        mrr::RouteFileError);
 }
+
+TEST_CASE("close() releases the writer's lock: a second writer appends while the first (still readable) lives") {
+  mrr::test::TempDir dir;
+  const auto path = dir / "r.mrr";
+  auto first = mrr::FileRouteStore::create(path, {32, 1, 2});
+  first.record(0, span_layout(1, 0, 8), ids_for(8, 2, 32, 0));
+  CHECK_THROWS_WITH_AS(mrr::FileRouteStore::append(path, {32, 1, 2}), doctest::Contains("is locked by another writer"),
+                       mrr::RouteFileError);
+  first.close();
+  CHECK_FALSE(first.is_open());
+  {
+    auto second = mrr::FileRouteStore::append(path, {32, 1, 2});
+    second.record(0, span_layout(2, 0, 8), ids_for(8, 2, 32, 1));
+  }
+  // The first still reads what it recorded; recording again is refused as closed.
+  mrr::ExpertIds got;
+  std::vector<std::uint8_t> found;
+  REQUIRE(first.lookup(0, span_layout(1, 0, 8), got, found) == 8);
+  CHECK(got == ids_for(8, 2, 32, 0));
+  CHECK_THROWS_WITH_AS(first.record(0, span_layout(3, 0, 8), ids_for(8, 2, 32, 0)), doctest::Contains("is closed"),
+                       mrr::RouteFileError);
+  CHECK(mrr::FileRouteStore::open(path).num_sequences() == 2);
+}

@@ -67,6 +67,7 @@ TEST_CASE("R2: the update pass replays the old-log-prob routes exactly, on reshu
   CHECK(replay.stats().recorded_rows == 4 * 12 * L);
 
   // Update pass: different composition (103 and 100), different logits (another "engine").
+  replay.set_activation_recompute(true);
   replay.begin_pass(mrr::TrainingPass::actor_update);
   const std::vector<mrr::SequenceId> uids = {103, 100};
   replay.set_micro_batch(mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, 12, 24}));
@@ -111,6 +112,7 @@ TEST_CASE("recompute consumes forwards first-in-first-out across micro-batches (
   replay.set_micro_batch(lb);
   const auto rb = replay.route(router, 0, logits(7, E, 2));
 
+  replay.set_activation_recompute(true);
   replay.begin_pass(mrr::TrainingPass::actor_update);
   replay.set_micro_batch(la);
   replay.route(router, 0, logits(5, E, 3));
@@ -223,4 +225,23 @@ TEST_CASE("ReplayRouter: gradients flow through replayed routes") {
       for (int j = 0; j < k; ++j) routed = routed || r.ids(t, j) == e;
       if (!routed) CHECK(grad(t, e) == 0.0f);
     }
+}
+
+TEST_CASE("activation recompute is off by default: update passes queue nothing, a recompute says what to switch on") {
+  const int E = 16, k = 2;
+  mrr::TopKRouter<float> router(mrr::presets::mixtral(E, k));
+  mrr::MemoryRouteStore store({E, 1, k});
+  mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
+  CHECK_FALSE(replay.activation_recompute());
+  const std::vector<mrr::SequenceId> a = {1};
+  replay.set_micro_batch(mrr::TokenLayout::packed(a, std::vector<std::int64_t>{0, 5}));
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  replay.route(router, 0, logits(5, E, 1));
+  // A trainer that keeps activations runs many update micro-batches: nothing piles up.
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  for (int mb = 0; mb < 32; ++mb) replay.route(router, 0, logits(5, E, 2 + static_cast<unsigned>(mb)));
+  CHECK(replay.queued(0) == 0);
+  replay.begin_pass(mrr::TrainingPass::actor_recompute);
+  CHECK_THROWS_WITH_AS(replay.route(router, 0, logits(5, E, 3)), doctest::Contains("call set_activation_recompute(true)"),
+                       mrr::RouteStoreError);
 }

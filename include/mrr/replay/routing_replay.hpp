@@ -91,9 +91,12 @@ class RoutingReplay {
     if (pass == TrainingPass::old_log_prob || pass == TrainingPass::ref_log_prob) clear_queues();
   }
 
-  // Whether the actor update's backward recomputes activations (re-runs the routers). Without
-  // it, replay_forward queues nothing.
+  // Whether the actor update's backward recomputes activations (re-runs the routers): then each
+  // update forward queues its replayed ids for the recompute that follows. Off by default, so a
+  // trainer that keeps activations queues nothing (with it on, every update micro-batch's ids
+  // would pile up until the next old-log-prob pass); a recompute with it off is a clear error.
   void set_activation_recompute(bool on) { recompute_ = on; }
+  bool activation_recompute() const { return recompute_; }
   void clear_queues() {
     for (auto& q : queues_) q.clear();
   }
@@ -189,9 +192,13 @@ class RoutingReplay {
   Queued pop_queued(int layer, long rows, const char* fn) {
     auto& queue = queues_[static_cast<std::size_t>(layer)];
     if (queue.empty())
-      throw RouteStoreError(detail::str("mrr::", fn, ": layer ", layer,
-                                        " has no queued routes to recompute with: replay_backward consumes, in "
-                                        "order, the ids of earlier replay_forward calls of the same layer"));
+      throw RouteStoreError(detail::str(
+          "mrr::", fn, ": layer ", layer,
+          " has no queued routes to recompute with: replay_backward consumes, in order, the ids of earlier "
+          "replay_forward calls of the same layer",
+          recompute_ ? ""
+                     : "; activation recompute is off (the default), so the actor update queued nothing: call "
+                       "set_activation_recompute(true) before the actor_update pass when the backward recomputes"));
     Queued q = std::move(queue.front());
     queue.pop_front();
     detail::require(q.ids.rows() == rows, fn, "layer ", layer, ": the recomputed forward has ", rows,
@@ -242,7 +249,7 @@ class RoutingReplay {
   MissingRoutes missing_;
   RouterAction action_ = RouterAction::native;
   bool queue_ = true;
-  bool recompute_ = true;
+  bool recompute_ = false;
   TokenLayout layout_;
   std::vector<std::deque<Queued>> queues_;
   ReplayStats stats_;
