@@ -310,3 +310,27 @@ TEST_CASE("close() releases the writer's lock: a second writer appends while the
                        mrr::RouteFileError);
   CHECK(mrr::FileRouteStore::open(path).num_sequences() == 2);
 }
+
+TEST_CASE("FileRouteStore is move-assignable: the store assigned over is closed (index written, lock released)") {
+  mrr::test::TempDir dir;
+  auto store = mrr::FileRouteStore::create(dir / "a.mrr", {32, 1, 2});
+  store.record(0, span_layout(1, 0, 8), ids_for(8, 2, 32, 0));
+  store = mrr::FileRouteStore::create(dir / "b.mrr", {32, 1, 2});
+  store.record(0, span_layout(2, 0, 8), ids_for(8, 2, 32, 1));
+  CHECK(store.path() == dir / "b.mrr");
+  const auto a = mrr::FileRouteStore::open(dir / "a.mrr");
+  CHECK(a.recovery().opened_from_index);  // closed cleanly by the assignment
+  CHECK(a.contains(1));
+  auto a_again = mrr::FileRouteStore::append(dir / "a.mrr", {32, 1, 2});  // its lock was released
+  CHECK(a_again.contains(1));
+  mrr::FileRouteStore moved(std::move(store));
+  CHECK_FALSE(store.is_open());  // NOLINT(bugprone-use-after-move): the moved-from state is specified
+  CHECK_THROWS_WITH_AS(store.record(0, span_layout(3, 0, 8), ids_for(8, 2, 32, 0)), doctest::Contains("is closed"),
+                       mrr::RouteFileError);
+  mrr::ExpertIds got;
+  std::vector<std::uint8_t> found;
+  CHECK_THROWS_WITH_AS(store.lookup(0, span_layout(2, 0, 8), got, found), doctest::Contains("was moved from"),
+                       mrr::RouteFileError);
+  REQUIRE(moved.lookup(0, span_layout(2, 0, 8), got, found) == 8);
+  CHECK(got == ids_for(8, 2, 32, 1));
+}

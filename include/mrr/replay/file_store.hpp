@@ -12,17 +12,14 @@
 
 #include <mrr/detail/checked.hpp>
 #include <mrr/detail/config.hpp>
-#include <mrr/detail/regular_file.hpp>
 #include <mrr/error.hpp>
+#include <mrr/replay/detail/route_file_handle.hpp>
 #include <mrr/replay/file_format.hpp>
 #include <mrr/replay/layout.hpp>
 #include <mrr/replay/route_table.hpp>
 #include <mrr/replay/shape.hpp>
 #include <mrr/tensor.hpp>
 
-#include <fcntl.h>
-#include <sys/file.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +31,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iterator>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
@@ -69,30 +67,25 @@ struct RouteFileRecovery {
   }
 };
 
-class FileRouteStore {
+class FileRouteStore final {
  public:
   // A new file; an existing one is an error (records are never overwritten). The writer holds an
   // exclusive lock on the file until close(): a second writer is refused, readers are not.
   static FileRouteStore create(const std::filesystem::path& path, RouteShape shape, FileStoreOptions options = {}) {
     shape.validate();
-    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0) throw_create_error(path);
-    lock_for_writing(fd, path);
-    if (!is_empty(fd)) {
-      ::close(fd);
+    auto file = detail::RouteFileHandle::create(path);
+    if (file.size() != 0)
       throw RouteFileError(detail::str("cannot create route file ", path.string(),
                                        ": another writer (FileRouteStore::append) started it between its creation and "
                                        "this writer's lock; append to it, or choose a new name"));
-    }
-    return start_new_file(path, fd, shape, options);
+    return start_new_file(std::move(file), shape, options);
   }
 
   // An existing file, read-only. With `expected`, a file of another model is an error naming
   // the field that differs. A FIFO, directory or device is refused without waiting on it.
   static FileRouteStore open(const std::filesystem::path& path, std::optional<RouteShape> expected = std::nullopt) {
-    const int fd = open_existing(path, O_RDONLY);
     // Readers take no lock: a file being appended to is read up to its last complete record.
-    FileRouteStore store(path, fd, false, {}, RouteShape{1, 1, 1});
+    FileRouteStore store(detail::RouteFileHandle::open_for_reading(path), {}, RouteShape{1, 1, 1});
     store.read_header(expected);
     store.load_index_or_scan();
     return store;
@@ -106,56 +99,30 @@ class FileRouteStore {
   // locked.
   static FileRouteStore append(const std::filesystem::path& path, RouteShape shape, FileStoreOptions options = {}) {
     shape.validate();
-    detail::RegularFile f = detail::open_regular_file(path.c_str(), O_RDWR);
-    if (!f.ok() && f.err == ENOENT && !std::filesystem::is_symlink(std::filesystem::symlink_status(path))) {
-      f.fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-      if (f.fd < 0 && errno != EEXIST) throw_create_error(path);
-      if (f.fd < 0) f = detail::open_regular_file(path.c_str(), O_RDWR);  // another process created it meanwhile
-    }
-    const int fd = checked_open_result(path, f);
-    lock_for_writing(fd, path);
+    auto file = detail::RouteFileHandle::open_for_appending(path);
     // Under the lock, an empty file is new: created by this call, or by another writer that has
     // not written its header yet (it is then refused as "locked" when it tries; had it locked
     // first, the file would not be empty now), or left by one that stopped before writing it. It
     // holds no routes, so it is started as a new file.
-    if (is_empty(fd)) return start_new_file(path, fd, shape, options);
-    FileRouteStore store(path, fd, true, options, shape);
+    if (file.size() == 0) return start_new_file(std::move(file), shape, options);
+    FileRouteStore store(std::move(file), options, shape);
     store.read_header(shape);
     store.load_index_or_scan();
-    if (store.recovery_.torn_bytes > 0 && ::ftruncate(store.fd_, static_cast<off_t>(store.end_)) != 0)
-      throw RouteFileError(detail::str("route file ", path.string(), ": cannot truncate its torn tail: ",
-                                       std::strerror(errno)));
+    if (store.recovery_.torn_bytes > 0) store.file_.truncate(store.end_, "its torn tail");
     store.index_dirty_ = store.index_dirty_ || !store.recovery_.opened_from_index;
     return store;
   }
 
-  FileRouteStore(FileRouteStore&& other) noexcept
-      : path_(std::move(other.path_)),
-        fd_(std::exchange(other.fd_, -1)),
-        writable_(other.writable_),
-        options_(other.options_),
-        header_(other.header_),
-        end_(other.end_),
-        index_(std::move(other.index_)),
-        order_(std::move(other.order_)),
-        loaded_(std::move(other.loaded_)),
-        cache_(std::move(other.cache_)),
-        boundaries_(std::move(other.boundaries_)),
-        header_bytes_(other.header_bytes_),
-        identity_(other.identity_),
-        absolute_path_(std::move(other.absolute_path_)),
-        closed_(other.closed_),
-        read_buffer_(std::move(other.read_buffer_)),
-        compare_buffer_(std::move(other.compare_buffer_)),
-        header_scratch_(std::move(other.header_scratch_)),
-        sparse_scratch_(std::move(other.sparse_scratch_)),
-        write_buffer_(std::move(other.write_buffer_)),
-        write_pending_(std::move(other.write_pending_)),
-        sorted_runs_(std::move(other.sorted_runs_)),
-        recovery_(other.recovery_),
-        damaged_index_(other.damaged_index_),
-        index_dirty_(other.index_dirty_) {}
-  FileRouteStore& operator=(FileRouteStore&&) = delete;
+  // Moves keep everything (an open writer stays the file's one writer); the moved-from store is
+  // empty. Assigning closes (writing the index of) the store assigned to first.
+  FileRouteStore(FileRouteStore&& other) noexcept = default;
+  FileRouteStore& operator=(FileRouteStore&& other) noexcept {
+    if (this != &other) {
+      std::destroy_at(this);  // closes, as the destructor does
+      std::construct_at(this, std::move(other));
+    }
+    return *this;
+  }
   FileRouteStore(const FileRouteStore&) = delete;
   FileRouteStore& operator=(const FileRouteStore&) = delete;
 
@@ -166,14 +133,13 @@ class FileRouteStore {
     } catch (...) {
       // The records are on disk; only the index may be missing, and reopening rescans.
     }
-    if (fd_ >= 0) ::close(fd_);
   }
 
   const RouteShape& shape() const { return header_.shape; }
-  const std::filesystem::path& path() const { return path_; }
+  const std::filesystem::path& path() const { return file_.path(); }
   const RouteFileRecovery& recovery() const { return recovery_; }
-  bool writable() const { return writable_ && !closed_; }
-  bool is_open() const { return fd_ >= 0 && !closed_; }
+  bool writable() const { return file_.writable() && !closed_; }
+  bool is_open() const { return file_.is_open() && !closed_; }
   int id_width() const { return header_.id_width; }
 
   // Records the ids [layout rows, k] that `layer` chose; padding rows are skipped. All rows are
@@ -300,7 +266,7 @@ class FileRouteStore {
         cursor = b;
       });
     }
-    if (hits > 0 || read_any) check_unchanged(fn);  // what was read is this file's, not a replacement's
+    if (hits > 0 || read_any) file_.check_unchanged(fn);  // what was read is this file's, not a replacement's
     if (hits != rows)
       for (std::size_t r = 0; r < rows; ++r)
         if (found[r] == 0) std::fill_n(out.data() + r * static_cast<std::size_t>(k), k, -1);
@@ -310,7 +276,7 @@ class FileRouteStore {
   std::int64_t recorded_positions(SequenceId uid) const {
     bool read_any = false;
     const SequenceIndex* s = ensure_loaded(uid, &read_any);
-    if (read_any) check_unchanged("FileRouteStore::recorded_positions");
+    if (read_any) file_.check_unchanged("FileRouteStore::recorded_positions");
     return s != nullptr && !s->segments.empty() ? s->end : 0;
   }
   bool contains(SequenceId uid) const { return index_.count(uid) != 0; }
@@ -336,7 +302,7 @@ class FileRouteStore {
       for_each_row_chunk(g, g.first, g.end(), read_buffer_, [&](std::int64_t pos, std::size_t n, const unsigned char* src) {
         for (std::size_t t = 0; t < n; ++t) seq.put_encoded(pos + static_cast<std::int64_t>(t), g.layer, src + t * g.stride);
       });
-    check_unchanged(fn);
+    file_.check_unchanged(fn);
     cache_.insert(uid, std::move(seq));
     return cache_.find(uid);
   }
@@ -349,24 +315,21 @@ class FileRouteStore {
   }
 
   // Records are written through on every call; sync() also asks the device to persist them.
-  void sync() {
-    if (fd_ >= 0 && writable_ && ::fdatasync(fd_) != 0)
-      throw RouteFileError(detail::str("route file ", path_.string(), ": fdatasync failed: ", std::strerror(errno)));
-  }
+  void sync() { file_.sync(); }
 
   // Writes the index and tail records (when routes were added), syncs if configured, and ends
   // writing: the lock is released, so another writer may append. The store stays readable (its
   // descriptor is kept until it is destroyed), so what was recorded can still be looked up.
   void close() {
-    if (fd_ < 0 || closed_) return;
-    if (writable_ && index_dirty_) {
-      check_still_ours("FileRouteStore::close");
+    if (!file_.is_open() || closed_) return;
+    if (file_.writable() && index_dirty_) {
+      file_.check_still_ours("FileRouteStore::close", end_);
       write_index();
       index_dirty_ = false;
       if (options_.sync_on_close) sync();
     }
     closed_ = true;
-    if (writable_) (void)::flock(fd_, LOCK_UN);
+    file_.unlock();
   }
 
  private:
@@ -395,28 +358,24 @@ class FileRouteStore {
     std::size_t at;  // its offset in the buffer
   };
 
-  FileRouteStore(std::filesystem::path path, int fd, bool writable, FileStoreOptions options, RouteShape shape)
-      : path_(std::move(path)), fd_(fd), writable_(writable), options_(options), cache_(shape) {
+  FileRouteStore(detail::RouteFileHandle file, FileStoreOptions options, RouteShape shape)
+      : file_(std::move(file)), options_(options), cache_(shape) {
     header_.shape = shape;
     header_.id_width = static_cast<std::uint8_t>(id_width_for(shape.num_experts));
-    if (writable_) remember_identity();
   }
 
-  // Writes the header of a new file to `fd` (locked for writing, empty).
-  static FileRouteStore start_new_file(const std::filesystem::path& path, int fd, const RouteShape& shape,
+  // Writes the header of a new file (empty, locked for writing).
+  static FileRouteStore start_new_file(detail::RouteFileHandle file, const RouteShape& shape,
                                        const FileStoreOptions& options) {
-    FileRouteStore store(path, fd, true, options, shape);
+    FileRouteStore store(std::move(file), options, shape);
     store.header_.file_id = new_file_id();
-    route_file::encode(store.header_, store.header_bytes_.data());
-    store.write_all(store.header_bytes_.data(), store.header_bytes_.size(), 0);
+    unsigned char header[route_file::kHeaderBytes];
+    route_file::encode(store.header_, header);
+    store.file_.set_header(header);
+    store.file_.write_all(header, sizeof header, 0);
     store.end_ = route_file::kHeaderBytes;
     store.index_dirty_ = true;
     return store;
-  }
-
-  static bool is_empty(int fd) {
-    struct stat st {};
-    return ::fstat(fd, &st) == 0 && st.st_size == 0;
   }
 
   // A random 64-bit id for a new file's header: what tells two route files of one shape apart.
@@ -435,185 +394,38 @@ class FileRouteStore {
     return id != 0 ? id : 1;  // 0 means "written before file ids existed"
   }
 
-  // Opens an existing file for reading or appending; anything but a regular file is refused
-  // without being waited on (a FIFO would block the first read forever).
-  static int open_existing(const std::filesystem::path& path, int flags) {
-    return checked_open_result(path, detail::open_regular_file(path.c_str(), flags));
-  }
-  static int checked_open_result(const std::filesystem::path& path, const detail::RegularFile& f) {
-    if (f.not_regular())
-      throw RouteFileError(detail::str("cannot open route file ", path.string(), ": it is ", f.kind,
-                                       ", not a regular file (route files are read with positioned reads)"));
-    if (!f.ok()) {
-      errno = f.err;
-      throw_open_error(path);
-    }
-    return f.fd;
-  }
-
-  // One writer per file: flock(LOCK_EX | LOCK_NB) on the open file, released when it is closed
-  // (or the process dies). Filesystems without flock support are written unlocked.
-  static void lock_for_writing(int fd, const std::filesystem::path& path) {
-    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return;
-    const int err = errno;
-    if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS) return;
-    ::close(fd);
-    if (err == EWOULDBLOCK)
-      throw RouteFileError(detail::str("route file ", path.string(),
-                                       " is locked by another writer (a FileRouteStore created or appended to it and "
-                                       "has not closed it); close that writer first, or record to another file"));
-    throw RouteFileError(detail::str("route file ", path.string(), ": cannot lock it for writing: ",
-                                     std::strerror(err)));
-  }
-
-  // What a symlink at `path` is when it leads nowhere ("" when it is no such symlink): open()
-  // alone only says "File exists" or "No such file".
-  static std::string broken_symlink(const std::filesystem::path& path) {
-    std::error_code ec;
-    if (!std::filesystem::is_symlink(std::filesystem::symlink_status(path, ec))) return "";
-    const std::string target = std::filesystem::read_symlink(path, ec).string();
-    struct stat st {};
-    if (::stat(path.c_str(), &st) == 0) return "";
-    if (errno == ELOOP) return detail::str("is a symlink loop (", path.string(), " -> ", target, " -> ...)");
-    if (errno == ENOENT) return detail::str("is a dangling symlink to ", target, ", which does not exist");
-    return "";
-  }
-
-  [[noreturn]] static void throw_create_error(const std::filesystem::path& path) {
-    const int err = errno;
-    if (const std::string link = broken_symlink(path); !link.empty())
-      throw RouteFileError(detail::str("cannot create route file ", path.string(), ": it ", link,
-                                       "; remove the link or make it point at a usable path"));
-    throw RouteFileError(detail::str("cannot create route file ", path.string(), ": ", std::strerror(err),
-                                     err == EEXIST ? " (it exists; open it with FileRouteStore::append to add "
-                                                     "routes, or choose a new name)"
-                                                   : ""));
-  }
-
-  [[noreturn]] static void throw_open_error(const std::filesystem::path& path) {
-    const int err = errno;
-    if (const std::string link = broken_symlink(path); !link.empty())
-      throw RouteFileError(detail::str("cannot open route file ", path.string(), ": it ", link));
-    if (err == ENOENT) throw RouteFileError(detail::str("route file ", path.string(), " does not exist"));
-    throw RouteFileError(detail::str("cannot open route file ", path.string(), ": ", std::strerror(err)));
-  }
-
   [[noreturn]] void damaged(std::uint64_t offset, const std::string& what) const {
-    throw RouteFileError(detail::str("route file ", path_.string(), " is damaged: ", what, " at offset ", offset,
+    throw RouteFileError(detail::str("route file ", path().string(), " is damaged: ", what, " at offset ", offset,
                                      "; refusing to use it (no route is ever replayed from a damaged record)"));
   }
 
   void require_writable(const char* fn) const {
-    if (fd_ < 0 || closed_) throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(), " is closed"));
-    if (!writable_)
-      throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(),
+    if (!file_.is_open() || closed_)
+      throw RouteFileError(detail::str("mrr::", fn, ": route file ", path().string(), " is closed"));
+    if (!file_.writable())
+      throw RouteFileError(detail::str("mrr::", fn, ": route file ", path().string(),
                                        " was opened read-only (FileRouteStore::open); use create or append to record"));
   }
   void require_readable(const char* fn) const {
-    if (fd_ < 0)
-      throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(), " has no open descriptor (moved from)"));
-  }
-
-  // The file's device and inode, and the path's absolute form, kept by a writer: the path is
-  // checked to still name this file before every write (see check_still_ours).
-  void remember_identity() {
-    struct stat st {};
-    if (::fstat(fd_, &st) == 0) identity_ = {st.st_dev, st.st_ino};
-    std::error_code ec;
-    absolute_path_ = std::filesystem::absolute(path_, ec);
-    if (ec) absolute_path_ = path_;
-  }
-
-  // A writer's records must reach the file its path names: if the path was renamed over or
-  // removed, they would go to an unlinked file (lost at close) while another writer could take
-  // the path; if the file was truncated or rewritten by someone else, they would land in a file
-  // that no longer matches what this writer knows. Each is an error before anything is written.
-  void check_still_ours(const char* fn) const {
-    struct stat path_st {}, fd_st {};
-    const bool named = ::stat(absolute_path_.c_str(), &path_st) == 0;
-    if (!named || path_st.st_dev != identity_.first || path_st.st_ino != identity_.second)
-      throw RouteFileError(detail::str(
-          "mrr::", fn, ": route file ", path_.string(), " was ", named ? "replaced (another file renamed over it)" : "removed",
-          " while this writer had it open; its records would go to a file no path names, so nothing more is "
-          "recorded (what was recorded before is in the file this writer opened)"));
-    if (::fstat(fd_, &fd_st) != 0 || static_cast<std::uint64_t>(fd_st.st_size) != end_)
-      throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(), " is ", fd_st.st_size,
-                                       " bytes where this writer left ", end_,
-                                       ": another program truncated or wrote it while it was open for recording; "
-                                       "nothing more is recorded"));
-    check_unchanged(fn);
-  }
-
-  // Whatever was read is from the file this store opened: the header (with its random file id)
-  // must still be the one it read. Called after reading, so a file replaced in place (another
-  // route file copied over it: truncated, then written from the start) is caught even when the
-  // copy raced the read. A file truncated under a reader shows as a short read (read_exact).
-  void check_unchanged(const char* fn) const {
-    std::array<unsigned char, route_file::kHeaderBytes> now{};
-    const ssize_t got = ::pread(fd_, now.data(), now.size(), 0);
-    if (got != static_cast<ssize_t>(now.size()) || now != header_bytes_)
-      throw RouteFileError(detail::str("mrr::", fn, ": route file ", path_.string(),
-                                       " was replaced or rewritten while open (its header is no longer the one it had "
-                                       "when opened); refusing to return routes read from it: reopen it"));
-  }
-
-  std::uint64_t file_size() const {
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0)
-      throw RouteFileError(detail::str("route file ", path_.string(), ": fstat failed: ", std::strerror(errno)));
-    return static_cast<std::uint64_t>(st.st_size);
-  }
-
-  void read_exact(void* out, std::size_t n, std::uint64_t offset) const {
-    auto* p = static_cast<unsigned char*>(out);
-    while (n > 0) {
-      const ssize_t got = ::pread(fd_, p, n, static_cast<off_t>(offset));
-      if (got < 0 && errno == EINTR) continue;
-      if (got < 0)
-        throw RouteFileError(detail::str("route file ", path_.string(), ": read failed at offset ", offset, ": ",
-                                         std::strerror(errno)));
-      if (got == 0)
-        throw RouteFileError(detail::str("route file ", path_.string(), " ends at offset ", offset,
-                                         ", before bytes it held when opened: it was truncated or replaced while "
-                                         "open; refusing to return routes from it"));
-      p += got;
-      n -= static_cast<std::size_t>(got);
-      offset += static_cast<std::uint64_t>(got);
-    }
-  }
-
-  void write_all(const void* data, std::size_t n, std::uint64_t offset) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    const std::uint64_t start = offset;
-    while (n > 0) {
-      const ssize_t put = ::pwrite(fd_, p, n, static_cast<off_t>(offset));
-      if (put < 0 && errno == EINTR) continue;
-      if (put <= 0) {
-        const int err = errno;
-        // Leave no partial record behind for the next append.
-        if (::ftruncate(fd_, static_cast<off_t>(start)) != 0) { /* reopening reports the torn tail */ }
-        throw RouteFileError(detail::str("route file ", path_.string(), ": write failed at offset ", offset, ": ",
-                                         std::strerror(err)));
-      }
-      p += put;
-      n -= static_cast<std::size_t>(put);
-      offset += static_cast<std::uint64_t>(put);
-    }
+    if (!file_.is_open())
+      throw RouteFileError(detail::str("mrr::", fn, ": this FileRouteStore was moved from; it has no file"));
   }
 
   void read_header(const std::optional<RouteShape>& expected) {
-    if (file_size() < route_file::kHeaderBytes)
-      throw RouteFileError(detail::str("route file ", path_.string(), " is too short to hold a header (",
-                                       file_size(), " bytes): not a route file, or its writer stopped while creating it"));
-    auto& buf = header_bytes_;
-    read_exact(buf.data(), buf.size(), 0);
+    const std::uint64_t size = file_.size();
+    if (size < route_file::kHeaderBytes)
+      throw RouteFileError(detail::str("route file ", path().string(), " is too short to hold a header (", size,
+                                       " bytes): not a route file, or its writer stopped while creating it"));
+    unsigned char buf[route_file::kHeaderBytes];
+    file_.read_exact(buf, sizeof buf, 0);
     route_file::FileHeader h;
-    if (const std::string why = route_file::decode(buf.data(), h); !why.empty())
-      throw RouteFileError(detail::str("route file ", path_.string(), " cannot be used: ", why));
+    if (const std::string why = route_file::decode(buf, h); !why.empty())
+      throw RouteFileError(detail::str("route file ", path().string(), " cannot be used: ", why));
+    file_.set_header(buf);
     if (expected) {
       const auto& e = *expected;
       auto mismatch = [&](const char* field, std::int32_t file_value, std::int32_t model_value) {
-        throw RouteFileError(detail::str("route file ", path_.string(), " has ", field, " = ", file_value,
+        throw RouteFileError(detail::str("route file ", path().string(), " has ", field, " = ", file_value,
                                          " but the model has ", model_value, "; it was recorded for another model"));
       };
       if (h.shape.num_experts != e.num_experts) mismatch("num_experts", h.shape.num_experts, e.num_experts);
@@ -631,7 +443,7 @@ class FileRouteStore {
 
   // A clean file ends with [index record][tail record]; anything else is rescanned.
   void load_index_or_scan() {
-    const std::uint64_t size = file_size();
+    const std::uint64_t size = file_.size();
     end_ = size;
     if (try_load_index(size)) return;
     scan(size);
@@ -641,7 +453,7 @@ class FileRouteStore {
     const std::uint64_t tail_bytes = route_file::record_bytes(8);
     if (size < route_file::kHeaderBytes + tail_bytes) return false;
     unsigned char tail[route_file::kRecordHeaderBytes + 8];  // a tail record is exactly this
-    read_exact(tail, sizeof tail, size - tail_bytes);
+    file_.read_exact(tail, sizeof tail, size - tail_bytes);
     route_file::RecordHeader th;
     if (!route_file::decode(tail, th) || th.type != route_file::RecordType::tail || th.payload_bytes != 8 ||
         route_file::checksum(tail, tail + route_file::kRecordHeaderBytes, 8) != th.checksum)
@@ -655,7 +467,7 @@ class FileRouteStore {
     // if it is damaged, the rescan steps over it (it holds no routes).
     damaged_index_ = {index_offset, size - tail_bytes};
     unsigned char ih_bytes[route_file::kRecordHeaderBytes];
-    read_exact(ih_bytes, sizeof ih_bytes, index_offset);
+    file_.read_exact(ih_bytes, sizeof ih_bytes, index_offset);
     route_file::RecordHeader ih;
     // The payload size is checked against the file before it is padded or allocated.
     if (!route_file::decode(ih_bytes, ih) || ih.type != route_file::RecordType::index ||
@@ -666,7 +478,7 @@ class FileRouteStore {
       return false;
     }
     std::vector<unsigned char> payload(static_cast<std::size_t>(ih.payload_bytes));
-    read_exact(payload.data(), payload.size(), index_offset + route_file::kRecordHeaderBytes);
+    file_.read_exact(payload.data(), payload.size(), index_offset + route_file::kRecordHeaderBytes);
     const auto count = route_file::detail::get<std::uint64_t>(payload.data());
     if (route_file::checksum(ih_bytes, payload.data(), payload.size()) != ih.checksum ||
         count != (ih.payload_bytes - 8) / 16) {
@@ -733,7 +545,7 @@ class FileRouteStore {
       }
       // A header cut short by the end of the file is a torn write; so is a zero-filled tail.
       if (left < route_file::kRecordHeaderBytes) return torn(offset, size);
-      read_exact(hb, sizeof hb, offset);
+      file_.read_exact(hb, sizeof hb, offset);
       if (!route_file::decode(hb, h)) {
         if (all_zero(offset, size)) return torn(offset, size);
         damaged(offset, "no valid record header (bad magic, type or header check)");
@@ -764,7 +576,7 @@ class FileRouteStore {
     route_file::RecordChecksum sum(hb);
     for (std::uint64_t done = 0; done < h.payload_bytes;) {
       const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kReadChunk, h.payload_bytes - done));
-      const unsigned char* p = read_at(offset + route_file::kRecordHeaderBytes + done, n, read_buffer_);
+      const unsigned char* p = file_.read_at(offset + route_file::kRecordHeaderBytes + done, n, read_buffer_);
       sum.update(p, n);
       f(p, n);
       done += n;
@@ -772,18 +584,11 @@ class FileRouteStore {
     return sum.digest();
   }
 
-  // Reads n bytes at `offset` into buf (grown as needed) and returns them.
-  const unsigned char* read_at(std::uint64_t offset, std::size_t n, std::vector<unsigned char>& buf) const {
-    if (buf.size() < n) buf.resize(std::max(n, std::min<std::size_t>(kReadChunk, 2 * buf.size())));
-    read_exact(buf.data(), n, offset);
-    return buf.data();
-  }
-
   bool all_zero(std::uint64_t from, std::uint64_t to) const {
     std::vector<unsigned char> buf(1 << 16);
     while (from < to) {
       const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(buf.size(), to - from));
-      read_exact(buf.data(), n, from);
+      file_.read_exact(buf.data(), n, from);
       for (std::size_t i = 0; i < n; ++i)
         if (buf[i] != 0) return false;
       from += n;
@@ -838,7 +643,7 @@ class FileRouteStore {
     for (std::int64_t pos = from; pos < to;) {
       const std::int64_t n = std::min(per_chunk, to - pos);
       const std::size_t bytes = static_cast<std::size_t>(n - 1) * s.stride + row_bytes;
-      f(pos, static_cast<std::size_t>(n), read_at(s.payload + static_cast<std::uint64_t>(pos - s.first) * s.stride, bytes, buf));
+      f(pos, static_cast<std::size_t>(n), file_.read_at(s.payload + static_cast<std::uint64_t>(pos - s.first) * s.stride, bytes, buf));
       pos += n;
     }
   }
@@ -964,7 +769,7 @@ class FileRouteStore {
       if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes)
         damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
       unsigned char* hb = headers.data() + i * route_file::kRecordHeaderBytes;
-      read_exact(hb, route_file::kRecordHeaderBytes, offset);
+      file_.read_exact(hb, route_file::kRecordHeaderBytes, offset);
       route_file::RecordHeader h;
       if (!route_file::decode(hb, h) || h.type != route_file::RecordType::routes || h.uid != uid)
         damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
@@ -1119,8 +924,8 @@ class FileRouteStore {
   // nobody else changed it; memory state changes only after the write succeeded.
   void commit(const std::vector<unsigned char>& buffer, const std::vector<Pending>& pending, const char* fn) {
     if (buffer.empty()) return;
-    check_still_ours(fn);
-    write_all(buffer.data(), buffer.size(), end_);
+    file_.check_still_ours(fn, end_);
+    file_.write_all(buffer.data(), buffer.size(), end_);
     const auto row_bytes = static_cast<std::uint32_t>(shape().topk * header_.id_width);
     for (const Pending& p : pending) {
       const std::uint64_t offset = end_ + p.at;
@@ -1176,13 +981,11 @@ class FileRouteStore {
     th.payload_bytes = 8;
     std::memcpy(buffer.data() + tail_at + route_file::kRecordHeaderBytes, tail_payload, 8);
     route_file::encode(th, tail_payload, buffer.data() + tail_at);
-    write_all(buffer.data(), buffer.size(), end_);
+    file_.write_all(buffer.data(), buffer.size(), end_);
     end_ += buffer.size();
   }
 
-  std::filesystem::path path_;
-  int fd_ = -1;
-  bool writable_ = false;
+  detail::RouteFileHandle file_;  // the open file: descriptor, lock, positioned I/O, identity checks
   FileStoreOptions options_;
   route_file::FileHeader header_;
   std::uint64_t end_ = 0;  // where the next record goes
@@ -1191,9 +994,6 @@ class FileRouteStore {
   mutable std::unordered_map<SequenceId, SequenceIndex> loaded_;  // sequences read or written so far
   mutable detail::RouteTable cache_;  // tables built by sequence(), and the shape checks
   std::vector<std::uint64_t> boundaries_;  // sorted offsets of the records (and index) known: record_limit
-  std::array<unsigned char, route_file::kHeaderBytes> header_bytes_{};  // the header as opened or written
-  std::pair<dev_t, ino_t> identity_{};   // a writer's file (check_still_ours)
-  std::filesystem::path absolute_path_;  // a writer's path, immune to chdir
   bool closed_ = false;                  // close() was called: no more writes, reads still work
   mutable std::vector<unsigned char> read_buffer_;     // chunks read from the file (kReadChunk)
   mutable std::vector<unsigned char> compare_buffer_;  // a second chunk, for comparisons

@@ -1,0 +1,271 @@
+// The POSIX side of a route file, apart from its format: opening (regular files only, symlinks
+// that lead nowhere named as such), the one-writer lock, positioned reads and writes, and the
+// checks that the file an open store uses is still the one it opened. FileRouteStore
+// (mrr/replay/file_store.hpp) builds the format on it.
+#pragma once
+
+#include <mrr/detail/config.hpp>
+#include <mrr/detail/regular_file.hpp>
+#include <mrr/error.hpp>
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+MRR_NAMESPACE_BEGIN
+namespace detail {
+
+class RouteFileHandle {
+ public:
+  static constexpr std::size_t kHeaderBytes = 64;  // route_file::kHeaderBytes
+  using HeaderBytes = std::array<unsigned char, kHeaderBytes>;
+
+  RouteFileHandle() = default;
+  RouteFileHandle(RouteFileHandle&& o) noexcept { *this = std::move(o); }
+  RouteFileHandle& operator=(RouteFileHandle&& o) noexcept {
+    if (this != &o) {
+      fd_ = UniqueFd(std::move(o.fd_));
+      path_ = std::move(o.path_);
+      absolute_path_ = std::move(o.absolute_path_);
+      identity_ = o.identity_;
+      writable_ = std::exchange(o.writable_, false);
+      header_ = o.header_;
+    }
+    return *this;
+  }
+  RouteFileHandle(const RouteFileHandle&) = delete;
+  RouteFileHandle& operator=(const RouteFileHandle&) = delete;
+
+  // A new, empty file, locked for writing; an existing path is an error (records are never
+  // overwritten).
+  static RouteFileHandle create(const std::filesystem::path& path) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) throw_create_error(path);
+    return locked(path, fd);
+  }
+
+  // An existing regular file, read-only and unlocked: readers never wait for writers.
+  static RouteFileHandle open_for_reading(const std::filesystem::path& path) {
+    RouteFileHandle h;
+    h.fd_ = UniqueFd(checked(path, open_regular_file(path.c_str(), O_RDONLY)));
+    h.path_ = path;
+    return h;
+  }
+
+  // The file at `path`, created (empty) when missing, locked for writing.
+  static RouteFileHandle open_for_appending(const std::filesystem::path& path) {
+    RegularFile f = open_regular_file(path.c_str(), O_RDWR);
+    if (!f.ok() && f.err == ENOENT && !std::filesystem::is_symlink(std::filesystem::symlink_status(path))) {
+      f.fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (f.fd < 0 && errno != EEXIST) throw_create_error(path);
+      if (f.fd < 0) f = open_regular_file(path.c_str(), O_RDWR);  // another process created it meanwhile
+    }
+    return locked(path, checked(path, f));
+  }
+
+  const std::filesystem::path& path() const { return path_; }
+  bool is_open() const { return fd_.get() >= 0; }
+  bool writable() const { return writable_; }
+
+  // Ends writing: releases the lock (the descriptor stays open for reading).
+  void unlock() {
+    if (writable_ && is_open()) (void)::flock(fd_.get(), LOCK_UN);
+  }
+
+  std::uint64_t size() const {
+    struct stat st {};
+    if (::fstat(fd_.get(), &st) != 0)
+      throw RouteFileError(str("route file ", path_.string(), ": fstat failed: ", std::strerror(errno)));
+    return static_cast<std::uint64_t>(st.st_size);
+  }
+
+  // Exactly n bytes at `offset`. Every byte a store reads was in the file when it opened or wrote
+  // it, so an end of file here means the file was truncated underneath it.
+  void read_exact(void* out, std::size_t n, std::uint64_t offset) const {
+    auto* p = static_cast<unsigned char*>(out);
+    while (n > 0) {
+      const ssize_t got = ::pread(fd_.get(), p, n, static_cast<off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0)
+        throw RouteFileError(str("route file ", path_.string(), ": read failed at offset ", offset, ": ",
+                                 std::strerror(errno)));
+      if (got == 0)
+        throw RouteFileError(str("route file ", path_.string(), " ends at offset ", offset,
+                                 ", before bytes it held when opened: it was truncated or replaced while open; "
+                                 "refusing to return routes from it"));
+      p += got;
+      n -= static_cast<std::size_t>(got);
+      offset += static_cast<std::uint64_t>(got);
+    }
+  }
+
+  // Reads n bytes at `offset` into buf (grown as needed) and returns them.
+  const unsigned char* read_at(std::uint64_t offset, std::size_t n, std::vector<unsigned char>& buf) const {
+    if (buf.size() < n) buf.resize(std::max(n, 2 * buf.size()));
+    read_exact(buf.data(), n, offset);
+    return buf.data();
+  }
+
+  // Writes all n bytes at `offset`; on failure the file is cut back to `offset`, so no partial
+  // record is left for the next append.
+  void write_all(const void* data, std::size_t n, std::uint64_t offset) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    const std::uint64_t start = offset;
+    while (n > 0) {
+      const ssize_t put = ::pwrite(fd_.get(), p, n, static_cast<off_t>(offset));
+      if (put < 0 && errno == EINTR) continue;
+      if (put <= 0) {
+        const int err = errno;
+        if (::ftruncate(fd_.get(), static_cast<off_t>(start)) != 0) { /* reopening reports the torn tail */ }
+        throw RouteFileError(str("route file ", path_.string(), ": write failed at offset ", offset, ": ",
+                                 std::strerror(err)));
+      }
+      p += put;
+      n -= static_cast<std::size_t>(put);
+      offset += static_cast<std::uint64_t>(put);
+    }
+  }
+
+  void truncate(std::uint64_t size, const char* why) {
+    if (::ftruncate(fd_.get(), static_cast<off_t>(size)) != 0)
+      throw RouteFileError(str("route file ", path_.string(), ": cannot truncate ", why, ": ", std::strerror(errno)));
+  }
+
+  void sync() {
+    if (is_open() && writable_ && ::fdatasync(fd_.get()) != 0)
+      throw RouteFileError(str("route file ", path_.string(), ": fdatasync failed: ", std::strerror(errno)));
+  }
+
+  // The file's header as this store read or wrote it: what check_unchanged compares against.
+  void set_header(const unsigned char* bytes) { std::memcpy(header_.data(), bytes, kHeaderBytes); }
+  const HeaderBytes& header() const { return header_; }
+
+  // Whatever was read is from the file this store opened: the header (with its random file id)
+  // must still be the one it had. Called after reading, so a file replaced in place (another
+  // route file copied over it: truncated, then written from the start) is caught even when the
+  // copy raced the read. A file truncated under a reader shows as a short read (read_exact).
+  void check_unchanged(const char* fn) const {
+    HeaderBytes now{};
+    const ssize_t got = ::pread(fd_.get(), now.data(), now.size(), 0);
+    if (got != static_cast<ssize_t>(now.size()) || now != header_)
+      throw RouteFileError(str("mrr::", fn, ": route file ", path_.string(),
+                               " was replaced or rewritten while open (its header is no longer the one it had when "
+                               "opened); refusing to return routes read from it: reopen it"));
+  }
+
+  // A writer's records must reach the file its path names: if the path was renamed over or
+  // removed, they would go to an unlinked file (lost at close) while another writer could take
+  // the path; if the file was truncated or written by someone else (its size is not the
+  // `expected_size` this writer left), they would land in a file that no longer matches what the
+  // writer knows. Each is an error before anything is written.
+  void check_still_ours(const char* fn, std::uint64_t expected_size) const {
+    struct stat path_st {}, fd_st {};
+    const bool named = ::stat(absolute_path_.c_str(), &path_st) == 0;
+    if (!named || path_st.st_dev != identity_.first || path_st.st_ino != identity_.second)
+      throw RouteFileError(str("mrr::", fn, ": route file ", path_.string(), " was ",
+                               named ? "replaced (another file renamed over it)" : "removed",
+                               " while this writer had it open; its records would go to a file no path names, so "
+                               "nothing more is recorded (what was recorded before is in the file this writer opened)"));
+    if (::fstat(fd_.get(), &fd_st) != 0 || static_cast<std::uint64_t>(fd_st.st_size) != expected_size)
+      throw RouteFileError(str("mrr::", fn, ": route file ", path_.string(), " is ", fd_st.st_size,
+                               " bytes where this writer left ", expected_size,
+                               ": another program truncated or wrote it while it was open for recording; nothing "
+                               "more is recorded"));
+    check_unchanged(fn);
+  }
+
+ private:
+  // Takes the one-writer lock on a freshly opened descriptor (closed if that fails) and records
+  // the file's identity for check_still_ours.
+  static RouteFileHandle locked(const std::filesystem::path& path, int fd) {
+    RouteFileHandle h;
+    h.fd_ = UniqueFd(fd);
+    h.path_ = path;
+    lock_for_writing(fd, path);  // throws; h closes fd
+    h.writable_ = true;
+    struct stat st {};
+    if (::fstat(fd, &st) == 0) h.identity_ = {st.st_dev, st.st_ino};
+    std::error_code ec;
+    h.absolute_path_ = std::filesystem::absolute(path, ec);  // immune to a later chdir
+    if (ec) h.absolute_path_ = path;
+    return h;
+  }
+
+  // One writer per file: flock(LOCK_EX | LOCK_NB) on the open file, released by unlock() or when
+  // it is closed (or the process dies). Filesystems without flock support are written unlocked.
+  static void lock_for_writing(int fd, const std::filesystem::path& path) {
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return;
+    const int err = errno;
+    if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS) return;
+    if (err == EWOULDBLOCK)
+      throw RouteFileError(str("route file ", path.string(),
+                               " is locked by another writer (a FileRouteStore created or appended to it and has not "
+                               "closed it); close that writer first, or record to another file"));
+    throw RouteFileError(str("route file ", path.string(), ": cannot lock it for writing: ", std::strerror(err)));
+  }
+
+  // The descriptor of a successful open_regular_file, else the error it calls for.
+  static int checked(const std::filesystem::path& path, const RegularFile& f) {
+    if (f.not_regular())
+      throw RouteFileError(str("cannot open route file ", path.string(), ": it is ", f.kind,
+                               ", not a regular file (route files are read with positioned reads)"));
+    if (!f.ok()) {
+      errno = f.err;
+      throw_open_error(path);
+    }
+    return f.fd;
+  }
+
+  // What a symlink at `path` is when it leads nowhere ("" when it is no such symlink): open()
+  // alone only says "File exists" or "No such file".
+  static std::string broken_symlink(const std::filesystem::path& path) {
+    std::error_code ec;
+    if (!std::filesystem::is_symlink(std::filesystem::symlink_status(path, ec))) return "";
+    const std::string target = std::filesystem::read_symlink(path, ec).string();
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0) return "";
+    if (errno == ELOOP) return str("is a symlink loop (", path.string(), " -> ", target, " -> ...)");
+    if (errno == ENOENT) return str("is a dangling symlink to ", target, ", which does not exist");
+    return "";
+  }
+
+  [[noreturn]] static void throw_create_error(const std::filesystem::path& path) {
+    const int err = errno;
+    if (const std::string link = broken_symlink(path); !link.empty())
+      throw RouteFileError(str("cannot create route file ", path.string(), ": it ", link,
+                               "; remove the link or make it point at a usable path"));
+    throw RouteFileError(str("cannot create route file ", path.string(), ": ", std::strerror(err),
+                             err == EEXIST ? " (it exists; open it with FileRouteStore::append to add routes, or "
+                                             "choose a new name)"
+                                           : ""));
+  }
+
+  [[noreturn]] static void throw_open_error(const std::filesystem::path& path) {
+    const int err = errno;
+    if (const std::string link = broken_symlink(path); !link.empty())
+      throw RouteFileError(str("cannot open route file ", path.string(), ": it ", link));
+    if (err == ENOENT) throw RouteFileError(str("route file ", path.string(), " does not exist"));
+    throw RouteFileError(str("cannot open route file ", path.string(), ": ", std::strerror(err)));
+  }
+
+  UniqueFd fd_;
+  std::filesystem::path path_;
+  std::filesystem::path absolute_path_;  // a writer's path, for check_still_ours
+  std::pair<dev_t, ino_t> identity_{};   // a writer's file
+  bool writable_ = false;
+  HeaderBytes header_{};
+};
+
+}  // namespace detail
+MRR_NAMESPACE_END
