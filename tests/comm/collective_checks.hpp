@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace mrr::test::comm {
@@ -206,6 +207,69 @@ void check_mismatched_sizes(const Comm& comm) {
     CHECK_THROWS_AS(comm.broadcast(mspan(d), 0), mrr::CommunicatorError);
   else
     CHECK_THROWS_AS(comm.all_reduce_sum(mspan(d)), mrr::CommunicatorError);
+  check_still_works(comm);
+}
+
+// A barrier is argument-checked like the other collectives: rank 0 in barrier() while the others
+// are in all_to_all_v (or the reverse) throws CommunicatorError on every rank, naming both calls,
+// and the communicator stays in step.
+template <class Comm>
+void check_mismatched_barrier(const Comm& comm) {
+  const int P = comm.size(), me = comm.rank();
+  if (P == 1) return;
+  std::vector<std::size_t> counts(static_cast<std::size_t>(P), 2);
+  std::vector<float> send(2 * static_cast<std::size_t>(P), 1.f), recv(send.size());
+  for (const int barrier_rank : {0, P - 1}) {
+    CAPTURE(barrier_rank);
+    std::string message;
+    try {
+      if (me == barrier_rank)
+        comm.barrier();
+      else
+        comm.all_to_all_v(cspan(send), cspan(counts), mspan(recv), cspan(counts));
+    } catch (const mrr::CommunicatorError& e) {
+      message = e.what();
+    }
+    CHECK(message.find("barrier") != std::string::npos);
+    CHECK(message.find("all_to_all_v<float>") != std::string::npos);
+  }
+  check_still_works(comm);
+}
+
+// Send and recv buffers that overlap (in-place all_to_all_v or all_gather, or two views of one
+// array) are refused with InvalidArgument on every rank, whichever rank passes them: the
+// transports read and write the buffers concurrently, so an overlap gives wrong data.
+template <class Comm>
+void check_overlapping_buffers(const Comm& comm) {
+  const int P = comm.size(), me = comm.rank();
+  const auto n = static_cast<std::size_t>(P);
+  std::vector<std::size_t> counts(n, 1);
+  std::vector<float> both(3 * n, 1.f), send(n, 1.f), recv(n);
+  const std::span<float> all(both);
+  for (const int culprit : {0, P - 1}) {
+    CAPTURE(culprit);
+    const bool overlap = me == culprit;
+    // In place, and a recv buffer starting inside the send buffer.
+    for (const std::size_t shift : {std::size_t{0}, n - 1}) {
+      CAPTURE(shift);
+      const auto s = overlap ? std::span<const float>(all.first(n)) : cspan(send);
+      const auto r = overlap ? all.subspan(shift, n) : mspan(recv);
+      CHECK_THROWS_WITH_AS(comm.all_to_all_v(s, cspan(counts), r, cspan(counts)),
+                           doctest::Contains("send and recv buffers overlap"), mrr::InvalidArgument);
+    }
+    const auto s = overlap ? std::span<const float>(all.subspan(n, 1)) : std::span<const float>(send).first(1);
+    const auto r = overlap ? all.subspan(1, n) : mspan(recv);
+    CHECK_THROWS_WITH_AS(comm.all_gather(s, r), doctest::Contains("send and recv buffers overlap"),
+                         mrr::InvalidArgument);
+  }
+  // Adjacent, not overlapping: one array split into a send half and a recv half is fine.
+  std::vector<float> halves(2 * n);
+  for (std::size_t p = 0; p < n; ++p)
+    halves[p] = static_cast<float>(me * 10 + static_cast<int>(p));
+  comm.all_to_all_v(std::span<const float>(halves).first(n), cspan(counts), std::span<float>(halves).last(n),
+                    cspan(counts));
+  for (std::size_t p = 0; p < n; ++p)
+    CHECK(halves[n + p] == static_cast<float>(static_cast<int>(p) * 10 + me));
   check_still_works(comm);
 }
 

@@ -112,6 +112,16 @@ void run_rank(const mrr::NcclCommunicator& comm, std::vector<std::string>& failu
     fail("mismatched counts did not throw");
   } catch (const mrr::InvalidArgument&) {
   }
+  // in-place (overlapping send and recv buffers) on the last rank: every rank throws
+  const auto block = d_p.cspan().first(P);
+  const auto into = me == P - 1 ? d_p.span().subspan(1, P) : d_q.span().first(P);
+  try {
+    comm.all_to_all_v(block, std::span<const std::size_t>(ones), into, std::span<const std::size_t>(ones));
+    fail("overlapping send and recv buffers did not throw");
+  } catch (const mrr::InvalidArgument& e) {
+    if (std::string(e.what()).find("send and recv buffers overlap") == std::string::npos)
+      fail(std::string("overlap: unexpected message: ") + e.what());
+  }
   comm.barrier();
 }
 

@@ -71,6 +71,46 @@ TEST_CASE("sizes, roots, collectives or element types that disagree between rank
   on_every_communicator([](const auto& comm) { check_mismatched_sizes(comm); });
 }
 
+TEST_CASE("barrier on one rank facing all_to_all_v on another throws on every rank, and nothing is read") {
+  on_every_communicator([](const auto& comm) { check_mismatched_barrier(comm); });
+}
+
+TEST_CASE("InProcessGroup: barrier facing all_to_all_v after an exchange reads no freed buffer (ASan)") {
+  // Both ranks exchange from buffers that are then freed; rank 0 then calls barrier() and rank 1
+  // all_to_all_v with the same arguments. Were the barrier unchecked, rank 0 would pass it and
+  // return, and rank 1 would accept rank 0's stale record and copy from its freed send buffer.
+  mrr::InProcessGroup group(2);
+  std::vector<std::string> seen(2);
+  with_watchdog([&] {
+    CHECK_THROWS_AS(group.run([&](const mrr::InProcessComm& comm) {
+      const std::vector<std::size_t> counts(2, 4096);
+      std::vector<float> recv(8192);
+      {
+        const std::vector<float> send(8192, static_cast<float>(comm.rank()));
+        comm.all_to_all_v(cspan(send), cspan(counts), mspan(recv), cspan(counts));
+      }
+      try {
+        if (comm.rank() == 0) {
+          comm.barrier();
+        } else {
+          const std::vector<float> send(8192, 2.f);
+          comm.all_to_all_v(cspan(send), cspan(counts), mspan(recv), cspan(counts));
+        }
+      } catch (const mrr::CommunicatorError& e) {
+        seen[static_cast<std::size_t>(comm.rank())] = e.what();
+        throw;
+      }
+    }),
+                    mrr::CommunicatorError);
+  });
+  for (const auto& message : seen)
+    CHECK(message.find("rank 1 calls all_to_all_v<float> while rank 0 calls barrier") != std::string::npos);
+}
+
+TEST_CASE("overlapping send and recv buffers are refused on every rank") {
+  on_every_communicator([](const auto& comm) { check_overlapping_buffers(comm); });
+}
+
 TEST_CASE("a rank that throws wakes every rank blocked in a collective; run rethrows the original") {
   for (int failing_after : {0, 3}) {  // before the first collective, and mid-loop
     CAPTURE(failing_after);

@@ -10,8 +10,13 @@
 
 #include <mpi.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <memory>
+#include <optional>
+#include <span>
 #include <sstream>
+#include <vector>
 
 namespace {
 
@@ -36,6 +41,45 @@ TEST_CASE("MPI: mismatched counts or buffers throw on every rank, and the commun
 
 TEST_CASE("MPI: sizes, roots, collectives or element types that disagree between ranks throw on every rank") {
   check_mismatched_sizes(world());
+}
+
+TEST_CASE("MPI: barrier on one rank facing all_to_all_v on another throws on every rank") {
+  check_mismatched_barrier(world());
+}
+
+TEST_CASE("MPI: overlapping send and recv buffers are refused on every rank") {
+  check_overlapping_buffers(world());
+}
+
+TEST_CASE("MPI: a rank that destroys its communicator while the others call a collective ends their wait") {
+  const int P = world().size(), me = world().rank();
+  std::optional<mrr::MpiCommunicator> comm(std::in_place, MPI_COMM_WORLD);
+  if (me == 1) {
+    comm.reset();  // leaves: returns at once, without waiting for the others to leave too
+  } else {
+    std::vector<double> mine(3, 1.0), all(3 * static_cast<std::size_t>(P));
+    CHECK_THROWS_WITH_AS(comm->all_gather(std::span<const double>(mine), std::span<double>(all)),
+                         doctest::Contains("rank 1 has destroyed its MpiCommunicator"), mrr::CommunicatorError);
+    // The communicator is now unusable everywhere, and says why without waiting for anyone.
+    CHECK_THROWS_WITH_AS(comm->barrier(), doctest::Contains("can no longer be used"), mrr::CommunicatorError);
+    comm.reset();
+  }
+  world().barrier();  // the other communicators are unaffected
+  check_still_works(world());
+}
+
+TEST_CASE("MPI: the collective timeout comes from the constructor or MRR_MPI_TIMEOUT, and must be positive") {
+  CHECK(world().timeout() == std::chrono::minutes(10));
+  CHECK(mrr::MpiCommunicator(MPI_COMM_WORLD, std::chrono::seconds(7)).timeout() == std::chrono::seconds(7));
+  CHECK_THROWS_AS(mrr::MpiCommunicator(MPI_COMM_WORLD, std::chrono::milliseconds(0)), mrr::InvalidArgument);
+  REQUIRE(setenv("MRR_MPI_TIMEOUT", "2.5", 1) == 0);
+  CHECK(mrr::MpiCommunicator().timeout() == std::chrono::milliseconds(2500));
+  for (const char* bad : {"", "abc", "0", "-3", "5s", "nan", "1e300"}) {
+    CAPTURE(bad);
+    REQUIRE(setenv("MRR_MPI_TIMEOUT", bad, 1) == 0);
+    CHECK_THROWS_WITH_AS(mrr::MpiCommunicator(), doctest::Contains("MRR_MPI_TIMEOUT"), mrr::InvalidArgument);
+  }
+  REQUIRE(unsetenv("MRR_MPI_TIMEOUT") == 0);
 }
 
 TEST_CASE("MPI: a split communicator (even and odd ranks) runs the same checks") {

@@ -134,13 +134,18 @@ class InProcessState {
 
 // One rank's view of an InProcessGroup, handed to the function run() calls. Models Communicator.
 // Collectives block until every rank of the group has entered the same one; buffers must not
-// overlap one another.
+// overlap one another (a rank whose send and recv buffers overlap is an error on every rank).
 class InProcessComm {
  public:
   int rank() const { return rank_; }
   int size() const { return state_->size(); }
 
-  void barrier() const { state_->arrive_and_wait(); }
+  // Checked like the other collectives: a rank in barrier() facing one in another collective is
+  // an error on both, not a barrier that lets one leave while the other reads its buffers.
+  void barrier() const {
+    detail::describe_collective_tagged(state_->record(rank_), detail::CollectiveOp::barrier, 0);
+    exchange("InProcessComm::barrier", [] {});
+  }
 
   template <class T>
   void all_to_all_v(std::span<const T> send, std::span<const std::size_t> send_counts, std::span<T> recv,
@@ -150,8 +155,7 @@ class InProcessComm {
     post.send = send.data();
     post.recv = recv.data();
     post.send_counts = send_counts.data();
-    detail::describe_collective<T>(state_->record(rank_), detail::CollectiveOp::all_to_all_v, send.size(), recv.size(),
-                                   send_counts, recv_counts);
+    detail::describe_all_to_all_v<T>(state_->record(rank_), send, send_counts, recv, recv_counts);
     exchange("InProcessComm::all_to_all_v", [&] {
       const auto P = static_cast<std::size_t>(size());
       const auto me = static_cast<std::size_t>(rank_);
@@ -171,7 +175,7 @@ class InProcessComm {
   void all_gather(std::span<const T> send, std::span<T> recv) const {
     static_assert(std::is_trivially_copyable_v<T>, "communicators move trivially copyable elements only");
     state_->post(rank_).send = send.data();
-    detail::describe_collective<T>(state_->record(rank_), detail::CollectiveOp::all_gather, send.size(), recv.size());
+    detail::describe_all_gather<T>(state_->record(rank_), send, recv);
     exchange("InProcessComm::all_gather", [&] {
       for (int p = 0; p < size(); ++p)
         std::copy_n(static_cast<const T*>(state_->post(p).send), send.size(),

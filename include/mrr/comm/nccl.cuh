@@ -144,12 +144,12 @@ class NcclCommunicator {
   ncclComm_t native() const { return comm_; }
   cudaStream_t stream() const { return stream_; }
 
-  // NCCL has no barrier: an all-gather of one word, waited for.
+  // NCCL has no barrier: the argument check's all-gather is one (no rank completes it before
+  // every rank has entered it), and a rank in another collective is an error on every rank.
   void barrier() const {
-    detail::DeviceScratch<std::uint64_t> words(static_cast<std::size_t>(size_), stream_, "NcclCommunicator::barrier");
-    detail::nccl_check(ncclAllGather(words.get() + rank_, words.get(), 1, ncclUint64, comm_, stream_), comm_,
-                       "NcclCommunicator::barrier", "ncclAllGather");
-    wait("NcclCommunicator::barrier");
+    auto mine = blank_record();
+    detail::describe_collective_tagged(mine, detail::CollectiveOp::barrier, 0);
+    agree("NcclCommunicator::barrier", mine);
   }
 
   template <class T>
@@ -157,7 +157,9 @@ class NcclCommunicator {
                     std::span<const std::size_t> recv_counts) const {
     static_assert(std::is_trivially_copyable_v<T>, "communicators move trivially copyable elements only");
     constexpr const char* fn = "NcclCommunicator::all_to_all_v";
-    agree<T>(fn, detail::CollectiveOp::all_to_all_v, send.size(), recv.size(), send_counts, recv_counts);
+    auto mine = blank_record();
+    detail::describe_all_to_all_v<T>(mine, send, send_counts, recv, recv_counts);
+    agree(fn, mine);
     const ncclDataType_t type = detail::nccl_datatype<T>();
     std::size_t s = 0, r = 0;
     detail::NcclGroup group(comm_, fn);
@@ -178,7 +180,9 @@ class NcclCommunicator {
   void all_gather(std::span<const T> send, std::span<T> recv) const {
     static_assert(std::is_trivially_copyable_v<T>, "communicators move trivially copyable elements only");
     constexpr const char* fn = "NcclCommunicator::all_gather";
-    agree<T>(fn, detail::CollectiveOp::all_gather, send.size(), recv.size());
+    auto mine = blank_record();
+    detail::describe_all_gather<T>(mine, send, recv);
+    agree(fn, mine);
     if (send.empty()) return;
     detail::nccl_check(
         ncclAllGather(send.data(), recv.data(), send.size() * scale<T>, detail::nccl_datatype<T>(), comm_, stream_),
@@ -190,8 +194,10 @@ class NcclCommunicator {
   void broadcast(std::span<T> data, int root) const {
     static_assert(std::is_trivially_copyable_v<T>, "communicators move trivially copyable elements only");
     constexpr const char* fn = "NcclCommunicator::broadcast";
-    agree<T>(fn, detail::CollectiveOp::broadcast, data.size(),
-             static_cast<std::uint64_t>(static_cast<std::int64_t>(root)));
+    auto mine = blank_record();
+    detail::describe_collective<T>(mine, detail::CollectiveOp::broadcast, data.size(),
+                                   static_cast<std::uint64_t>(static_cast<std::int64_t>(root)));
+    agree(fn, mine);
     if (data.empty()) return;
     detail::nccl_check(ncclBroadcast(data.data(), data.data(), data.size() * scale<T>, detail::nccl_datatype<T>(), root,
                                      comm_, stream_),
@@ -206,7 +212,9 @@ class NcclCommunicator {
     static_assert(detail::summable<T> && detail::nccl_named_type<T>,
                   "NcclCommunicator::all_reduce_sum needs float, double or a 1-, 4- or 8-byte integer");
     constexpr const char* fn = "NcclCommunicator::all_reduce_sum";
-    agree<T>(fn, detail::CollectiveOp::all_reduce_sum, data.size());
+    auto record = blank_record();
+    detail::describe_collective<T>(record, detail::CollectiveOp::all_reduce_sum, data.size());
+    agree(fn, record);
     const std::size_t n = data.size(), P = static_cast<std::size_t>(size_);
     if (n == 0) return;
     const std::size_t chunk = (n + P - 1) / P;
@@ -263,16 +271,15 @@ class NcclCommunicator {
     }
   }
 
-  // All-gathers every rank's description of this call (through the device) and validates the
-  // table on every rank.
-  template <class T>
-  void agree(const char* function, detail::CollectiveOp op, std::uint64_t a, std::uint64_t b = 0,
-             std::span<const std::size_t> send_counts = {}, std::span<const std::size_t> recv_counts = {}) const {
-    const std::size_t width = detail::collective_record_width(size_);
+  std::vector<std::uint64_t> blank_record() const {
+    return std::vector<std::uint64_t>(detail::collective_record_width(size_));
+  }
+
+  // All-gathers every rank's record of this call (through the device) and validates the table on
+  // every rank.
+  void agree(const char* function, std::span<const std::uint64_t> mine) const {
+    const std::size_t width = mine.size();
     std::vector<std::uint64_t> table(width * static_cast<std::size_t>(size_));
-    const std::span<std::uint64_t> mine =
-        std::span<std::uint64_t>(table).subspan(static_cast<std::size_t>(rank_) * width, width);
-    detail::describe_collective<T>(mine, op, a, b, send_counts, recv_counts);
     detail::DeviceScratch<std::uint64_t> records(table.size(), stream_, function);
     std::uint64_t* my_record = records.get() + static_cast<std::size_t>(rank_) * width;
     detail::cuda_check(

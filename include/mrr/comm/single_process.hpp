@@ -1,12 +1,15 @@
 // The single-process communicator: expert parallelism of size one. Collectives are local copies,
-// so code written against the Communicator concept runs unchanged without MPI or NCCL.
+// so code written against the Communicator concept runs unchanged without MPI or NCCL. Arguments
+// are validated by the same checks as the other communicators' (counts, sizes, root, overlap).
 #pragma once
 
+#include <mrr/comm/detail/collective_check.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 
 MRR_NAMESPACE_BEGIN
@@ -25,28 +28,28 @@ struct SingleProcess {
   // Every rank's `send` (equal sizes) concatenated in rank order: here, a copy.
   template <class T>
   void all_gather(std::span<const T> send, std::span<T> recv) const {
-    detail::require(recv.size() == send.size(), "SingleProcess::all_gather", "'recv' has ", recv.size(),
-                    " elements for 1 rank x ", send.size());
+    detail::SingleRankRecord record;
+    detail::describe_all_gather<T>(record, send, recv);
+    detail::check_collective("SingleProcess::all_gather", 1, record);
     std::copy(send.begin(), send.end(), recv.begin());
   }
 
   // Root's data on every rank: with one rank, nothing moves.
   template <class T>
   void broadcast(std::span<T> data, int root) const {
-    (void)data;
-    detail::require(root == 0, "SingleProcess::broadcast", "root ", root, " outside [0, 1)");
+    detail::SingleRankRecord record;
+    detail::describe_collective<T>(record, detail::CollectiveOp::broadcast, data.size(),
+                                   static_cast<std::uint64_t>(static_cast<std::int64_t>(root)));
+    detail::check_collective("SingleProcess::broadcast", 1, record);
   }
 
   // All-to-all with per-rank counts (elements): rank 0 sends its one block to itself.
   template <class T>
   void all_to_all_v(std::span<const T> send, std::span<const std::size_t> send_counts, std::span<T> recv,
                     std::span<const std::size_t> recv_counts) const {
-    constexpr const char* fn = "SingleProcess::all_to_all_v";
-    detail::require(send_counts.size() == 1 && recv_counts.size() == 1, fn, "counts must have one entry per rank (1)");
-    detail::require(send_counts[0] == recv_counts[0], fn, "rank 0 sends ", send_counts[0], " elements to itself but expects ",
-                    recv_counts[0]);
-    detail::require(send.size() >= send_counts[0] && recv.size() >= recv_counts[0], fn,
-                    "buffers are smaller than their counts");
+    detail::SingleRankRecord record;
+    detail::describe_all_to_all_v<T>(record, send, send_counts, recv, recv_counts);
+    detail::check_collective("SingleProcess::all_to_all_v", 1, record);
     std::copy_n(send.begin(), send_counts[0], recv.begin());
   }
 };
