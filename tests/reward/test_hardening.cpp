@@ -423,6 +423,20 @@ TEST_SUITE("reward") {
     }
   }
 
+  TEST_CASE("Expect: 100-continue is answered once by the connection loop, then the request is served") {
+    EchoWorker worker;
+    HttpRouter router({worker.url()}, router_options());
+    RawClient raw(router.port());
+    REQUIRE(raw.send("POST /score HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"));
+    REQUIRE(raw.has_data(10s));
+    CHECK(raw.read_response(300ms) == "HTTP/1.1 100 Continue\r\n\r\n");
+    REQUIRE(raw.send("hello"));
+    const std::string response = raw.read_response();
+    CHECK(status_line(response) == 200);  // not a second "100 Continue"
+    CHECK(json_body(response)["body"] == "hello");
+    CHECK(!json_body(response)["headers"].contains("expect"));
+  }
+
   TEST_CASE("request bodies held at once are bounded: the request that would pass the budget gets 503") {
     EchoWorker worker;
     RouterOptions options = router_options();

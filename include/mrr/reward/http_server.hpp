@@ -233,8 +233,8 @@ struct Exchange {
   std::size_t response_bytes = 0;  // to decide whether to return memory to the OS afterwards
 };
 
-// Large bodies leave freed memory in malloc's arenas (the connection loop's, where a body grew as
-// it arrived, and the pool thread's); give it back to the OS rather than keep it.
+// Large bodies leave freed memory in malloc's arenas (the connection loop's, where request bodies
+// are allocated, and the pool thread's, where answers are); give it back to the OS, not keep it.
 inline void return_free_memory(std::size_t bytes_freed) {
 #if defined(__GLIBC__)
   if (bytes_freed >= (std::size_t{1} << 20)) ::malloc_trim(0);
@@ -402,8 +402,6 @@ class ServerThread {
   [[nodiscard]] int port() const noexcept { return port_; }
   // Connections open now (for tests and monitoring).
   [[nodiscard]] std::size_t open_connections() const noexcept { return open_; }
-  // Bytes of request bodies held now, against max_buffered_body_bytes (for tests and monitoring).
-  [[nodiscard]] std::uint64_t buffered_body_bytes() const noexcept { return budget_.used(); }
 
  private:
   struct Connection {
@@ -463,7 +461,7 @@ class ServerThread {
     std::vector<pollfd> fds;
     std::vector<char> scratch(scratch_bytes);
     for (;;) {
-      std::size_t first_returned = watched.size();
+      const std::size_t first_returned = watched.size();
       {
         std::lock_guard lock(mutex_);
         if (stopping_) break;
