@@ -19,7 +19,8 @@
 
 MRR_NAMESPACE_BEGIN
 
-// Token -> k experts, with replay of given ids and the gradient of the weights w.r.t. the logits.
+// Token -> k experts, with replay of given ids (rows whose mask is 0 route natively; an empty mask
+// replays every row) and the gradient of the weights w.r.t. the logits.
 template <class R>
 concept Router = requires(const R& r, MatrixRef<typename R::scalar_type> logits, ExpertIdsRef ids,
                           std::span<const std::uint8_t> mask, const Routing<typename R::scalar_type>& routing) {

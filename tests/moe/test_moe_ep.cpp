@@ -126,6 +126,7 @@ void check_replay_across_ep(const char* kind, MakeReplayStore&& make_replay_stor
       auto layer = m.layer(comm, &replay, kLayer);
       mrr::test::run_rank(layer, x, gy, out);
       CHECK(replay.stats().replayed_rows == static_cast<std::uint64_t>(end - begin));
+      CHECK(replay.stats().mask_free_replays == 1);  // every row had a route: the router's fast path
     });
     CHECK(out.ids == recorded);
   }

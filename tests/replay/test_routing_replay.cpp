@@ -84,6 +84,7 @@ TEST_CASE("R2: the update pass replays the old-log-prob routes exactly, on reshu
     flipped += differing_rows(router.route(z).ids, r.ids);
     CHECK(replay.queued(l) == 1);
   }
+  CHECK(replay.stats().mask_free_replays == static_cast<std::uint64_t>(L));  // every row found: no mask
   MESSAGE("native routing of the perturbed logits would have changed " << flipped << " of " << 24 * L << " rows");
   CHECK(flipped > 0);  // the perturbation matters, so the replay is doing something
 
@@ -177,6 +178,7 @@ TEST_CASE("R3: rollout routes with n-1 rows replay every token but the last, whi
     CHECK(replay.queued(l) == 0);  // the old-log-prob pass keeps nothing for recompute
   }
   CHECK(replay.stats().native_rows == L);
+  CHECK(replay.stats().mask_free_replays == 0);  // the last token routes natively: the mask is needed
   // A training sequence longer than the rollout is an error beyond the final token.
   replay.set_micro_batch(mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, n + 1}));
   CHECK_THROWS_AS(replay.route(router, 0, logits(n + 1, E, 9)), mrr::RouteStoreError);
@@ -244,4 +246,37 @@ TEST_CASE("activation recompute is off by default: update passes queue nothing, 
   replay.begin_pass(mrr::TrainingPass::actor_recompute);
   CHECK_THROWS_WITH_AS(replay.route(router, 0, logits(5, E, 3)), doctest::Contains("call set_activation_recompute(true)"),
                        mrr::RouteStoreError);
+}
+
+TEST_CASE("replay passes no mask when every row has a route, and the masked path when padding or a miss needs it") {
+  const int E = 32, k = 4;
+  const mrr::TopKRouter<float> router(mrr::presets::qwen3_moe(E, k));
+  mrr::MemoryRouteStore store({E, 1, k});
+  mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
+  const std::vector<mrr::SequenceId> uids = {5};
+  const auto full = mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, 64});
+  replay.set_micro_batch(full);
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  const auto z = logits(64, E, 11);
+  const auto recorded = replay.route(router, 0, z);
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  const auto z2 = perturbed(z, 12);
+  const auto fast = replay.route(router, 0, z2);
+  CHECK(replay.stats().mask_free_replays == 1);
+  CHECK(fast.ids == recorded.ids);
+  // Same ids and bitwise the same weights as the masked path with an all-ones mask.
+  const std::vector<std::uint8_t> ones(64, 1);
+  const auto masked = router.replay(z2, recorded.ids, ones);
+  CHECK(masked.ids == fast.ids);
+  CHECK((masked.weights.array() == fast.weights.array()).all());
+  // Padding rows need the mask (they route natively, unrecorded).
+  std::vector<mrr::TokenKey> rows;
+  for (int t = 0; t < 64; ++t) rows.push_back({5, t});
+  rows.push_back({0, -1});
+  replay.set_micro_batch(mrr::TokenLayout(rows));
+  mrr::RowMatrix<float> z3(65, E);
+  z3 << z2, logits(1, E, 13);
+  const auto padded = replay.route(router, 0, z3);
+  CHECK(replay.stats().mask_free_replays == 1);
+  CHECK(padded.ids.topRows(64) == recorded.ids);
 }

@@ -78,7 +78,8 @@ class TopKRouter {
   }
 
   // Replays the rows whose replay_mask is non-zero and routes the others natively (rollout engines
-  // return no route for the last generated token).
+  // return no route for the last generated token). An empty mask replays every row, as the
+  // overload without one does (RoutingReplay passes none when every row has a route).
   Routing<Scalar> replay(MatrixRef<Scalar> logits, ExpertIdsRef ids, std::span<const std::uint8_t> replay_mask) const {
     Routing<Scalar> out;
     replay_into(out, logits, ids, replay_mask);
@@ -86,8 +87,9 @@ class TopKRouter {
   }
   void replay_into(Routing<Scalar>& out, MatrixRef<Scalar> logits, ExpertIdsRef ids,
                    std::span<const std::uint8_t> replay_mask) const {
-    detail::require(static_cast<Eigen::Index>(replay_mask.size()) == logits.rows(), "TopKRouter::replay",
-                    "'replay_mask' has ", replay_mask.size(), " entries for ", logits.rows(), " rows of logits");
+    detail::require(replay_mask.empty() || static_cast<Eigen::Index>(replay_mask.size()) == logits.rows(),
+                    "TopKRouter::replay", "'replay_mask' has ", replay_mask.size(), " entries for ", logits.rows(),
+                    " rows of logits (an empty mask replays every row)");
     route_rows(out, logits, &ids, replay_mask);
   }
 

@@ -93,9 +93,11 @@ class BackendRouter {
     return static_cast<long>(logits.size() / static_cast<std::size_t>(num_experts()));
   }
   resident_routing route_resident(const resident_logits& logits) const { return router_.route(logits); }
+  // An empty `found` replays every row (the mask-free path).
   resident_routing replay_resident(const resident_logits& logits, const ExpertIds& ids,
                                    const std::vector<std::uint8_t>& found) const {
     const auto dids = upload_ids(ids);
+    if (found.empty()) return router_.replay(logits, dids);
     return router_.replay(logits, dids, upload_bytes(found));
   }
   void copy_ids_to_host(const resident_routing& routing, ExpertIds& out) const {
