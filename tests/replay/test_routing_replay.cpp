@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 #include <support/random.hpp>
 
+#include <limits>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -279,4 +280,28 @@ TEST_CASE("replay passes no mask when every row has a route, and the masked path
   const auto padded = replay.route(router, 0, z3);
   CHECK(replay.stats().mask_free_replays == 1);
   CHECK(padded.ids.topRows(64) == recorded.ids);
+}
+
+TEST_CASE("a NaN in a padding row's logits is not an error: the row is never recorded or used") {
+  const int E = 16, k = 2;
+  const mrr::TopKRouter<float> router(mrr::presets::mixtral(E, k));
+  mrr::MemoryRouteStore store({E, 1, k});
+  mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
+  const std::vector<mrr::TokenKey> rows = {{3, 0}, {0, -1}, {3, 1}, {0, -1}};
+  replay.set_micro_batch(mrr::TokenLayout(rows));
+  mrr::RowMatrix<float> z = logits(4, E, 21);
+  z.row(1).setConstant(std::numeric_limits<float>::quiet_NaN());
+  z(3, 5) = std::numeric_limits<float>::infinity();
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  const auto recorded = replay.route(router, 0, z);
+  CHECK(recorded.ids.row(0) == router.route(z.topRows(1)).ids.row(0));
+  CHECK(recorded.weights.allFinite());
+  CHECK(replay.stats().recorded_rows == 2);
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  CHECK(replay.route(router, 0, z).ids.row(2) == recorded.ids.row(2));
+  replay.begin_pass(mrr::TrainingPass::ref_log_prob);
+  CHECK_NOTHROW(replay.route(router, 0, z));
+  // In a real token's row a NaN stays an error.
+  z(2, 0) = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_AS(replay.route(router, 0, z), mrr::InvalidArgument);
 }

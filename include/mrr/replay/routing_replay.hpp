@@ -126,27 +126,19 @@ class RoutingReplay {
     return queues_[static_cast<std::size_t>(layer)].size();
   }
 
+  // Padding rows of the micro-batch are never recorded or used, so their logits may hold
+  // anything (a trainer's uninitialised or NaN-filled padding): they are routed as zeros, and a
+  // NaN there is not the error it is in a real token's row.
   template <Router R>
   Routing<typename R::scalar_type> route(const R& router, int layer, MatrixRef<typename R::scalar_type> logits) {
-    constexpr const char* fn = "RoutingReplay::route";
-    if (action_ == RouterAction::native) return router.route(logits);
-    check_router(router, layer, fn);
-    if (action_ == RouterAction::replay_backward) {
-      const Queued q = pop_queued(layer, logits.rows(), fn);
-      return router.replay(logits, q.ids, replay_mask(q));
+    using S = typename R::scalar_type;
+    if (!padding_rows_finite(logits)) {
+      RowMatrix<S> clean = logits;
+      for (std::size_t r = 0; r < layout_.size(); ++r)
+        if (layout_[r].is_padding()) clean.row(static_cast<Eigen::Index>(r)).setZero();
+      return route_rows(router, layer, clean);
     }
-    check_layout_rows(layer, logits.rows(), fn);
-    if (action_ == RouterAction::record) {
-      auto routing = router.route(logits);
-      store_->record(layer, layout_, routing.ids);
-      stats_.recorded_rows += layout_.real_tokens();
-      return routing;
-    }
-    // replay_forward
-    Queued q = lookup_replayed(layer);
-    auto routing = router.replay(logits, q.ids, replay_mask(q));
-    if (queue_) queues_[static_cast<std::size_t>(layer)].push_back(std::move(q));
-    return routing;
+    return route_rows(router, layer, logits);
   }
 
   // The same, for logits resident in a backend's memory (a ResidentRouter, e.g.
@@ -178,6 +170,30 @@ class RoutingReplay {
   }
 
  private:
+  // route() once padding rows are finite.
+  template <Router R>
+  Routing<typename R::scalar_type> route_rows(const R& router, int layer, MatrixRef<typename R::scalar_type> logits) {
+    constexpr const char* fn = "RoutingReplay::route";
+    if (action_ == RouterAction::native) return router.route(logits);
+    check_router(router, layer, fn);
+    if (action_ == RouterAction::replay_backward) {
+      const Queued q = pop_queued(layer, logits.rows(), fn);
+      return router.replay(logits, q.ids, replay_mask(q));
+    }
+    check_layout_rows(layer, logits.rows(), fn);
+    if (action_ == RouterAction::record) {
+      auto routing = router.route(logits);
+      store_->record(layer, layout_, routing.ids);
+      stats_.recorded_rows += layout_.real_tokens();
+      return routing;
+    }
+    // replay_forward
+    Queued q = lookup_replayed(layer);
+    auto routing = router.replay(logits, q.ids, replay_mask(q));
+    if (queue_) queues_[static_cast<std::size_t>(layer)].push_back(std::move(q));
+    return routing;
+  }
+
   template <class R>
   void check_router(const R& router, int layer, const char* fn) const {
     const RouteShape& shape = store_->shape();
@@ -186,6 +202,15 @@ class RoutingReplay {
     detail::require(router.num_experts() == shape.num_experts && router.topk() == shape.topk, fn, "layer ", layer,
                     ": the router has ", router.num_experts(), " experts and k=", router.topk(), " but the store holds ",
                     shape.to_string());
+  }
+
+  // False when the layout describes these rows and a padding row holds a NaN or infinity.
+  template <class S>
+  bool padding_rows_finite(const MatrixRef<S>& logits) const {
+    if (layout_.size() != static_cast<std::size_t>(logits.rows()) || layout_.real_tokens() == layout_.size()) return true;
+    for (std::size_t r = 0; r < layout_.size(); ++r)
+      if (layout_[r].is_padding() && !logits.row(static_cast<Eigen::Index>(r)).allFinite()) return false;
+    return true;
   }
 
   struct Queued {
