@@ -124,10 +124,13 @@ struct MpiWatchdog {
 
   void wait(MPI_Request& request, const char* function, const char* call) const {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
-    for (;;) {
+    for (int polls = 0;; ++polls) {
       int done = 0;
       mpi_check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), function, call);  // drives MPI's progress
       if (done) return;
+      // Spin briefly (a collective among ready ranks completes in microseconds), then give the
+      // core to others: ranks oversubscribed on few cores, or a peer still computing.
+      if (polls >= 1024) std::this_thread::yield();
       if (std::chrono::steady_clock::now() > deadline) [[unlikely]]
         mpi_abort(comm, str("mrr::", function, ": rank ", rank, " of ", size, " waited ",
                             static_cast<double>(timeout.count()) / 1000, " s in ", call,
