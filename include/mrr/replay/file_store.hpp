@@ -572,9 +572,16 @@ class FileRouteStore final {
   // bytes, calls f(bytes, n) on each, and returns its checksum: memory stays bounded whatever
   // the record's size.
   template <class F>
-  std::uint64_t stream_payload(const unsigned char* hb, const route_file::RecordHeader& h, std::uint64_t offset, F&& f) const {
+  std::uint64_t stream_payload(const unsigned char* hb, const route_file::RecordHeader& h, std::uint64_t offset, F&& f,
+                               const unsigned char* prefix = nullptr, std::size_t prefix_bytes = 0) const {
+    // `prefix`: the payload's first bytes, already read along with the header.
     route_file::RecordChecksum sum(hb);
-    for (std::uint64_t done = 0; done < h.payload_bytes;) {
+    const auto have = static_cast<std::size_t>(std::min<std::uint64_t>(prefix_bytes, h.payload_bytes));
+    if (have > 0) {
+      sum.update(prefix, have);
+      f(prefix, have);
+    }
+    for (std::uint64_t done = have; done < h.payload_bytes;) {
       const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kReadChunk, h.payload_bytes - done));
       const unsigned char* p = file_.read_at(offset + route_file::kRecordHeaderBytes + done, n, read_buffer_);
       sum.update(p, n);
@@ -768,12 +775,19 @@ class FileRouteStore final {
       const std::uint64_t offset = it->second[i];
       if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes)
         damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
+      // One read for the header and, when it fits a chunk, the whole record: its extent is known
+      // (the next record starts at record_limit), so nothing beyond it is read.
+      const std::uint64_t limit = record_limit(offset);
+      const auto want = static_cast<std::size_t>(
+          std::clamp<std::uint64_t>(limit - offset, route_file::kRecordHeaderBytes, kReadChunk));
+      const unsigned char* record = file_.read_at(offset, want, read_buffer_);
       unsigned char* hb = headers.data() + i * route_file::kRecordHeaderBytes;
-      file_.read_exact(hb, route_file::kRecordHeaderBytes, offset);
+      std::memcpy(hb, record, route_file::kRecordHeaderBytes);
       route_file::RecordHeader h;
       if (!route_file::decode(hb, h) || h.type != route_file::RecordType::routes || h.uid != uid)
         damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
-      check_route_record(h, offset, record_limit(offset));
+      check_route_record(h, offset, limit);
+      verify_record(h, hb, offset, record + route_file::kRecordHeaderBytes, want - route_file::kRecordHeaderBytes);
       seq.first = std::min(seq.first, h.first_position);
       seq.end = std::max(seq.end, h.first_position + std::int64_t{h.num_tokens});
       seq.rows_held += std::uint64_t{h.num_tokens} * h.num_layers;  // < 2^48 per record
@@ -786,7 +800,6 @@ class FileRouteStore final {
       const unsigned char* hb = headers.data() + i * route_file::kRecordHeaderBytes;
       route_file::RecordHeader h;
       (void)route_file::decode(hb, h);
-      verify_record(h, hb, offset);
       if (h.num_tokens == 0) continue;
       for (std::uint32_t l = 0; l < h.num_layers; ++l)
         seq.segments.push_back({h.first_position, offset + route_file::kRecordHeaderBytes + std::uint64_t{l} * row_bytes,
@@ -834,13 +847,16 @@ class FileRouteStore final {
 
   // Checksum, and every id < num_experts (unless every value of the id width is a valid expert),
   // reading the payload in chunks.
-  void verify_record(const route_file::RecordHeader& h, const unsigned char* hb, std::uint64_t offset) const {
+  void verify_record(const route_file::RecordHeader& h, const unsigned char* hb, std::uint64_t offset,
+                     const unsigned char* prefix, std::size_t prefix_bytes) const {
     const int w = header_.id_width;
     const bool check_ids = shape().num_experts < (std::int64_t{1} << (8 * w));
     std::uint32_t top = 0;
-    const std::uint64_t sum = stream_payload(hb, h, offset, [&](const unsigned char* p, std::size_t n) {
-      if (check_ids) top = std::max(top, max_id(p, n));
-    });
+    const std::uint64_t sum = stream_payload(
+        hb, h, offset, [&](const unsigned char* p, std::size_t n) {
+          if (check_ids) top = std::max(top, max_id(p, n));
+        },
+        prefix, prefix_bytes);
     if (sum != h.checksum) damaged(offset, detail::str("a record of sequence uid ", h.uid, " fails its checksum"));
     if (top >= static_cast<std::uint32_t>(shape().num_experts))
       damaged(offset, detail::str("a record of sequence uid ", h.uid, " holds expert id ", top, " >= num_experts ",
