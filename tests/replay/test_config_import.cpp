@@ -9,8 +9,14 @@
 
 #include "temp_dir.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -123,6 +129,108 @@ TEST_CASE("a key given twice on the command line takes its last value, as in Hyd
   CHECK(c.mode == mrr::ReplayMode::R2);
 }
 
+TEST_CASE("booleans are YAML 1.1's (as PyYAML and so verl read them), every spelling alike") {
+  const std::string flag(mrr::ReplayConfig::kRolloutReplay);
+  mrr::ReplayConfig c;
+  for (const std::string yes : {"true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON", "1", "'On'", "\"yes\""}) {
+    CAPTURE(yes);
+    c.enable_rollout_routing_replay = false;
+    c.set(flag, yes);
+    CHECK(c.enable_rollout_routing_replay);
+  }
+  for (const std::string no : {"false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF", "0"}) {
+    CAPTURE(no);
+    c.enable_rollout_routing_replay = true;
+    c.set(flag, no);
+    CHECK_FALSE(c.enable_rollout_routing_replay);
+  }
+  // Not booleans in YAML 1.1 as PyYAML resolves it: errors naming the key and the rule.
+  for (const std::string bad : {"y", "n", "tRUE", "oN", "2", "enable"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(c.set(flag, bad), doctest::Contains((flag + ": expected true or false, got").c_str()),
+                         mrr::ConfigError);
+    CHECK_THROWS_WITH_AS(c.set(flag, bad), doctest::Contains("yes/no, on/off"), mrr::ConfigError);
+  }
+  // A word that resolves as a boolean is accepted as one: what resolve() calls a boolean, as_bool() reads.
+  for (const std::string word : {"On", "OFF", "Yes", "NO"}) {
+    CAPTURE(word);
+    CHECK(mrr::ConfigValue::plain(word).kind == mrr::ConfigValue::Kind::boolean);
+    CHECK_NOTHROW(c.set(flag, word));
+  }
+}
+
+TEST_CASE("a Hydra list or map on the command line is not a single value: an error naming the key") {
+  mrr::ReplayConfig c;
+  const std::string rf(mrr::ReplayConfig::kRecordFile), mode(mrr::ReplayConfig::kMode);
+  CHECK_THROWS_WITH_AS(c.set(rf, "[a.mrr,b.mrr]"),
+                       doctest::Contains((rf + ": expected a file path or null, got the list [a.mrr,b.mrr]").c_str()),
+                       mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(c.set(mode, "[R2]"), doctest::Contains("mode: expected disabled, R2 or R3, got the list [R2]"),
+                       mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(c.set(mrr::ReplayConfig::kRolloutReplay, "{a: 1}"),
+                       doctest::Contains("enable_rollout_routing_replay: expected true or false, got the map {a: 1}"),
+                       mrr::ConfigError);
+  c.set(rf, "'[a.mrr]'");  // quoted: a file with brackets in its name
+  CHECK(c.record_file == "[a.mrr]");
+  // Other keys pass through untouched, lists included (they belong to the rest of the trainer).
+  const std::vector<std::string> args = {"trainer.logger=[console,wandb]"};
+  CHECK(c.apply_overrides(std::span<const std::string>(args)) == args);
+}
+
+TEST_CASE("record_file and replay_file spelled differently but naming one file are one file") {
+  mrr::test::TempDir dir;
+  const auto cwd = std::filesystem::current_path();
+  std::filesystem::current_path(dir.path());
+  struct Restore {
+    std::filesystem::path to;
+    ~Restore() { std::filesystem::current_path(to); }
+  } restore{cwd};
+  mrr::ReplayConfig c;
+  c.mode = mrr::ReplayMode::R2;
+  const auto one_file = [&](const std::string& record, const std::string& replay) {
+    c.record_file = record;
+    c.replay_file = replay;
+    c.validate();
+  };
+  // Before the file exists (the first run creates it) and after.
+  for (int exists = 0; exists < 2; ++exists) {
+    CAPTURE(exists);
+    std::filesystem::create_directories("sub");
+    CHECK_NOTHROW(one_file("routes.mrr", "./routes.mrr"));
+    CHECK_NOTHROW(one_file("routes.mrr", "sub/../routes.mrr"));
+    CHECK_NOTHROW(one_file((dir.path() / "routes.mrr").string(), "routes.mrr"));
+    CHECK_NOTHROW(one_file("./sub//r.mrr", "sub/r.mrr"));
+    CHECK_THROWS_WITH_AS(one_file("routes.mrr", "sub/routes.mrr"), doctest::Contains("name different files"),
+                         mrr::ConfigError);
+    std::ofstream("routes.mrr") << "x";
+    std::ofstream("sub/r.mrr") << "x";
+  }
+  // A symlink or a hard link to the file is the file.
+  std::filesystem::create_symlink(dir.path() / "routes.mrr", "link.mrr");
+  std::filesystem::create_hard_link("routes.mrr", "hard.mrr");
+  CHECK_NOTHROW(one_file("link.mrr", "routes.mrr"));
+  CHECK_NOTHROW(one_file("hard.mrr", "./routes.mrr"));
+  CHECK(mrr::ReplayConfig::same_file("routes.mrr", "./routes.mrr"));
+  CHECK_FALSE(mrr::ReplayConfig::same_file("routes.mrr", "sub/r.mrr"));
+
+  // open_route_file treats them as one file too: replayed and appended to.
+  std::filesystem::remove("routes.mrr");
+  std::filesystem::remove("hard.mrr");
+  const mrr::RouteShape model{8, 1, 2};
+  c.record_file = "routes.mrr";
+  c.replay_file.clear();
+  {
+    auto first = mrr::open_route_file(c, model);  // created
+    REQUIRE(first.has_value());
+    first->record_sequence(1, 0, 1, 0, 1, std::vector<std::int32_t>{3, 5});
+  }
+  c.replay_file = "./routes.mrr";
+  auto store = mrr::open_route_file(c, model);
+  REQUIRE(store.has_value());
+  CHECK(store->writable());
+  CHECK(store->num_sequences() == 1);
+}
+
 TEST_CASE("open_route_file: record_file is created or appended, replay_file must exist and match the model") {
   mrr::test::TempDir dir;
   const mrr::RouteShape model{32, 2, 4};
@@ -188,6 +296,73 @@ TEST_CASE("YAML config with verl's layout, then overrides") {
   CHECK_THROWS_WITH_AS(mrr::load_replay_config(dir / "nope.yaml"), doctest::Contains("nope.yaml does not exist"),
                        mrr::ConfigError);
 }
+namespace {
+
+// The error of `load` on a FIFO, or "(blocked)" when it is still waiting after 10 s (the FIFO is
+// then opened for writing and closed, so the blocked reader sees its end and the test ends).
+template <class Load>
+std::string error_on_fifo(const std::filesystem::path& fifo, Load load) {
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  auto result = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      load();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "(no error)";
+  });
+  if (result.wait_for(std::chrono::seconds(10)) == std::future_status::ready) return result.get();
+  const int writer = ::open(fifo.c_str(), O_WRONLY);
+  if (writer >= 0) ::close(writer);
+  result.wait();
+  return "(blocked)";
+}
+
+}  // namespace
+
+TEST_CASE("YAML: a FIFO or a directory as the config file is refused at once, naming the file") {
+  mrr::test::TempDir dir;
+  const auto fifo = dir / "ppo.yaml";
+  const std::string error = error_on_fifo(fifo, [&] { mrr::load_replay_config(fifo); });
+  CHECK(has(error, "config file " + fifo.string() + ": not a regular file (a FIFO"));
+  CHECK_THROWS_WITH_AS(mrr::load_yaml_config(dir.path()), doctest::Contains("not a regular file (a directory)"),
+                       mrr::ConfigError);
+}
+
+TEST_CASE("YAML: a stream of several documents is an error naming the source, not its first document") {
+  mrr::test::TempDir dir;
+  const std::string r2 = "actor_rollout_ref:\n  actor:\n    router_replay:\n      mode: R2\n";
+  std::ofstream(dir / "two.yaml") << r2 << "---\n" << r2;
+  CHECK_THROWS_WITH_AS(
+      mrr::load_replay_config(dir / "two.yaml"),
+      doctest::Contains(("config file " + (dir / "two.yaml").string() +
+                         ": holds more than one YAML document (another starts at line 5)").c_str()),
+      mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(mrr::load_replay_config_from_string("a: 1\n---\nb: 2\n---\nc: 3\n"),
+                       doctest::Contains("YAML config: holds more than one YAML document"), mrr::ConfigError);
+  // An empty second document is a second document too (PyYAML refuses it as well).
+  CHECK_THROWS_WITH_AS(mrr::load_replay_config_from_string(r2 + "---\n"),
+                       doctest::Contains("holds more than one YAML document"), mrr::ConfigError);
+  // Text yaml-cpp cannot read, which it reports as endless empty documents at one place (LoadAll
+  // never returns; Load took it for an empty configuration), is an error naming the place.
+  CHECK_THROWS_WITH_AS(mrr::load_replay_config_from_string(",a"),
+                       doctest::Contains("YAML config: is not YAML that can be read: the parser stops at line 1, column 1"),
+                       mrr::ConfigError);
+  // One document, with the optional markers around it, is one document.
+  CHECK(mrr::load_replay_config_from_string("---\n" + r2 + "...\n").mode == mrr::ReplayMode::R2);
+  CHECK(mrr::load_replay_config_from_string("# only a comment\n").mode == mrr::ReplayMode::disabled);
+}
+
+TEST_CASE("YAML: enable_rollout_routing_replay: On is the boolean On, as yes is") {
+  for (const std::string word : {"On", "ON", "on", "yes", "Yes", "YES", "true"}) {
+    CAPTURE(word);
+    const auto c = mrr::load_replay_config_from_string(
+        "actor_rollout_ref:\n  actor:\n    router_replay:\n      mode: R3\n  rollout:\n"
+        "    enable_rollout_routing_replay: " + word + "\n");
+    CHECK(c.enable_rollout_routing_replay);
+  }
+}
+
 TEST_CASE("YAML: absent keys take verl's defaults; a minimal R2 config loads") {
   mrr::test::TempDir dir;
   std::ofstream(dir / "r2.yaml") << "actor_rollout_ref:\n  actor:\n    router_replay:\n      mode: R2\n";

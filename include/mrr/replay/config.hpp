@@ -9,7 +9,9 @@
 #include <mrr/replay/mode.hpp>
 
 #include <algorithm>
+#include <filesystem>
 #include <initializer_list>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -18,10 +20,10 @@
 MRR_NAMESPACE_BEGIN
 
 // One configuration value as written. An unquoted word resolves as YAML (PyYAML, which OmegaConf
-// and so verl use) and Hydra resolve it: to null, a boolean, a number or else a string; quoted
-// text is always a string.
+// and so verl use) and Hydra resolve it: to null, a boolean, a number, a list or map (Hydra's
+// `[a,b]` and `{k:v}` on a command line) or else a string; quoted text is always a string.
 struct ConfigValue {
-  enum class Kind { null, boolean, number, string };
+  enum class Kind { null, boolean, number, collection, string };
   Kind kind = Kind::string;
   std::string_view text;  // the scalar as written, without quotes
 
@@ -36,10 +38,32 @@ struct ConfigValue {
         return detail::str("the boolean ", text);
       case Kind::number:
         return detail::str("the number ", text);
+      case Kind::collection:
+        return detail::str("the ", text.front() == '[' ? "list " : "map ", text);
       case Kind::string:
         break;
     }
     return detail::str("'", text, "'");
+  }
+
+  // YAML 1.1's booleans as PyYAML resolves them (so OmegaConf, and so verl): true/false, yes/no
+  // and on/off, each in lower, Title or UPPER case; nullopt for any other word. YAML 1.2's core
+  // schema keeps only true/false, but a verl config is read with the 1.1 rules, so `On` and `yes`
+  // are booleans here too.
+  static std::optional<bool> boolean_word(std::string_view t) {
+    if (one_of(t, {"true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON"})) return true;
+    if (one_of(t, {"false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF"})) return false;
+    return std::nullopt;
+  }
+
+  // A boolean option's value: a YAML 1.1 boolean word (plain or quoted: OmegaConf converts the
+  // string too) or the numbers 1 and 0; anything else is an error naming `key`.
+  bool as_bool(std::string_view key) const {
+    if (const auto b = boolean_word(text)) return *b;
+    if (text == "1" || text == "0") return text == "1";
+    throw ConfigError(detail::str(key, ": expected true or false, got ", describe(),
+                                  " (booleans are YAML 1.1's: true/false, yes/no, on/off in lower, Title or UPPER "
+                                  "case, or 1/0)"));
   }
 
  private:
@@ -81,9 +105,8 @@ struct ConfigValue {
   static Kind resolve(std::string_view t) {
     // "None" is not YAML's null, but mrr has always read it as one (a Python habit).
     if (one_of(t, {"", "~", "null", "Null", "NULL", "None"})) return Kind::null;
-    if (one_of(t, {"true", "True", "TRUE", "false", "False", "FALSE", "yes", "Yes", "YES", "no", "No", "NO", "on", "On",
-                   "ON", "off", "Off", "OFF"}))
-      return Kind::boolean;
+    if (boolean_word(t)) return Kind::boolean;
+    if (t.front() == '[' || t.front() == '{') return Kind::collection;  // t is not empty: "" is null
     return is_number(t) ? Kind::number : Kind::string;
   }
 };
@@ -172,13 +195,33 @@ struct ReplayConfig {
       throw ConfigError(
           detail::str(record_file.empty() ? kReplayFile : kRecordFile, " is set but ", kMode,
                       "=disabled records and replays nothing: set the mode to R2 or R3, or unset the file"));
-    if (!record_file.empty() && !replay_file.empty() && record_file != replay_file)
+    if (!record_file.empty() && !replay_file.empty() && !same_file(record_file, replay_file))
       throw ConfigError(
           detail::str(kRecordFile, " (", record_file, ") and ", kReplayFile, " (", replay_file,
                       ") name different files; one file can be both replayed and appended to, two cannot"));
   }
 
+  // Whether two paths name one file, however they are spelled: the same file when both exist
+  // (hard links and symlinks included), else the same absolute path once ".", ".." and the
+  // symlinks of its existing part are resolved. So routes.mrr, ./routes.mrr and $PWD/routes.mrr
+  // are one file, before the first run creates it too.
+  static bool same_file(const std::filesystem::path& a, const std::filesystem::path& b) {
+    std::error_code ec;
+    if (std::filesystem::equivalent(a, b, ec) && !ec) return true;
+    return resolved_path(a) == resolved_path(b);
+  }
+
  private:
+  // The absolute, normalised path (symlinks of its existing prefix resolved where the file system
+  // answers, otherwise lexically).
+  static std::filesystem::path resolved_path(const std::filesystem::path& p) {
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(p, ec);
+    if (ec) return p.lexically_normal();
+    const std::filesystem::path canonical = std::filesystem::weakly_canonical(absolute, ec);
+    return ec ? absolute.lexically_normal() : canonical;
+  }
+
   static std::string_view trim(std::string_view s) {
     while (!s.empty() && (s.front() == ' ' || s.front() == '\t'))
       s.remove_prefix(1);
@@ -218,10 +261,7 @@ struct ReplayConfig {
 
   static bool bool_value(std::string_view key, const ConfigValue& value) {
     if (value.kind == ConfigValue::Kind::null) return false;  // verl's default
-    const std::string_view v = value.text;
-    if (v == "true" || v == "True" || v == "TRUE" || v == "1" || v == "yes" || v == "Yes" || v == "on") return true;
-    if (v == "false" || v == "False" || v == "FALSE" || v == "0" || v == "no" || v == "No" || v == "off") return false;
-    throw ConfigError(detail::str(key, ": expected true or false, got ", value.describe()));
+    return value.as_bool(key);
   }
 };
 

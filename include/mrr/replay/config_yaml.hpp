@@ -1,20 +1,28 @@
 // Loads a ReplayConfig from a verl-style YAML file (actor_rollout_ref.actor.router_replay.* and
 // actor_rollout_ref.rollout.enable_rollout_routing_replay), then applies key=value overrides.
 // Absent keys keep verl's defaults; a key given twice in a map on the way is an error, as it is
-// for OmegaConf (which verl loads configs with); every failure is a ConfigError naming the file
-// and the key.
+// for OmegaConf (which verl loads configs with), and so is a file that is not a regular file or
+// holds several YAML documents; every failure is a ConfigError naming the file and the key.
 // mrr-requires: mrr_yaml
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/regular_file.hpp>
 #include <mrr/error.hpp>
 #include <mrr/replay/config.hpp>
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <set>
 #include <span>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -102,18 +110,81 @@ inline void read_replay_config(const YAML::Node& root, ReplayConfig& config) {
 
 namespace detail {
 
-// Parses with `parse` and reads the configuration, turning every failure into a ConfigError that
-// starts with `source` (the file, or what the text came from).
-template <class Parse, class Str>
-ReplayConfig load_replay_config_with(std::string_view source, Parse&& parse, std::span<const Str> overrides) {
-  ReplayConfig config;
+// Runs `f`, turning every failure into a ConfigError that starts with `source` (the file, or what
+// the text came from).
+template <class F>
+auto with_source(std::string_view source, F&& f) -> decltype(f()) {
   try {
-    read_replay_config(parse(), config);
+    return f();
   } catch (const YAML::Exception& e) {
     throw ConfigError(str(source, ": ", e.what()));
   } catch (const ConfigError& e) {
     throw ConfigError(str(source, ": ", e.what()));
   }
+}
+
+// The bytes of a regular file. Anything else is refused without being read (open_regular_file
+// opens without blocking and checks the descriptor): opening a FIFO for reading would wait for a
+// writer that may never come, and a device may never end.
+inline std::string read_regular_file(const std::filesystem::path& file) {
+  const RegularFile opened = open_regular_file(file.c_str(), O_RDONLY);
+  if (opened.not_regular())
+    throw ConfigError(str("not a regular file (", opened.kind, "); a configuration is read from a regular file"));
+  if (!opened.ok()) throw ConfigError(str("cannot be opened: ", std::strerror(opened.err)));
+  const UniqueFd fd(opened.fd);
+  std::string text;
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buffer, sizeof buffer);
+    if (n == 0) return text;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw ConfigError(str("cannot be read: ", std::strerror(errno)));
+    text.append(buffer, static_cast<std::size_t>(n));
+  }
+}
+
+// Records where each document starts; the rest of the parse is not kept.
+class DocumentStarts final : public YAML::EventHandler {
+ public:
+  std::vector<YAML::Mark> starts;
+  void OnDocumentStart(const YAML::Mark& mark) override { starts.push_back(mark); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
+// The one YAML document of `text` (an empty text is a null document). Several documents are an
+// error rather than the first one silently (PyYAML's safe_load, which OmegaConf uses, refuses
+// them too): which of them is the configuration would be a guess. At most two documents are
+// parsed, never YAML::LoadAll: on text it cannot read (",a") yaml-cpp reports empty documents at
+// the same place without end, and Load takes the first of them as an empty configuration.
+inline YAML::Node single_document(const std::string& text) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  DocumentStarts documents;
+  while (documents.starts.size() < 2 && parser.HandleNextDocument(documents)) {
+  }
+  if (documents.starts.size() == 2) {
+    const YAML::Mark& second = documents.starts[1];
+    if (second.pos == documents.starts[0].pos)
+      throw ConfigError(str("is not YAML that can be read: the parser stops at line ", second.line + 1, ", column ",
+                            second.column + 1));
+    throw ConfigError(str("holds more than one YAML document (another starts at line ", second.line + 1,
+                          "); a configuration is a single document"));
+  }
+  return YAML::Load(text);
+}
+
+// Reads the router-replay keys of `root`, then applies the overrides and validates.
+template <class Str>
+ReplayConfig replay_config_from(std::string_view source, const YAML::Node& root, std::span<const Str> overrides) {
+  ReplayConfig config;
+  with_source(source, [&] { read_replay_config(root, config); });
   config.apply_overrides(overrides);
   config.validate();
   return config;
@@ -121,22 +192,30 @@ ReplayConfig load_replay_config_with(std::string_view source, Parse&& parse, std
 
 }  // namespace detail
 
-// File, then overrides (later wins), then validate().
-template <class Str = std::string>
-ReplayConfig load_replay_config(const std::filesystem::path& yaml_file, std::span<const Str> overrides = {}) {
+// The YAML tree of a configuration file: a regular file holding one YAML document. Every failure
+// (a missing file, a FIFO or other non-regular file, a syntax error, several documents) is a
+// ConfigError that starts with "config file <file>".
+inline YAML::Node load_yaml_config(const std::filesystem::path& yaml_file) {
   std::error_code ec;
   if (!std::filesystem::exists(yaml_file, ec))
     throw ConfigError(detail::str("config file ", yaml_file.string(), " does not exist"));
-  return detail::load_replay_config_with(
-      detail::str("config file ", yaml_file.string()), [&] { return YAML::LoadFile(yaml_file.string()); }, overrides);
+  return detail::with_source(detail::str("config file ", yaml_file.string()),
+                             [&] { return detail::single_document(detail::read_regular_file(yaml_file)); });
+}
+
+// File, then overrides (later wins), then validate().
+template <class Str = std::string>
+ReplayConfig load_replay_config(const std::filesystem::path& yaml_file, std::span<const Str> overrides = {}) {
+  const YAML::Node root = load_yaml_config(yaml_file);
+  return detail::replay_config_from(detail::str("config file ", yaml_file.string()), root, overrides);
 }
 
 // The same from YAML text (`source` names it in messages).
 template <class Str = std::string>
 ReplayConfig load_replay_config_from_string(std::string_view yaml_text, std::span<const Str> overrides = {},
                                             std::string_view source = "YAML config") {
-  return detail::load_replay_config_with(
-      source, [&] { return YAML::Load(std::string(yaml_text)); }, overrides);
+  const YAML::Node root = detail::with_source(source, [&] { return detail::single_document(std::string(yaml_text)); });
+  return detail::replay_config_from(source, root, overrides);
 }
 
 MRR_NAMESPACE_END
