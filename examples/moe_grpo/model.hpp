@@ -77,6 +77,15 @@ inline Eigen::Index expert_block_size(const ModelConfig& c) {
   return 3 * static_cast<Eigen::Index>(c.expert_hidden) * c.hidden;
 }
 
+// Parameters of the whole model (DenseLayout's replicated ones and every expert of every layer),
+// in double: it bounds the sizes before they are known to fit an index (test_flagship_options
+// checks it against DenseLayout and expert_block_size).
+inline double parameter_count(const ModelConfig& c) {
+  const double h = c.hidden, experts = c.experts;
+  const double per_layer = 2 * h + 4 * h * h + experts * h + experts * 3 * c.expert_hidden * h;
+  return (c.vocab + c.max_seq) * h + c.layers * per_layer + h + h * c.vocab;
+}
+
 // Initialised from the seed tensor by tensor, so every rank (and any number of ranks) holds the
 // same values: expert e of layer l is drawn from its own stream whichever rank owns it.
 inline Params init_params(const ModelConfig& c, std::uint64_t seed, int first_expert, int local_experts) {

@@ -10,6 +10,7 @@
 #include <charconv>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,11 +48,8 @@ T parse_number(std::string_view key, std::string_view v) {
   throw mrr::ConfigError(std::string(key) + ": cannot parse '" + std::string(v) + "' as a number");
 }
 
-inline bool parse_flag(std::string_view key, std::string_view v) {
-  if (v == "true" || v == "True" || v == "1") return true;
-  if (v == "false" || v == "False" || v == "0") return false;
-  throw mrr::ConfigError(std::string(key) + ": expected true or false, got '" + std::string(v) + "'");
-}
+// The boolean rule of the router-replay keys (YAML 1.1's words, and 1/0), for every flag alike.
+inline bool parse_flag(std::string_view key, std::string_view v) { return mrr::ConfigValue::plain(v).as_bool(key); }
 
 }  // namespace detail
 
@@ -60,43 +58,43 @@ inline void set_option(RunOptions& o, std::string_view key, std::string_view v) 
   TrainConfig& t = o.train;
   using detail::parse_number;
   const std::map<std::string_view, std::function<void()>> setters = {
-      {"trainer.total_training_steps", [&] { t.steps = parse_number<int>(key, v); }},
-      {"trainer.seed", [&] { t.seed = parse_number<std::uint64_t>(key, v); }},
+      {keys::steps, [&] { t.steps = parse_number<int>(key, v); }},
+      {keys::seed, [&] { t.seed = parse_number<std::uint64_t>(key, v); }},
       {"trainer.default_local_dir", [&] { o.output_dir = std::string(v); }},
       {"trainer.experiment_name", [&] { o.experiment = std::string(v); }},
       {"trainer.progress", [&] { o.progress = detail::parse_flag(key, v); }},
-      {"trainer.n_ranks", [&] { o.ranks = parse_number<int>(key, v); }},
-      {"data.train_batch_size", [&] { t.prompts = parse_number<int>(key, v); }},
-      {"data.max_operand", [&] { t.max_operand = parse_number<int>(key, v); }},
+      {keys::ranks, [&] { o.ranks = parse_number<int>(key, v); }},
+      {keys::batch, [&] { t.prompts = parse_number<int>(key, v); }},
+      {keys::max_operand, [&] { t.max_operand = parse_number<int>(key, v); }},
       {"algorithm.adv_estimator", [&] { t.grpo.adv_estimator = std::string(v); }},
       {"algorithm.norm_adv_by_std_in_grpo", [&] { t.grpo.advantage.norm_adv_by_std_in_grpo = detail::parse_flag(key, v); }},
-      {"actor_rollout_ref.rollout.n", [&] { t.group = parse_number<int>(key, v); }},
-      {"actor_rollout_ref.rollout.temperature", [&] { t.sampling.temperature = parse_number<double>(key, v); }},
-      {"actor_rollout_ref.rollout.top_k", [&] { t.sampling.top_k = parse_number<int>(key, v); }},
-      {"actor_rollout_ref.rollout.top_p", [&] { t.sampling.top_p = parse_number<double>(key, v); }},
+      {keys::group, [&] { t.group = parse_number<int>(key, v); }},
+      {keys::temperature, [&] { t.sampling.temperature = parse_number<double>(key, v); }},
+      {keys::top_k, [&] { t.sampling.top_k = parse_number<int>(key, v); }},
+      {keys::top_p, [&] { t.sampling.top_p = parse_number<double>(key, v); }},
       {"actor_rollout_ref.rollout.dtype",
        [&] {
          if (v != "bf16" && v != "bfloat16" && v != "fp32" && v != "float32")
            throw mrr::ConfigError(std::string(key) + ": expected bf16 or fp32, got '" + std::string(v) + "'");
          t.rollout_bf16 = v == "bf16" || v == "bfloat16";
        }},
-      {"actor_rollout_ref.actor.optim.lr", [&] { t.lr = parse_number<float>(key, v); }},
-      {"actor_rollout_ref.actor.optim.weight_decay", [&] { t.weight_decay = parse_number<float>(key, v); }},
-      {"actor_rollout_ref.actor.ppo_mini_batch_size", [&] { t.mini_batch_prompts = parse_number<int>(key, v); }},
-      {"actor_rollout_ref.actor.ppo_epochs", [&] { t.ppo_epochs = parse_number<int>(key, v); }},
+      {keys::lr, [&] { t.lr = parse_number<float>(key, v); }},
+      {keys::weight_decay, [&] { t.weight_decay = parse_number<float>(key, v); }},
+      {keys::mini_batch, [&] { t.mini_batch_prompts = parse_number<int>(key, v); }},
+      {keys::ppo_epochs, [&] { t.ppo_epochs = parse_number<int>(key, v); }},
       {"actor_rollout_ref.actor.loss_agg_mode", [&] { t.grpo.loss_agg_mode = std::string(v); }},
       {"actor_rollout_ref.actor.policy_loss.loss_mode", [&] { t.grpo.policy_loss = std::string(v); }},
-      {"actor_rollout_ref.actor.clip_ratio", [&] { t.grpo.policy.clip_ratio = parse_number<double>(key, v); }},
-      {"actor_rollout_ref.actor.clip_ratio_low", [&] { t.grpo.policy.clip_ratio_low = parse_number<double>(key, v); }},
-      {"actor_rollout_ref.actor.clip_ratio_high", [&] { t.grpo.policy.clip_ratio_high = parse_number<double>(key, v); }},
+      {keys::clip_ratio, [&] { t.grpo.policy.clip_ratio = parse_number<double>(key, v); }},
+      {keys::clip_ratio_low, [&] { t.grpo.policy.clip_ratio_low = parse_number<double>(key, v); }},
+      {keys::clip_ratio_high, [&] { t.grpo.policy.clip_ratio_high = parse_number<double>(key, v); }},
       {"actor_rollout_ref.actor.use_kl_loss", [&] { t.grpo.use_kl_loss = detail::parse_flag(key, v); }},
-      {"actor_rollout_ref.actor.kl_loss_coef", [&] { t.grpo.kl_loss_coef = parse_number<double>(key, v); }},
+      {keys::kl_loss_coef, [&] { t.grpo.kl_loss_coef = parse_number<double>(key, v); }},
       {"actor_rollout_ref.actor.kl_loss_type", [&] { t.grpo.kl_loss_type = std::string(v); }},
-      {"actor_rollout_ref.model.num_experts", [&] { t.model.experts = parse_number<int>(key, v); }},
-      {"actor_rollout_ref.model.moe_topk", [&] { t.model.topk = parse_number<int>(key, v); }},
-      {"actor_rollout_ref.model.hidden_size", [&] { t.model.hidden = parse_number<int>(key, v); }},
-      {"actor_rollout_ref.model.num_layers", [&] { t.model.layers = parse_number<int>(key, v); }},
-      {"actor_rollout_ref.model.moe_intermediate_size", [&] { t.model.expert_hidden = parse_number<int>(key, v); }},
+      {keys::experts, [&] { t.model.experts = parse_number<int>(key, v); }},
+      {keys::topk, [&] { t.model.topk = parse_number<int>(key, v); }},
+      {keys::hidden, [&] { t.model.hidden = parse_number<int>(key, v); }},
+      {keys::layers, [&] { t.model.layers = parse_number<int>(key, v); }},
+      {keys::expert_hidden, [&] { t.model.expert_hidden = parse_number<int>(key, v); }},
   };
   // Short aliases for the command line.
   static const std::map<std::string_view, std::string_view> aliases = {
@@ -127,7 +125,66 @@ inline void set_option(RunOptions& o, std::string_view key, std::string_view v) 
   it->second();
 }
 
-// key=value arguments (and --config FILE, --ranks N, --no-progress) -> options.
+#if MOE_GRPO_WITH_YAML
+namespace detail {
+
+// Keys that mrr::read_replay_config reads from the file.
+inline bool is_replay_key(std::string_view key) {
+  return key == mrr::ReplayConfig::kNode || key.substr(0, mrr::ReplayConfig::kPrefix.size()) == mrr::ReplayConfig::kPrefix ||
+         key == mrr::ReplayConfig::kRolloutReplay;
+}
+
+// Sets every scalar under `node`, flattened to its dotted key. A key given twice in a map is an
+// error, as it is for OmegaConf (yaml-cpp keeps both), and so is a list or a key that is not a
+// plain name: no option takes a list. A null keeps the option's default, as for the router-replay
+// keys.
+inline void apply_yaml(RunOptions& o, const YAML::Node& node, const std::string& key) {
+  if (node.IsMap()) {
+    std::set<std::string, std::less<>> seen;
+    for (const auto& kv : node) {
+      if (!kv.first.IsScalar())
+        throw mrr::ConfigError((key.empty() ? std::string("the top level") : key) +
+                               ": a key is a list, a map or null; keys are plain names");
+      const std::string child = key.empty() ? kv.first.Scalar() : key + "." + kv.first.Scalar();
+      if (!seen.insert(kv.first.Scalar()).second)
+        throw mrr::ConfigError(child + " appears twice; YAML keys must be unique");
+      apply_yaml(o, kv.second, child);
+    }
+  } else if (is_replay_key(key) || node.IsNull()) {
+    // Read by mrr::read_replay_config, or null: the default stays.
+  } else if (node.IsSequence()) {
+    throw mrr::ConfigError(key + ": expected a single value, got a list");
+  } else {
+    set_option(o, key, node.Scalar());
+  }
+}
+
+}  // namespace detail
+#endif
+
+// The options of a YAML file (verl's nesting): router-replay keys through mrr::ReplayConfig, the
+// rest through set_option. The file must be a regular file holding one YAML document; every
+// error is a ConfigError that starts with "config file <file>".
+inline void apply_config_file(RunOptions& o, const std::string& file) {
+#if MOE_GRPO_WITH_YAML
+  const YAML::Node root = mrr::load_yaml_config(file);
+  try {
+    mrr::read_replay_config(root, o.train.replay);
+    detail::apply_yaml(o, root, "");
+  } catch (const mrr::ConfigError& e) {
+    throw mrr::ConfigError("config file " + file + ": " + e.what());
+  } catch (const YAML::Exception& e) {
+    throw mrr::ConfigError("config file " + file + ": " + e.what());
+  }
+#else
+  (void)o;
+  (void)file;
+  throw mrr::ConfigError("--config needs yaml-cpp (libyaml-cpp-dev); use key=value overrides");
+#endif
+}
+
+// key=value arguments (and --config FILE, --ranks N, --no-progress) -> options, every value
+// checked (TrainConfig::validate) before anything runs.
 inline RunOptions parse_options(const std::vector<std::string>& args) {
   RunOptions o;
   std::vector<std::string> overrides;
@@ -138,22 +195,7 @@ inline RunOptions parse_options(const std::vector<std::string>& args) {
     } else if (a == "--no-progress") {
       o.progress = false;
     } else if (a == "--config" && i + 1 < args.size()) {
-#if MOE_GRPO_WITH_YAML
-      const YAML::Node root = YAML::LoadFile(args[++i]);
-      mrr::read_replay_config(root, o.train.replay);
-      // Every other scalar, flattened to its dotted key.
-      std::function<void(const YAML::Node&, const std::string&)> walk = [&](const YAML::Node& n, const std::string& prefix) {
-        if (n.IsMap()) {
-          for (const auto& kv : n) walk(kv.second, prefix.empty() ? kv.first.as<std::string>() : prefix + "." + kv.first.as<std::string>());
-        } else if (n.IsScalar() && prefix.rfind(mrr::ReplayConfig::kPrefix, 0) != 0 &&
-                   prefix != mrr::ReplayConfig::kRolloutReplay) {
-          set_option(o, prefix, n.as<std::string>());
-        }
-      };
-      walk(root, "");
-#else
-      throw mrr::ConfigError("--config needs yaml-cpp (libyaml-cpp-dev); use key=value overrides");
-#endif
+      apply_config_file(o, args[++i]);
     } else if (a.find('=') != std::string::npos) {
       overrides.push_back(a);
     } else {
@@ -166,8 +208,7 @@ inline RunOptions parse_options(const std::vector<std::string>& args) {
     const auto eq = body.find('=');
     set_option(o, body.substr(0, eq), body.substr(eq + 1));
   }
-  o.train.replay.validate();
-  if (o.ranks < 1) throw mrr::ConfigError("--ranks must be >= 1");
+  o.train.validate(o.ranks);
   if (o.experiment.empty()) o.experiment = std::string(mrr::to_string(o.train.replay.mode));
   return o;
 }

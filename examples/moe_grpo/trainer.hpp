@@ -17,16 +17,65 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iomanip>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace moe_grpo {
+
+// verl's names of the numeric options: what set_option reads and what validation errors name.
+namespace keys {
+inline constexpr std::string_view steps = "trainer.total_training_steps";
+inline constexpr std::string_view seed = "trainer.seed";
+inline constexpr std::string_view ranks = "trainer.n_ranks";
+inline constexpr std::string_view batch = "data.train_batch_size";
+inline constexpr std::string_view max_operand = "data.max_operand";
+inline constexpr std::string_view group = "actor_rollout_ref.rollout.n";
+inline constexpr std::string_view temperature = "actor_rollout_ref.rollout.temperature";
+inline constexpr std::string_view top_k = "actor_rollout_ref.rollout.top_k";
+inline constexpr std::string_view top_p = "actor_rollout_ref.rollout.top_p";
+inline constexpr std::string_view lr = "actor_rollout_ref.actor.optim.lr";
+inline constexpr std::string_view weight_decay = "actor_rollout_ref.actor.optim.weight_decay";
+inline constexpr std::string_view mini_batch = "actor_rollout_ref.actor.ppo_mini_batch_size";
+inline constexpr std::string_view ppo_epochs = "actor_rollout_ref.actor.ppo_epochs";
+inline constexpr std::string_view clip_ratio = "actor_rollout_ref.actor.clip_ratio";
+inline constexpr std::string_view clip_ratio_low = "actor_rollout_ref.actor.clip_ratio_low";
+inline constexpr std::string_view clip_ratio_high = "actor_rollout_ref.actor.clip_ratio_high";
+inline constexpr std::string_view kl_loss_coef = "actor_rollout_ref.actor.kl_loss_coef";
+inline constexpr std::string_view experts = "actor_rollout_ref.model.num_experts";
+inline constexpr std::string_view topk = "actor_rollout_ref.model.moe_topk";
+inline constexpr std::string_view hidden = "actor_rollout_ref.model.hidden_size";
+inline constexpr std::string_view layers = "actor_rollout_ref.model.num_layers";
+inline constexpr std::string_view expert_hidden = "actor_rollout_ref.model.moe_intermediate_size";
+}  // namespace keys
+
+// The example's limits, checked before anything is sized: below them every count and offset fits
+// an int and a step's memory stays within a few GiB. verl's recipes sit far inside them.
+inline constexpr int kMaxSequencesPerStep = 65536;  // data.train_batch_size x rollout.n
+inline constexpr int kMaxDimension = 65536;         // num_experts, hidden_size, moe_intermediate_size
+inline constexpr std::int64_t kMaxParameters = std::int64_t{1} << 28;  // 1 GiB of floats; AdamW keeps 3 more copies
+inline constexpr int kMaxPpoEpochs = 1000;
+inline constexpr int kMaxOperand = 9;  // the operands are single-digit tokens
+
+namespace detail {
+
+// Throws "<key> must be <range>, got <value>" unless `ok`.
+template <class T>
+void require_option(bool ok, std::string_view key, std::string_view range, const T& value) {
+  if (!ok) throw mrr::ConfigError(mrr::detail::str(key, " must be ", range, ", got ", value));
+}
+
+inline bool finite_at_least(double v, double low) { return std::isfinite(v) && v >= low; }
+
+}  // namespace detail
 
 struct TrainConfig {
   ModelConfig model;
@@ -50,9 +99,103 @@ struct TrainConfig {
   bool paired_metrics = true;
   bool paired_reuse = true;
 
+  // Every option in its range, before anything is sized or run; `ranks` is the number of
+  // expert-parallel ranks. Errors name verl's key, the accepted range and the value given.
+  void validate(int ranks = 1) const {
+    validate_batch();
+    validate_numerics();
+    validate_model();
+    validate_ranks(ranks);
+    replay.validate();
+    grpo.validate();
+    sampling.validate();
+  }
+
   int sequences() const { return prompts * group; }
   int mini_batches() const { return prompts / mini_batch_prompts; }
   int response_length() const { return model.max_seq - kPromptLength; }
+
+ private:
+  void validate_batch() const {
+    using detail::require_option;
+    using mrr::detail::str;
+    const std::string sequences_range = str("in [1, ", kMaxSequencesPerStep, "]");
+    require_option(steps >= 0, keys::steps, ">= 0", steps);
+    require_option(prompts >= 1 && prompts <= kMaxSequencesPerStep, keys::batch, sequences_range, prompts);
+    require_option(group >= 1 && group <= kMaxSequencesPerStep, keys::group, sequences_range, group);
+    if (static_cast<std::int64_t>(prompts) * group > kMaxSequencesPerStep)
+      throw mrr::ConfigError(str(keys::batch, " x ", keys::group, " must be at most ", kMaxSequencesPerStep,
+                                 " sequences per step, got ", prompts, " x ", group));
+    require_option(mini_batch_prompts >= 1 && mini_batch_prompts <= prompts, keys::mini_batch,
+                   str("in [1, ", keys::batch, " = ", prompts, "]"), mini_batch_prompts);
+    if (prompts % mini_batch_prompts != 0)
+      throw mrr::ConfigError(str(keys::batch, " (", prompts, ") must be a multiple of ", keys::mini_batch, " (",
+                                 mini_batch_prompts, ")"));
+    require_option(ppo_epochs >= 1 && ppo_epochs <= kMaxPpoEpochs, keys::ppo_epochs, str("in [1, ", kMaxPpoEpochs, "]"),
+                   ppo_epochs);
+    require_option(max_operand >= 0 && max_operand <= kMaxOperand, keys::max_operand,
+                   str("in [0, ", kMaxOperand, "] (the operands are single-digit tokens)"), max_operand);
+  }
+
+  // Real-valued options: NaN and infinities fail every range.
+  void validate_numerics() const {
+    using detail::finite_at_least;
+    using detail::require_option;
+    require_option(finite_at_least(lr, 0), keys::lr, "finite and >= 0", lr);
+    require_option(finite_at_least(weight_decay, 0), keys::weight_decay, "finite and >= 0", weight_decay);
+    require_option(finite_at_least(sampling.temperature, 0), keys::temperature, "finite and >= 0 (0: greedy)",
+                   sampling.temperature);
+    require_option(sampling.top_k >= -1, keys::top_k, "-1 or 0 (off) or >= 1", sampling.top_k);
+    require_option(sampling.top_p > 0 && sampling.top_p <= 1, keys::top_p, "in (0, 1]", sampling.top_p);
+    require_option(finite_at_least(grpo.kl_loss_coef, 0), keys::kl_loss_coef, "finite and >= 0", grpo.kl_loss_coef);
+    // The ratio is clipped to [1 - low, 1 + high]: low in (0, 1) keeps the lower bound positive.
+    const auto& policy = grpo.policy;
+    const auto in_unit = [](double v) { return v > 0 && v < 1; };
+    require_option(std::isfinite(policy.clip_ratio) && policy.clip_ratio > 0, keys::clip_ratio, "finite and > 0",
+                   policy.clip_ratio);
+    if (policy.clip_ratio_low)
+      require_option(in_unit(*policy.clip_ratio_low), keys::clip_ratio_low, "in (0, 1)", *policy.clip_ratio_low);
+    else
+      require_option(in_unit(policy.clip_ratio), keys::clip_ratio,
+                     mrr::detail::str("in (0, 1) while it is also the lower clip (", keys::clip_ratio_low, " unset)"),
+                     policy.clip_ratio);
+    if (policy.clip_ratio_high)
+      require_option(std::isfinite(*policy.clip_ratio_high) && *policy.clip_ratio_high > 0, keys::clip_ratio_high,
+                     "finite and > 0", *policy.clip_ratio_high);
+  }
+
+  void validate_model() const {
+    using detail::require_option;
+    using mrr::detail::str;
+    const std::string dimension = str("in [1, ", kMaxDimension, "]");
+    require_option(model.experts >= 1 && model.experts <= kMaxDimension, keys::experts, dimension, model.experts);
+    const int max_topk = std::min(model.experts, mrr::RouteShape::kMaxTopk);
+    require_option(model.topk >= 1 && model.topk <= max_topk, keys::topk,
+                   str("in [1, ", max_topk, "] (", keys::experts, " = ", model.experts, ")"), model.topk);
+    require_option(model.hidden >= model.heads && model.hidden <= kMaxDimension && model.hidden % model.heads == 0,
+                   keys::hidden, str("a multiple of the ", model.heads, " attention heads in [", model.heads, ", ",
+                                     kMaxDimension, "]"),
+                   model.hidden);
+    require_option(model.layers >= 1 && model.layers <= mrr::RouteShape::kMaxLayers, keys::layers,
+                   str("in [1, ", mrr::RouteShape::kMaxLayers, "]"), model.layers);
+    require_option(model.expert_hidden >= 1 && model.expert_hidden <= kMaxDimension, keys::expert_hidden, dimension,
+                   model.expert_hidden);
+    if (const double parameters = parameter_count(model); parameters > static_cast<double>(kMaxParameters))
+      throw mrr::ConfigError(str("the model has ", std::fixed, std::setprecision(0), parameters,
+                                 " parameters, more than the example's ", kMaxParameters, " (2^28): lower ",
+                                 keys::layers, ", ", keys::experts, ", ", keys::hidden, " or ", keys::expert_hidden));
+  }
+
+  void validate_ranks(int ranks) const {
+    using mrr::detail::str;
+    detail::require_option(ranks >= 1 && ranks <= model.experts, str(keys::ranks, " (--ranks)"),
+                           str("in [1, ", keys::experts, " = ", model.experts, "]"), ranks);
+    if (model.experts % ranks != 0)
+      throw mrr::ConfigError(str(keys::experts, " (", model.experts, ") do not split evenly over ", ranks, " ranks"));
+    if ((mini_batch_prompts * group) % ranks != 0)
+      throw mrr::ConfigError(str("a mini-batch of ", mini_batch_prompts * group, " sequences (", keys::mini_batch,
+                                 " x ", keys::group, ") does not split evenly over ", ranks, " ranks"));
+  }
 };
 
 struct StepMetrics {
@@ -124,22 +267,8 @@ class Trainer {
   using Callback = std::function<void(const StepMetrics&)>;
 
   Trainer(const TrainConfig& cfg, Comm comm) : cfg_(cfg), comm_(comm) {
-    cfg_.replay.validate();
-    cfg_.grpo.validate();
-    cfg_.sampling.validate();
     const int ranks = static_cast<int>(comm.size());
-    if (cfg.mini_batch_prompts <= 0 || cfg.prompts % cfg.mini_batch_prompts != 0)
-      throw mrr::ConfigError("data.train_batch_size (" + std::to_string(cfg.prompts) +
-                             ") must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (" +
-                             std::to_string(cfg.mini_batch_prompts) + ")");
-    if ((cfg.mini_batch_prompts * cfg.group) % ranks != 0)
-      throw mrr::ConfigError("a mini-batch of " + std::to_string(cfg.mini_batch_prompts * cfg.group) +
-                             " sequences does not split evenly over " + std::to_string(ranks) + " ranks");
-    if (cfg.model.experts % ranks != 0)
-      throw mrr::ConfigError(std::to_string(cfg.model.experts) + " experts do not split evenly over " +
-                             std::to_string(ranks) + " ranks");
-    if (cfg.steps < 0 || cfg.group < 1 || cfg.ppo_epochs < 1)
-      throw mrr::ConfigError("steps must be >= 0, rollout.n and ppo_epochs >= 1");
+    cfg_.validate(ranks);
     const mrr::RouteShape shape{cfg.model.experts, cfg.model.layers, cfg.model.topk};
     // Route files: one per rank when there are several (a rank replays only its own sequences).
     mrr::ReplayConfig files = cfg_.replay;
