@@ -24,7 +24,7 @@ inline std::optional<FileRouteStore> open_route_file(const ReplayConfig& config,
       // A replay file must exist (append would create it); open() says what is wrong with the path:
       // missing, a dangling symlink or a symlink loop.
       if (!std::filesystem::exists(config.replay_file, ec)) return FileRouteStore::open(config.replay_file, model);
-      if (ReplayConfig::same_file(config.record_file, config.replay_file))
+      if (!config.record_file.empty() && ReplayConfig::same_file(config.record_file, config.replay_file))
         return FileRouteStore::append(config.replay_file, model, options);
       return FileRouteStore::open(config.replay_file, model);
     }
