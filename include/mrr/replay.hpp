@@ -1,4 +1,5 @@
-// Routing replay: modes and actions, token layouts, route stores (none, memory, file), the
+// Routing replay: modes and actions, token layouts, route stores (none, memory, file, and
+// AnyRouteStore choosing between the last two at run time), the
 // replay controller, verl-style configuration and rollout-engine importers.
 #pragma once
 
@@ -13,3 +14,4 @@
 #include <mrr/replay/vllm_import.hpp>
 #include <mrr/replay/file_store.hpp>  // needs xxHash (a required dependency; file_format.hpp says so if absent)
 #include <mrr/replay/open_store.hpp>
+#include <mrr/replay/any_store.hpp>

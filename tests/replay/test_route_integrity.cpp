@@ -3,8 +3,10 @@
 // truncated, replaced or renamed while open, writers racing to create a file, and FIFOs where a
 // file is expected.
 #include <mrr/replay.hpp>
+#include <mrr/router.hpp>
 
 #include <doctest/doctest.h>
+#include <support/random.hpp>
 
 #include "temp_dir.hpp"
 
@@ -333,4 +335,39 @@ TEST_CASE("FileRouteStore is move-assignable: the store assigned over is closed 
                        mrr::RouteFileError);
   REQUIRE(moved.lookup(0, span_layout(2, 0, 8), got, found) == 8);
   CHECK(got == ids_for(8, 2, 32, 1));
+}
+
+TEST_CASE("AnyRouteStore: a configuration picks memory or a route file at run time; both replay what was recorded") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{32, 2, 2};
+  mrr::ReplayConfig config;
+  config.mode = mrr::ReplayMode::R2;
+  auto memory = mrr::AnyRouteStore::from_config(config, shape);
+  CHECK_FALSE(memory.is_file());
+  config.record_file = (dir / "r2.mrr").string();
+  {
+    auto file = mrr::AnyRouteStore::from_config(config, shape);
+    CHECK(file.is_file());
+    for (auto* store : {&memory, &file}) {
+      mrr::RoutingReplay<mrr::AnyRouteStore> replay(mrr::ReplayMode::R2, *store);
+      const mrr::TopKRouter<float> router(mrr::presets::mixtral(32, 2));
+      replay.set_micro_batch(span_layout(4, 0, 16));
+      replay.begin_pass(mrr::TrainingPass::old_log_prob);
+      const auto z = mrr::test::random_normal<float>(16, 32, 3);
+      const auto recorded = replay.route(router, 1, z);
+      replay.begin_pass(mrr::TrainingPass::actor_update);
+      CHECK(replay.route(router, 1, mrr::test::random_normal<float>(16, 32, 4)).ids == recorded.ids);
+      CHECK(store->contains(4));
+      store->end_step();
+    }
+    CHECK_FALSE(memory.contains(4));  // memory forgets a finished step
+    CHECK(file.contains(4));          // the file keeps it
+  }
+  // The file replays in a later run.
+  config.record_file.clear();
+  config.replay_file = (dir / "r2.mrr").string();
+  auto replayed = mrr::AnyRouteStore::from_config(config, shape);
+  CHECK(replayed.is_file());
+  CHECK(replayed.recorded_positions(4) == 16);
+  CHECK_THROWS_AS(mrr::AnyRouteStore::from_config(config, {32, 3, 2}), mrr::RouteFileError);  // another model
 }
