@@ -7,15 +7,14 @@
 #include <mrr/comm/in_process.hpp>
 
 #include <doctest/doctest.h>
+#include <support/fifo.hpp>
 
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
-#include <future>
 #include <string>
 #include <vector>
 
@@ -200,22 +199,6 @@ TEST_CASE("parameter_count is what the model lays out") {
 }
 
 #if MOE_GRPO_WITH_YAML
-namespace {
-
-// The error parse_options gives for --config on a FIFO, or "(blocked)" when it is still waiting
-// after 10 s (then the FIFO is opened for writing and closed, so the reader sees its end).
-std::string error_on_fifo(const std::filesystem::path& fifo) {
-  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
-  auto result = std::async(std::launch::async, [&] { return error_of({"--config", fifo.string()}); });
-  if (result.wait_for(std::chrono::seconds(10)) == std::future_status::ready) return result.get();
-  const int writer = ::open(fifo.c_str(), O_WRONLY);
-  if (writer >= 0) ::close(writer);
-  result.wait();
-  return "(blocked)";
-}
-
-}  // namespace
-
 TEST_CASE("--config: verl's nesting sets the options; YAML 1.1 booleans; null keeps the default") {
   TempDir dir;
   const auto file = dir.write("run.yaml",
@@ -265,7 +248,9 @@ TEST_CASE("--config: a repeated key anywhere, a list, several documents or a FIF
     CHECK(error.rfind(prefix, 0) == 0);
   }
   const auto fifo = dir.path / "fifo.yaml";
-  const std::string error = error_on_fifo(fifo);
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string error =
+      mrr::test::error_or_blocked(fifo, [&] { throw std::runtime_error(error_of({"--config", fifo.string()})); });
   CHECK(error.find("config file " + fifo.string() + ": not a regular file (a FIFO") == 0);
   CHECK(error_of({"--config", dir.path.string()}).find("not a regular file (a directory)") != std::string::npos);
   CHECK(error_of({"--config", (dir.path / "missing.yaml").string()}).find("missing.yaml does not exist") !=

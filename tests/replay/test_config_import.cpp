@@ -6,17 +6,16 @@
 #endif
 
 #include <doctest/doctest.h>
+#include <support/fifo.hpp>
 
 #include "temp_dir.hpp"
 
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
-#include <future>
 #include <string>
 #include <vector>
 
@@ -296,34 +295,11 @@ TEST_CASE("YAML config with verl's layout, then overrides") {
   CHECK_THROWS_WITH_AS(mrr::load_replay_config(dir / "nope.yaml"), doctest::Contains("nope.yaml does not exist"),
                        mrr::ConfigError);
 }
-namespace {
-
-// The error of `load` on a FIFO, or "(blocked)" when it is still waiting after 10 s (the FIFO is
-// then opened for writing and closed, so the blocked reader sees its end and the test ends).
-template <class Load>
-std::string error_on_fifo(const std::filesystem::path& fifo, Load load) {
-  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
-  auto result = std::async(std::launch::async, [&]() -> std::string {
-    try {
-      load();
-    } catch (const std::exception& e) {
-      return e.what();
-    }
-    return "(no error)";
-  });
-  if (result.wait_for(std::chrono::seconds(10)) == std::future_status::ready) return result.get();
-  const int writer = ::open(fifo.c_str(), O_WRONLY);
-  if (writer >= 0) ::close(writer);
-  result.wait();
-  return "(blocked)";
-}
-
-}  // namespace
-
 TEST_CASE("YAML: a FIFO or a directory as the config file is refused at once, naming the file") {
   mrr::test::TempDir dir;
   const auto fifo = dir / "ppo.yaml";
-  const std::string error = error_on_fifo(fifo, [&] { mrr::load_replay_config(fifo); });
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string error = mrr::test::error_or_blocked(fifo, [&] { mrr::load_replay_config(fifo); });
   CHECK(has(error, "config file " + fifo.string() + ": not a regular file (a FIFO"));
   CHECK_THROWS_WITH_AS(mrr::load_yaml_config(dir.path()), doctest::Contains("not a regular file (a directory)"),
                        mrr::ConfigError);

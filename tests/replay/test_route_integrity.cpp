@@ -6,6 +6,7 @@
 #include <mrr/router.hpp>
 
 #include <doctest/doctest.h>
+#include <support/fifo.hpp>
 #include <support/random.hpp>
 
 #include "temp_dir.hpp"
@@ -21,6 +22,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -45,26 +47,19 @@ void write_routes(const std::filesystem::path& path, int salt) {
   store.close();
 }
 
-// Runs f; if it has not returned after `seconds` (blocked on a FIFO), opens the FIFO for writing
-// and closes it so that f returns, and fails the test: a FIFO must be refused, never waited on.
+// An empty store of either kind (a file store writes r.mrr in `dir`).
+template <class Store>
+Store new_store(const mrr::test::TempDir& dir, const mrr::RouteShape& shape) {
+  if constexpr (std::is_same_v<Store, mrr::FileRouteStore>)
+    return mrr::FileRouteStore::create(dir / "r.mrr", shape);
+  else
+    return mrr::MemoryRouteStore(shape);
+}
+
+// A FIFO named where a file is expected is refused at once, naming the file and what it is.
 void refused_without_blocking(const std::filesystem::path& fifo, const std::function<void()>& f, const char* what) {
-  std::atomic<bool> done{false};
-  std::thread unblock([&] {
-    for (int i = 0; i < 100 && !done.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (!done.load()) {
-      const int fd = ::open(fifo.c_str(), O_RDWR | O_NONBLOCK);
-      if (fd >= 0) ::close(fd);
-    }
-  });
   const auto start = std::chrono::steady_clock::now();
-  std::string message;
-  try {
-    f();
-  } catch (const std::exception& e) {
-    message = e.what();
-  }
-  done = true;
-  unblock.join();
+  const std::string message = mrr::test::error_or_blocked(fifo, f, std::chrono::seconds(5));
   INFO(what << ": " << message);
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(4));
   CHECK(message.find("FIFO") != std::string::npos);
@@ -77,12 +72,7 @@ TEST_CASE_TEMPLATE("every store refuses a batch whose rows for one token disagre
                    mrr::MemoryRouteStore, mrr::FileRouteStore) {
   mrr::test::TempDir dir;
   const mrr::RouteShape shape{16, 1, 2};
-  auto store = [&] {
-    if constexpr (std::is_same_v<Store, mrr::FileRouteStore>)
-      return mrr::FileRouteStore::create(dir / "r.mrr", shape);
-    else
-      return mrr::MemoryRouteStore(shape);
-  }();
+  auto store = new_store<Store>(dir, shape);
   // Sequence 7: positions 0-9, then position 2 again, then positions 5-7 with other experts. The
   // third run overlaps the first, not its neighbour in sorted order (the second).
   std::vector<mrr::TokenKey> rows;
@@ -112,12 +102,7 @@ TEST_CASE_TEMPLATE("every store bounds sparse positions: 0 and 2^32 - 1 over 48 
                    mrr::MemoryRouteStore, mrr::FileRouteStore) {
   mrr::test::TempDir dir;
   const mrr::RouteShape shape{64, 48, 8};
-  auto store = [&] {
-    if constexpr (std::is_same_v<Store, mrr::FileRouteStore>)
-      return mrr::FileRouteStore::create(dir / "r.mrr", shape);
-    else
-      return mrr::MemoryRouteStore(shape);
-  }();
+  auto store = new_store<Store>(dir, shape);
   const std::int64_t last = mrr::kMaxPositions - 1;
   store.record(0, span_layout(3, 0, 1), ids_for(1, 8, 64, 0));
   CHECK_THROWS_WITH_AS(store.record(0, span_layout(3, last, 1), ids_for(1, 8, 64, 1)),
