@@ -23,9 +23,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -41,6 +39,9 @@
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
+
+static_assert(detail::RouteFileHandle::kHeaderBytes == route_file::kHeaderBytes,
+              "RouteFileHandle compares the route file's header: its size is the format's");
 
 struct FileStoreOptions {
   // fdatasync when closing (a cleanly closed file then survives power loss, not only a crash).
