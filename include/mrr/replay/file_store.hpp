@@ -8,12 +8,20 @@
 // error, never a crash (no mapping to fault on) and never another file's ids (the header, with
 // its random file id, is compared after reading). Format: docs/route-file-format.md. Not
 // thread-safe.
+//
+// FileRouteStore is the facade over three parts under replay/detail/: the POSIX file
+// (route_file_handle.hpp: open, lock, positioned I/O, identity checks), the record codec
+// (route_codec.hpp: ids to bytes and back, record checks, records built for one write) and the
+// index (route_index.hpp: records by sequence and in file order, their bounds, and where each
+// sequence's rows are). It decides what to read, verify and write, and when.
 #pragma once
 
 #include <mrr/detail/checked.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/replay/detail/route_codec.hpp>
 #include <mrr/replay/detail/route_file_handle.hpp>
+#include <mrr/replay/detail/route_index.hpp>
 #include <mrr/replay/file_format.hpp>
 #include <mrr/replay/layout.hpp>
 #include <mrr/replay/route_table.hpp>
@@ -28,7 +36,6 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <iterator>
 #include <memory>
 #include <optional>
 #include <random>
@@ -156,10 +163,8 @@ class FileRouteStore final {
     const auto stride = static_cast<std::size_t>(ids.outerStride());
     auto row_ids = [&](std::size_t r) { return ids.data() + r * stride; };
     detail::check_batch_agrees(layout.runs(), row_ids, k, fn, sorted_runs_);
-    auto& buffer = write_buffer_;
-    auto& pending = write_pending_;
-    buffer.clear();
-    pending.clear();
+    auto& batch = write_batch_;
+    batch.clear();
     for (const TokenRun& run : layout.runs()) {
       const SequenceIndex* seq = ensure_loaded(run.uid);
       // Rows already in the file must hold the same ids (a no-op); the rest become records.
@@ -170,13 +175,13 @@ class FileRouteStore final {
         if (to <= from) return;
         const auto count = static_cast<std::size_t>(to - from);
         const std::size_t row = run.first_row + static_cast<std::size_t>(from - run.first_position);
-        auto* payload = begin_route_record(buffer, pending, run.uid, from, static_cast<std::uint32_t>(count), layer, 1);
-        if (!encode_rows(row_ids(row), stride, count, payload))  // range-checked while encoding
+        auto* payload = batch.begin(codec_, run.uid, from, static_cast<std::uint32_t>(count), layer, 1);
+        if (!codec_.encode_rows(row_ids(row), stride, count, payload))  // range-checked while encoding
           check_id_rows(row_ids(row), stride, count, fn, TokenRun{run.uid, from, row, count}, layer);
-        finish_route_record(buffer, pending);
+        batch.finish();
       };
       if (seq != nullptr)
-        for_each_overlap(*seq, layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
+        seq->for_each_overlap(layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
           const std::size_t row = run.first_row + static_cast<std::size_t>(a - run.first_position);
           check_id_rows(row_ids(row), stride, static_cast<std::size_t>(b - a), fn, TokenRun{run.uid, a, row, 0}, layer);
           if (const std::int64_t pos = first_mismatch(s, a, b, row_of); pos != b)
@@ -186,8 +191,8 @@ class FileRouteStore final {
         });
       emit(cursor, run_end);
     }
-    check_sparse_before_write(pending, fn);
-    commit(buffer, pending, fn);
+    check_sparse_before_write(batch, fn);
+    commit(batch, fn);
   }
 
   // A span of one sequence for a range of layers, ids laid out [tokens][layers][k] (vLLM order).
@@ -215,7 +220,7 @@ class FileRouteStore final {
           return ids.data() + static_cast<std::size_t>(pos - first_position) * row_stride +
                  static_cast<std::size_t>(l) * static_cast<std::size_t>(k);
         };
-        for_each_overlap(*seq, first_layer + l, first_position, end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
+        seq->for_each_overlap(first_layer + l, first_position, end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
           if (const std::int64_t pos = first_mismatch(s, a, b, row_of); pos != b)
             detail::RouteTable::conflict(fn, uid, pos, first_layer + l);
           any_new = any_new || a > cursor;
@@ -224,16 +229,14 @@ class FileRouteStore final {
         any_new = any_new || cursor < end;
       }
     if (!any_new) return;
-    auto& buffer = write_buffer_;
-    auto& pending = write_pending_;
-    buffer.clear();
-    pending.clear();
-    auto* payload = begin_route_record(buffer, pending, uid, first_position, static_cast<std::uint32_t>(num_tokens),
-                                       first_layer, num_layers);
-    (void)encode_ids(ids.data(), ids.size(), payload);  // range-checked above
-    finish_route_record(buffer, pending);
-    check_sparse_before_write(pending, fn);
-    commit(buffer, pending, fn);
+    auto& batch = write_batch_;
+    batch.clear();
+    auto* payload = batch.begin(codec_, uid, first_position, static_cast<std::uint32_t>(num_tokens), first_layer,
+                                num_layers);
+    (void)codec_.encode_ids(ids.data(), ids.size(), payload);  // range-checked above
+    batch.finish();
+    check_sparse_before_write(batch, fn);
+    commit(batch, fn);
   }
 
   // As MemoryRouteStore::lookup. Ids are read from the file in chunks and decoded into `out`; each
@@ -255,12 +258,12 @@ class FileRouteStore final {
       if (seq == nullptr) continue;
       std::int64_t cursor = run.first_position;  // rows below it are filled (overlapping records agree)
       const std::int64_t run_end = run.first_position + static_cast<std::int64_t>(run.count);
-      for_each_overlap(*seq, layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
+      seq->for_each_overlap(layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
         a = std::max(a, cursor);
         if (b <= a) return;
         for_each_row_chunk(s, a, b, read_buffer_, [&](std::int64_t pos, std::size_t n, const unsigned char* src) {
           const std::size_t row = run.first_row + static_cast<std::size_t>(pos - run.first_position);
-          decode_rows(src, s.stride, n, out.data() + row * static_cast<std::size_t>(k));
+          codec_.decode_rows(src, s.stride, n, out.data() + row * static_cast<std::size_t>(k));
           std::memset(found.data() + row, 1, n);
         });
         hits += static_cast<std::size_t>(b - a);
@@ -280,14 +283,9 @@ class FileRouteStore final {
     if (read_any) file_.check_unchanged("FileRouteStore::recorded_positions");
     return s != nullptr && !s->segments.empty() ? s->end : 0;
   }
-  bool contains(SequenceId uid) const { return index_.count(uid) != 0; }
-  std::size_t num_sequences() const { return index_.size(); }
-  std::vector<SequenceId> sequences() const {
-    std::vector<SequenceId> out;
-    out.reserve(index_.size());
-    for (const auto& [uid, offsets] : index_) out.push_back(uid);
-    return out;
-  }
+  bool contains(SequenceId uid) const { return index_.contains(uid); }
+  std::size_t num_sequences() const { return index_.num_sequences(); }
+  std::vector<SequenceId> sequences() const { return index_.sequences(); }
 
   // The routes of one sequence as a table, read from the file and verified (throws
   // RouteFileError if damaged). lookup() does not need it: it decodes from the file directly.
@@ -334,35 +332,14 @@ class FileRouteStore final {
   }
 
  private:
-  // A layer's rows in one record: `count` positions from `first`, the row of first + t at file
-  // offset payload + t * stride (R2 records hold one layer, so its rows are contiguous).
-  struct Segment {
-    std::int64_t first;
-    std::uint64_t payload;
-    std::uint64_t record;  // the record's offset, for messages
-    std::int32_t layer;
-    std::uint32_t count;
-    std::uint32_t stride;
-    std::int64_t end() const { return first + count; }
-  };
-  // Where a sequence's rows are in the file: its segments sorted by (layer, first position).
-  struct SequenceIndex {
-    std::vector<Segment> segments;
-    std::int64_t first = kMaxPositions, end = 0;  // positions its records span
-    std::uint64_t rows_held = 0;                  // (position, layer) rows its records hold
-    bool overlapping = false;                     // some segments of a layer overlap (and agree)
-  };
-
-  // A record built in the write buffer and not yet on disk.
-  struct Pending {
-    route_file::RecordHeader header;
-    std::size_t at;  // its offset in the buffer
-  };
+  using Segment = detail::RouteSegment;
+  using SequenceIndex = detail::SequenceIndex;
 
   FileRouteStore(detail::RouteFileHandle file, FileStoreOptions options, RouteShape shape)
       : file_(std::move(file)), options_(options), cache_(shape) {
     header_.shape = shape;
     header_.id_width = static_cast<std::uint8_t>(id_width_for(shape.num_experts));
+    codec_ = detail::RouteCodec(header_);
   }
 
   // Writes the header of a new file (empty, locked for writing).
@@ -434,12 +411,8 @@ class FileRouteStore final {
       if (h.shape.topk != e.topk) mismatch("topk", h.shape.topk, e.topk);
     }
     header_ = h;
+    codec_ = detail::RouteCodec(h);
     cache_ = detail::RouteTable(h.shape);
-  }
-
-  void add_to_index(SequenceId uid, std::uint64_t offset) {
-    index_[uid].push_back(offset);
-    order_.emplace_back(uid, offset);
   }
 
   // A clean file ends with [index record][tail record]; anything else is rescanned.
@@ -455,11 +428,9 @@ class FileRouteStore final {
     if (size < route_file::kHeaderBytes + tail_bytes) return false;
     unsigned char tail[route_file::kRecordHeaderBytes + 8];  // a tail record is exactly this
     file_.read_exact(tail, sizeof tail, size - tail_bytes);
-    route_file::RecordHeader th;
-    if (!route_file::decode(tail, th) || th.type != route_file::RecordType::tail || th.payload_bytes != 8 ||
-        route_file::checksum(tail, tail + route_file::kRecordHeaderBytes, 8) != th.checksum)
-      return false;
-    const auto index_offset = route_file::detail::get<std::uint64_t>(tail + route_file::kRecordHeaderBytes);
+    const std::optional<std::uint64_t> tail_points_at = detail::decode_tail(tail);
+    if (!tail_points_at) return false;
+    const std::uint64_t index_offset = *tail_points_at;
     if (index_offset < route_file::kHeaderBytes || index_offset > size - tail_bytes - route_file::kRecordHeaderBytes) {
       recovery_.index_damaged = true;
       return false;
@@ -486,56 +457,22 @@ class FileRouteStore final {
       recovery_.index_damaged = true;
       return false;
     }
-    for (std::uint64_t i = 0; i < count; ++i) {
-      const unsigned char* e = payload.data() + 8 + i * 16;
-      const auto offset = route_file::detail::get<std::uint64_t>(e + 8);
-      if (offset < route_file::kHeaderBytes || offset >= index_offset) {
-        index_.clear();
-        order_.clear();
-        recovery_.index_damaged = true;
-        return false;
-      }
-      add_to_index(route_file::detail::get<std::uint64_t>(e), offset);
+    if (!index_.read_entries(payload.data() + 8, count, index_offset)) {
+      recovery_.index_damaged = true;
+      return false;
     }
-    check_index_entries(index_offset);
+    if (const std::string why = index_.check_entries(index_offset); !why.empty()) damaged(index_offset, why);
     recovery_.opened_from_index = true;
     recovery_.records = count;
     return true;
   }
 
-  // An index is trusted only as a list of distinct, non-overlapping records: one listed twice (or
-  // inside another) would be read and verified again for every listing, so a small crafted file
-  // could cost time quadratic in its size. Records start 8-byte aligned, at least a record header
-  // apart, and before the index; each record's size is checked against the next boundary when
-  // its sequence is read (record_limit), so reading a file costs at most its size.
-  void check_index_entries(std::uint64_t index_offset) {
-    boundaries_.clear();
-    boundaries_.reserve(order_.size() + 1);
-    for (const auto& entry : order_) boundaries_.push_back(entry.second);
-    std::sort(boundaries_.begin(), boundaries_.end());
-    for (std::size_t i = 0; i < boundaries_.size(); ++i) {
-      const std::uint64_t at = boundaries_[i];
-      const std::uint64_t next = i + 1 < boundaries_.size() ? boundaries_[i + 1] : index_offset;
-      if (at % 8 != 0) damaged(index_offset, detail::str("its index lists a record at offset ", at, ", not 8-byte aligned"));
-      if (next == at) damaged(index_offset, detail::str("its index lists the record at offset ", at, " twice"));
-      if (next - at < route_file::kRecordHeaderBytes)
-        damaged(index_offset, detail::str("its index lists records at offsets ", at, " and ", next,
-                                          ", which overlap (a record header alone is ",
-                                          route_file::kRecordHeaderBytes, " bytes)"));
-    }
-    boundaries_.push_back(index_offset);  // no record runs into the index
-  }
-
-  // Where the record at `offset` must end at the latest: the next record (or index) the file is
-  // known to hold there, else the end of the file.
-  std::uint64_t record_limit(std::uint64_t offset) const {
-    const auto next = std::upper_bound(boundaries_.begin(), boundaries_.end(), offset);
-    return next == boundaries_.end() ? end_ : std::min(*next, end_);
-  }
+  // Where the record at `offset` must end at the latest (the next record known, or the end).
+  std::uint64_t record_limit(std::uint64_t offset) const { return index_.record_limit(offset, end_); }
 
   void scan(std::uint64_t size) {
     std::uint64_t offset = route_file::kHeaderBytes;
-    boundaries_.clear();
+    index_.clear();
     while (offset < size) {
       const std::uint64_t left = size - offset;
       unsigned char hb[route_file::kRecordHeaderBytes];
@@ -561,8 +498,7 @@ class FileRouteStore final {
       }
       if (h.type == route_file::RecordType::routes) {
         check_route_record(h, offset, size);
-        add_to_index(h.uid, offset);
-        boundaries_.push_back(offset);
+        index_.add(h.uid, offset);
         ++recovery_.records;
       }
       offset += need;
@@ -614,26 +550,8 @@ class FileRouteStore final {
   // (where the record must end: the next record, or the end of the file), before anything is
   // sized from it.
   void check_route_record(const route_file::RecordHeader& h, std::uint64_t offset, std::uint64_t limit) const {
-    const auto& s = shape();
-    if (h.num_layers == 0 || h.first_layer + h.num_layers > s.num_layers)
-      damaged(offset, detail::str("a record of sequence uid ", h.uid, " has first_layer ", h.first_layer,
-                                  " and num_layers ", h.num_layers, ", outside the file's ", s.num_layers, " layers"));
-    if (h.first_position < 0 || h.first_position > kMaxPositions - std::int64_t{h.num_tokens})
-      damaged(offset, detail::str("a record of sequence uid ", h.uid, " has first_position ", h.first_position,
-                                  " and num_tokens ", h.num_tokens, "; positions must be in [0, 2^32)"));
-    std::uint64_t expect = 0;
-    if (!detail::checked_product(expect, std::uint64_t{h.num_tokens}, h.num_layers, s.topk, header_.id_width) ||
-        h.payload_bytes != expect)
-      damaged(offset, detail::str("a record of sequence uid ", h.uid, " has payload_bytes ", h.payload_bytes,
-                                  " where num_tokens x num_layers x topk x id width = ", h.num_tokens, " x ",
-                                  h.num_layers, " x ", s.topk, " x ", int{header_.id_width}));
-    const std::uint64_t room =
-        offset <= limit && limit - offset >= route_file::kRecordHeaderBytes ? limit - offset - route_file::kRecordHeaderBytes : 0;
-    if (offset > limit || limit - offset < route_file::kRecordHeaderBytes || h.payload_bytes > room ||
-        route_file::padded(h.payload_bytes) > room)
-      damaged(offset, detail::str("a record of sequence uid ", h.uid, " has payload_bytes ", h.payload_bytes,
-                                  limit == end_ ? detail::str(", past the end of the file (", end_, " bytes)")
-                                                : detail::str(", running into the next record at offset ", limit)));
+    if (const std::string why = detail::route_record_problem(h, header_, offset, limit, end_); !why.empty())
+      damaged(offset, why);
   }
 
   // How many bytes are read at a time: small enough to stay in L2 while decoded, large enough
@@ -646,7 +564,7 @@ class FileRouteStore final {
   template <class F>
   void for_each_row_chunk(const Segment& s, std::int64_t from, std::int64_t to, std::vector<unsigned char>& buf,
                           F&& f) const {
-    const auto row_bytes = static_cast<std::size_t>(shape().topk) * header_.id_width;
+    const std::size_t row_bytes = codec_.row_bytes();
     const auto per_chunk = static_cast<std::int64_t>(std::max<std::size_t>(1, kReadChunk / s.stride));
     for (std::int64_t pos = from; pos < to;) {
       const std::int64_t n = std::min(per_chunk, to - pos);
@@ -663,67 +581,9 @@ class FileRouteStore final {
     std::int64_t bad = b;
     for_each_row_chunk(s, a, b, compare_buffer_, [&](std::int64_t pos, std::size_t n, const unsigned char* rows) {
       for (std::size_t i = 0; i < n && bad == b; ++i)
-        if (!same_row(rows + i * s.stride, ids_of(pos + static_cast<std::int64_t>(i)))) bad = pos + static_cast<std::int64_t>(i);
+        if (!codec_.same_row(rows + i * s.stride, ids_of(pos + static_cast<std::int64_t>(i)))) bad = pos + static_cast<std::int64_t>(i);
     });
     return bad;
-  }
-
-  // Calls f(segment, a, b) for each segment of `layer` holding positions [a, b) of [from, to),
-  // in order of first position.
-  template <class F>
-  static void for_each_overlap(const SequenceIndex& s, int layer, std::int64_t from, std::int64_t to, F&& f) {
-    const Segment* begin = s.segments.data();
-    const Segment* end = begin + s.segments.size();
-    const Segment* lo = std::lower_bound(begin, end, layer, [](const Segment& g, int l) { return g.layer < l; });
-    const Segment* hi = std::upper_bound(lo, end, layer, [](int l, const Segment& g) { return l < g.layer; });
-    const Segment* it = lo;
-    if (!s.overlapping) {  // disjoint: only the last segment starting at or before `from` can hold it
-      it = std::upper_bound(lo, hi, from, [](std::int64_t p, const Segment& g) { return p < g.first; });
-      if (it != lo) --it;
-    }
-    for (; it != hi && it->first < to; ++it)
-      if (it->end() > from) f(*it, std::max(from, it->first), std::min(to, it->end()));
-  }
-
-  // Whether the encoded row at p holds exactly these k ids.
-  bool same_row(const unsigned char* p, const std::int32_t* ids) const {
-    const int w = header_.id_width;
-    for (int j = 0; j < shape().topk; ++j)
-      if (detail::load_id(p + j * w, w) != static_cast<std::uint32_t>(ids[j])) return false;
-    return true;
-  }
-
-  // `rows` stored rows, `stride` bytes apart, to int32 ids (already range-checked when verified).
-  void decode_rows(const unsigned char* __restrict src, std::uint32_t stride, std::size_t rows,
-                   std::int32_t* __restrict out) const {
-    const auto k = static_cast<std::size_t>(shape().topk);
-    const int w = header_.id_width;
-    if (w == 1 && stride == k) {  // a contiguous block: one widening loop
-      const std::size_t n = rows * k;
-      for (std::size_t i = 0; i < n; ++i) out[i] = src[i];
-      return;
-    }
-    for (std::size_t r = 0; r < rows; ++r, src += stride, out += k) {
-      if (w == 1) {
-        for (std::size_t j = 0; j < k; ++j) out[j] = src[j];
-      } else if (w == 2) {
-        for (std::size_t j = 0; j < k; ++j) out[j] = route_file::detail::get<std::uint16_t>(src + 2 * j);
-      } else {
-        for (std::size_t j = 0; j < k; ++j)
-          out[j] = static_cast<std::int32_t>(route_file::detail::get<std::uint32_t>(src + 4 * j));
-      }
-    }
-  }
-
-  // `count` rows of k ids, `stride` ids apart, to their encoding (contiguous rows in one loop);
-  // false when an id is out of range.
-  [[nodiscard]] bool encode_rows(const std::int32_t* __restrict ids, std::size_t stride, std::size_t count,
-                                 unsigned char* __restrict out) const {
-    const auto k = static_cast<std::size_t>(shape().topk);
-    if (stride == k) return encode_ids(ids, count * k, out);
-    bool ok = true;
-    for (std::size_t r = 0; r < count; ++r) ok &= encode_ids(ids + r * stride, k, out + r * k * header_.id_width);
-    return ok;
   }
 
   // Range check of `count` rows (`stride` ids apart) of positions run.first_position...: one
@@ -746,12 +606,12 @@ class FileRouteStore final {
   }
 
   // A writer never makes a sequence that readers would refuse as too sparse.
-  void check_sparse_before_write(const std::vector<Pending>& pending, const char* fn) const {
+  void check_sparse_before_write(const detail::RecordBatch& batch, const char* fn) const {
     auto& added = sparse_scratch_;
     added.clear();
-    for (const Pending& p : pending)
-      added.push_back({p.header.uid, p.header.first_position, p.header.first_position + std::int64_t{p.header.num_tokens},
-                       std::uint64_t{p.header.num_tokens} * p.header.num_layers});
+    for (const auto& [h, at] : batch.records())
+      added.push_back({h.uid, h.first_position, h.first_position + std::int64_t{h.num_tokens},
+                       std::uint64_t{h.num_tokens} * h.num_layers});
     detail::check_sparse_growth(shape(), added, [&](SequenceId uid) {
       detail::SequenceExtent e;
       if (auto it = loaded_.find(uid); it != loaded_.end()) e.add(it->second.first, it->second.end, it->second.rows_held);
@@ -764,16 +624,15 @@ class FileRouteStore final {
   // *read_any when it read the file (the caller then checks the file is unchanged).
   const SequenceIndex* ensure_loaded(SequenceId uid, bool* read_any = nullptr) const {
     if (auto found = loaded_.find(uid); found != loaded_.end()) return &found->second;
-    auto it = index_.find(uid);
-    if (it == index_.end()) return nullptr;
+    const std::vector<std::uint64_t>* offsets = index_.find(uid);
+    if (offsets == nullptr) return nullptr;
     if (read_any != nullptr) *read_any = true;
     SequenceIndex seq;
-    const int k = shape().topk, w = header_.id_width;
-    const auto row_bytes = static_cast<std::uint32_t>(k * w);
+    const auto row_bytes = static_cast<std::uint32_t>(codec_.row_bytes());
     auto& headers = header_scratch_;
-    headers.resize(it->second.size() * route_file::kRecordHeaderBytes);
-    for (std::size_t i = 0; i < it->second.size(); ++i) {
-      const std::uint64_t offset = it->second[i];
+    headers.resize(offsets->size() * route_file::kRecordHeaderBytes);
+    for (std::size_t i = 0; i < offsets->size(); ++i) {
+      const std::uint64_t offset = (*offsets)[i];
       if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes)
         damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
       // One read for the header and, when it fits a chunk, the whole record: its extent is known
@@ -789,25 +648,17 @@ class FileRouteStore final {
         damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
       check_route_record(h, offset, limit);
       verify_record(h, hb, offset, record + route_file::kRecordHeaderBytes, want - route_file::kRecordHeaderBytes);
-      seq.first = std::min(seq.first, h.first_position);
-      seq.end = std::max(seq.end, h.first_position + std::int64_t{h.num_tokens});
-      seq.rows_held += std::uint64_t{h.num_tokens} * h.num_layers;  // < 2^48 per record
+      seq.count(h);
     }
     if (const std::string why = detail::sparse_violation(shape(), {uid, seq.first, seq.end, seq.rows_held}); !why.empty())
-      damaged(it->second.front(), why);
-    seq.segments.reserve(it->second.size());
-    for (std::size_t i = 0; i < it->second.size(); ++i) {
-      const std::uint64_t offset = it->second[i];
-      const unsigned char* hb = headers.data() + i * route_file::kRecordHeaderBytes;
+      damaged(offsets->front(), why);
+    seq.segments.reserve(offsets->size());
+    for (std::size_t i = 0; i < offsets->size(); ++i) {
       route_file::RecordHeader h;
-      (void)route_file::decode(hb, h);
-      if (h.num_tokens == 0) continue;
-      for (std::uint32_t l = 0; l < h.num_layers; ++l)
-        seq.segments.push_back({h.first_position, offset + route_file::kRecordHeaderBytes + std::uint64_t{l} * row_bytes,
-                                offset, h.first_layer + static_cast<std::int32_t>(l), h.num_tokens,
-                                row_bytes * h.num_layers});
+      (void)route_file::decode(headers.data() + i * route_file::kRecordHeaderBytes, h);
+      seq.append_segments(h, (*offsets)[i], row_bytes);
     }
-    std::sort(seq.segments.begin(), seq.segments.end(), segment_order);
+    seq.sort();
     check_overlaps_agree(seq, uid);
     return &loaded_.insert_or_assign(uid, std::move(seq)).first->second;
   }
@@ -816,7 +667,7 @@ class FileRouteStore final {
   // the earlier segment reaching furthest (which holds it), so all copies agree in turn. Reads
   // both sides in chunks; the work is bounded by the rows the records hold.
   void check_overlaps_agree(SequenceIndex& seq, SequenceId uid) const {
-    const auto row_bytes = static_cast<std::size_t>(shape().topk) * header_.id_width;
+    const std::size_t row_bytes = codec_.row_bytes();
     for (std::size_t i = 1, reach = 0; i < seq.segments.size(); ++i) {
       const Segment& g = seq.segments[i];
       if (seq.segments[reach].layer != g.layer) {
@@ -842,20 +693,15 @@ class FileRouteStore final {
     }
   }
 
-  static bool segment_order(const Segment& a, const Segment& b) {
-    return a.layer != b.layer ? a.layer < b.layer : a.first != b.first ? a.first < b.first : a.payload < b.payload;
-  }
-
   // Checksum, and every id < num_experts (unless every value of the id width is a valid expert),
   // reading the payload in chunks.
   void verify_record(const route_file::RecordHeader& h, const unsigned char* hb, std::uint64_t offset,
                      const unsigned char* prefix, std::size_t prefix_bytes) const {
-    const int w = header_.id_width;
-    const bool check_ids = shape().num_experts < (std::int64_t{1} << (8 * w));
+    const bool check_ids = codec_.ids_need_range_check();
     std::uint32_t top = 0;
     const std::uint64_t sum = stream_payload(
         hb, h, offset, [&](const unsigned char* p, std::size_t n) {
-          if (check_ids) top = std::max(top, max_id(p, n));
+          if (check_ids) top = std::max(top, codec_.max_id(p, n));
         },
         prefix, prefix_bytes);
     if (sum != h.checksum) damaged(offset, detail::str("a record of sequence uid ", h.uid, " fails its checksum"));
@@ -864,160 +710,48 @@ class FileRouteStore final {
                                   shape().num_experts));
   }
 
-  // The largest id among n bytes of encoded ids (n a multiple of the id width).
-  std::uint32_t max_id(const unsigned char* p, std::size_t n) const {
-    std::uint32_t top = 0;
-    if (header_.id_width == 1) {
-      for (std::size_t i = 0; i < n; ++i) top = std::max<std::uint32_t>(top, p[i]);
-    } else if (header_.id_width == 2) {
-      for (std::size_t i = 0; i < n; i += 2) top = std::max<std::uint32_t>(top, route_file::detail::get<std::uint16_t>(p + i));
-    } else {
-      for (std::size_t i = 0; i < n; i += 4) top = std::max(top, route_file::detail::get<std::uint32_t>(p + i));
-    }
-    return top;
-  }
-
-  // Ids to their little-endian encoding, range-checked in the same pass (one loop per width;
-  // __restrict lets it vectorise, since a byte store may otherwise alias the ids): false when one
-  // is outside [0, num_experts).
-  [[nodiscard]] bool encode_ids(const std::int32_t* __restrict ids, std::size_t n, unsigned char* __restrict out) const {
-    std::uint32_t top = 0;  // the largest id as unsigned: a negative id is huge
-    switch (header_.id_width) {
-      case 1:
-        for (std::size_t i = 0; i < n; ++i) {
-          const auto v = static_cast<std::uint32_t>(ids[i]);
-          out[i] = static_cast<unsigned char>(v);
-          top = std::max(top, v);
-        }
-        break;
-      case 2:
-        for (std::size_t i = 0; i < n; ++i) {
-          const auto v = static_cast<std::uint32_t>(ids[i]);
-          out[2 * i] = static_cast<unsigned char>(v);
-          out[2 * i + 1] = static_cast<unsigned char>(v >> 8);
-          top = std::max(top, v);
-        }
-        break;
-      default:
-        for (std::size_t i = 0; i < n; ++i) {
-          const auto v = static_cast<std::uint32_t>(ids[i]);
-          detail::store_id(out + 4 * i, 4, v);
-          top = std::max(top, v);
-        }
-    }
-    return top < static_cast<std::uint32_t>(shape().num_experts);
-  }
-
-  // Reserves a route record in `buffer` and returns where its payload goes.
-  unsigned char* begin_route_record(std::vector<unsigned char>& buffer, std::vector<Pending>& pending, SequenceId uid,
-                                    std::int64_t first_position, std::uint32_t num_tokens, int first_layer,
-                                    int num_layers) {
-    route_file::RecordHeader h;
-    h.type = route_file::RecordType::routes;
-    h.payload_bytes = std::uint64_t{num_tokens} * static_cast<std::uint64_t>(num_layers) *
-                      static_cast<std::uint64_t>(shape().topk) * header_.id_width;
-    h.uid = uid;
-    h.first_position = first_position;
-    h.num_tokens = num_tokens;
-    h.first_layer = static_cast<std::uint16_t>(first_layer);
-    h.num_layers = static_cast<std::uint16_t>(num_layers);
-    const std::size_t at = buffer.size();
-    const auto bytes = static_cast<std::size_t>(route_file::record_bytes(h.payload_bytes));
-    if (buffer.capacity() < at + bytes) buffer.reserve(std::max(at + bytes, 2 * buffer.capacity()));
-    buffer.resize(at + bytes);  // header and padding are written by encode / below, the payload by the caller
-    std::memset(buffer.data() + at + route_file::kRecordHeaderBytes + h.payload_bytes, 0,
-                bytes - route_file::kRecordHeaderBytes - static_cast<std::size_t>(h.payload_bytes));
-    pending.push_back({h, at});
-    return buffer.data() + at + route_file::kRecordHeaderBytes;
-  }
-
-  // Writes the header (with its checksum) of the record begun last.
-  void finish_route_record(std::vector<unsigned char>& buffer, std::vector<Pending>& pending) {
-    Pending& p = pending.back();
-    route_file::encode(p.header, buffer.data() + p.at + route_file::kRecordHeaderBytes, buffer.data() + p.at);
-  }
-
   // One write for the whole call, after checking the path still names this writer's file and
   // nobody else changed it; memory state changes only after the write succeeded.
-  void commit(const std::vector<unsigned char>& buffer, const std::vector<Pending>& pending, const char* fn) {
-    if (buffer.empty()) return;
+  void commit(const detail::RecordBatch& batch, const char* fn) {
+    if (batch.empty()) return;
+    const std::vector<unsigned char>& bytes = batch.bytes();
     file_.check_still_ours(fn, end_);
-    file_.write_all(buffer.data(), buffer.size(), end_);
-    const auto row_bytes = static_cast<std::uint32_t>(shape().topk * header_.id_width);
-    for (const Pending& p : pending) {
-      const std::uint64_t offset = end_ + p.at;
-      add_to_index(p.header.uid, offset);
-      boundaries_.push_back(offset);
+    file_.write_all(bytes.data(), bytes.size(), end_);
+    const auto row_bytes = static_cast<std::uint32_t>(codec_.row_bytes());
+    for (const auto& [h, at] : batch.records()) {
+      const std::uint64_t offset = end_ + at;
+      index_.add(h.uid, offset);
       ++recovery_.records;
       // The writer keeps its sequences' record index current: later records are checked against
       // it, and lookups read the new rows back through the page cache (no decoded copy).
-      add_segments(loaded_[p.header.uid], p.header, offset, row_bytes);
-      cache_.erase(p.header.uid);
+      loaded_[h.uid].insert(h, offset, row_bytes);
+      cache_.erase(h.uid);
     }
-    end_ += buffer.size();
+    end_ += bytes.size();
     index_dirty_ = true;
   }
 
-  static void add_segments(SequenceIndex& s, const route_file::RecordHeader& h, std::uint64_t offset,
-                           std::uint32_t row_bytes) {
-    s.first = std::min(s.first, h.first_position);
-    s.end = std::max(s.end, h.first_position + std::int64_t{h.num_tokens});
-    s.rows_held += std::uint64_t{h.num_tokens} * h.num_layers;
-    if (h.num_tokens == 0) return;
-    for (std::uint32_t l = 0; l < h.num_layers; ++l) {
-      const Segment g{h.first_position, offset + route_file::kRecordHeaderBytes + std::uint64_t{l} * row_bytes, offset,
-                      h.first_layer + static_cast<std::int32_t>(l), h.num_tokens, row_bytes * h.num_layers};
-      auto at = std::upper_bound(s.segments.begin(), s.segments.end(), g, segment_order);
-      // Sorted disjoint segments stay disjoint unless the new one overlaps a neighbour.
-      if (at != s.segments.begin() && std::prev(at)->layer == g.layer && std::prev(at)->end() > g.first)
-        s.overlapping = true;
-      if (at != s.segments.end() && at->layer == g.layer && at->first < g.end()) s.overlapping = true;
-      s.segments.insert(at, g);
-    }
-  }
-
+  // The index and tail records that end a cleanly closed file, after its last record.
   void write_index() {
-    std::vector<unsigned char> index_payload(8 + 16 * order_.size());
-    route_file::detail::put<std::uint64_t>(index_payload.data(), order_.size());
-    for (std::size_t i = 0; i < order_.size(); ++i) {
-      route_file::detail::put<std::uint64_t>(index_payload.data() + 8 + 16 * i, order_[i].first);
-      route_file::detail::put<std::uint64_t>(index_payload.data() + 16 + 16 * i, order_[i].second);
-    }
-    std::vector<unsigned char> buffer(static_cast<std::size_t>(route_file::record_bytes(index_payload.size()) +
-                                                               route_file::record_bytes(8)), 0);
-    route_file::RecordHeader ih;
-    ih.type = route_file::RecordType::index;
-    ih.payload_bytes = index_payload.size();
-    std::memcpy(buffer.data() + route_file::kRecordHeaderBytes, index_payload.data(), index_payload.size());
-    route_file::encode(ih, index_payload.data(), buffer.data());
-    const std::size_t tail_at = static_cast<std::size_t>(route_file::record_bytes(index_payload.size()));
-    unsigned char tail_payload[8];
-    route_file::detail::put<std::uint64_t>(tail_payload, end_);
-    route_file::RecordHeader th;
-    th.type = route_file::RecordType::tail;
-    th.payload_bytes = 8;
-    std::memcpy(buffer.data() + tail_at + route_file::kRecordHeaderBytes, tail_payload, 8);
-    route_file::encode(th, tail_payload, buffer.data() + tail_at);
-    file_.write_all(buffer.data(), buffer.size(), end_);
-    end_ += buffer.size();
+    const std::vector<unsigned char> bytes = detail::encode_index_and_tail(index_.encode(), end_);
+    file_.write_all(bytes.data(), bytes.size(), end_);
+    end_ += bytes.size();
   }
 
   detail::RouteFileHandle file_;  // the open file: descriptor, lock, positioned I/O, identity checks
   FileStoreOptions options_;
   route_file::FileHeader header_;
+  detail::RouteCodec codec_;  // the file's id encoding (from header_)
   std::uint64_t end_ = 0;  // where the next record goes
-  std::unordered_map<SequenceId, std::vector<std::uint64_t>> index_;
-  std::vector<std::pair<SequenceId, std::uint64_t>> order_;  // route records in file order
+  detail::RouteIndex index_;  // the routes records by sequence and in file order, and their bounds
   mutable std::unordered_map<SequenceId, SequenceIndex> loaded_;  // sequences read or written so far
   mutable detail::RouteTable cache_;  // tables built by sequence(), and the shape checks
-  std::vector<std::uint64_t> boundaries_;  // sorted offsets of the records (and index) known: record_limit
   bool closed_ = false;                  // close() was called: no more writes, reads still work
   mutable std::vector<unsigned char> read_buffer_;     // chunks read from the file (kReadChunk)
   mutable std::vector<unsigned char> compare_buffer_;  // a second chunk, for comparisons
   mutable std::vector<unsigned char> header_scratch_;  // record headers of a sequence being loaded
   mutable std::vector<detail::SequenceExtent> sparse_scratch_;
-  std::vector<unsigned char> write_buffer_;  // reused across record calls
-  std::vector<Pending> write_pending_;
+  detail::RecordBatch write_batch_;  // reused across record calls
   std::vector<TokenRun> sorted_runs_;
   RouteFileRecovery recovery_;
   std::pair<std::uint64_t, std::uint64_t> damaged_index_{0, 0};  // [begin, end) of an index that failed its checks

@@ -1,0 +1,242 @@
+// The record codec of route files (docs/route-file-format.md): expert ids to and from their
+// little-endian encoding of the file's id width, the checks of a routes record's header against
+// the file's shape, routes records built in memory for one write, and the index and tail
+// records that end a cleanly closed file. No I/O: FileRouteStore reads and writes the bytes.
+#pragma once
+
+#include <mrr/detail/checked.hpp>
+#include <mrr/detail/config.hpp>
+#include <mrr/error.hpp>
+#include <mrr/replay/file_format.hpp>
+#include <mrr/replay/layout.hpp>
+#include <mrr/replay/shape.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+MRR_NAMESPACE_BEGIN
+namespace detail {
+
+// Rows of k expert ids, each id `id_width` bytes (the narrowest holding num_experts - 1).
+class RouteCodec {
+ public:
+  RouteCodec() = default;
+  explicit RouteCodec(const route_file::FileHeader& h)
+      : k_(static_cast<std::size_t>(h.shape.topk)), num_experts_(h.shape.num_experts), width_(h.id_width) {}
+
+  int id_width() const { return width_; }
+  std::size_t row_bytes() const { return k_ * static_cast<std::size_t>(width_); }
+  // Whether a decoded id can be >= num_experts at all (not when every value of the width is an expert).
+  bool ids_need_range_check() const { return num_experts_ < (std::int64_t{1} << (8 * width_)); }
+
+  // The payload size of a routes record of num_tokens x num_layers rows.
+  std::uint64_t payload_bytes(std::uint32_t num_tokens, int num_layers) const {
+    return std::uint64_t{num_tokens} * static_cast<std::uint64_t>(num_layers) * k_ * static_cast<std::uint64_t>(width_);
+  }
+
+  // The largest id among n bytes of encoded ids (n a multiple of the id width).
+  std::uint32_t max_id(const unsigned char* p, std::size_t n) const {
+    std::uint32_t top = 0;
+    if (width_ == 1) {
+      for (std::size_t i = 0; i < n; ++i) top = std::max<std::uint32_t>(top, p[i]);
+    } else if (width_ == 2) {
+      for (std::size_t i = 0; i < n; i += 2) top = std::max<std::uint32_t>(top, route_file::detail::get<std::uint16_t>(p + i));
+    } else {
+      for (std::size_t i = 0; i < n; i += 4) top = std::max(top, route_file::detail::get<std::uint32_t>(p + i));
+    }
+    return top;
+  }
+
+  // Ids to their little-endian encoding, range-checked in the same pass (one loop per width;
+  // __restrict lets it vectorise, since a byte store may otherwise alias the ids): false when one
+  // is outside [0, num_experts).
+  [[nodiscard]] bool encode_ids(const std::int32_t* __restrict ids, std::size_t n, unsigned char* __restrict out) const {
+    std::uint32_t top = 0;  // the largest id as unsigned: a negative id is huge
+    switch (width_) {
+      case 1:
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto v = static_cast<std::uint32_t>(ids[i]);
+          out[i] = static_cast<unsigned char>(v);
+          top = std::max(top, v);
+        }
+        break;
+      case 2:
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto v = static_cast<std::uint32_t>(ids[i]);
+          out[2 * i] = static_cast<unsigned char>(v);
+          out[2 * i + 1] = static_cast<unsigned char>(v >> 8);
+          top = std::max(top, v);
+        }
+        break;
+      default:
+        for (std::size_t i = 0; i < n; ++i) {
+          const auto v = static_cast<std::uint32_t>(ids[i]);
+          store_id(out + 4 * i, 4, v);
+          top = std::max(top, v);
+        }
+    }
+    return top < static_cast<std::uint32_t>(num_experts_);
+  }
+
+  // `count` rows of k ids, `stride` ids apart, to their encoding (contiguous rows in one loop);
+  // false when an id is out of range.
+  [[nodiscard]] bool encode_rows(const std::int32_t* __restrict ids, std::size_t stride, std::size_t count,
+                                 unsigned char* __restrict out) const {
+    if (stride == k_) return encode_ids(ids, count * k_, out);
+    bool ok = true;
+    for (std::size_t r = 0; r < count; ++r) ok &= encode_ids(ids + r * stride, k_, out + r * row_bytes());
+    return ok;
+  }
+
+  // `rows` stored rows, `stride` bytes apart, to int32 ids (already range-checked when verified).
+  void decode_rows(const unsigned char* __restrict src, std::uint32_t stride, std::size_t rows,
+                   std::int32_t* __restrict out) const {
+    if (width_ == 1 && stride == k_) {  // a contiguous block: one widening loop
+      const std::size_t n = rows * k_;
+      for (std::size_t i = 0; i < n; ++i) out[i] = src[i];
+      return;
+    }
+    for (std::size_t r = 0; r < rows; ++r, src += stride, out += k_) {
+      if (width_ == 1) {
+        for (std::size_t j = 0; j < k_; ++j) out[j] = src[j];
+      } else if (width_ == 2) {
+        for (std::size_t j = 0; j < k_; ++j) out[j] = route_file::detail::get<std::uint16_t>(src + 2 * j);
+      } else {
+        for (std::size_t j = 0; j < k_; ++j)
+          out[j] = static_cast<std::int32_t>(route_file::detail::get<std::uint32_t>(src + 4 * j));
+      }
+    }
+  }
+
+  // Whether the encoded row at p holds exactly these k ids.
+  bool same_row(const unsigned char* p, const std::int32_t* ids) const {
+    for (std::size_t j = 0; j < k_; ++j)
+      if (load_id(p + j * static_cast<std::size_t>(width_), width_) != static_cast<std::uint32_t>(ids[j])) return false;
+    return true;
+  }
+
+ private:
+  std::size_t k_ = 1;
+  std::int64_t num_experts_ = 1;
+  int width_ = 1;
+};
+
+// What is wrong with a routes record's header (empty when nothing): every field against the
+// file's header, the position bound and `limit` (where the record must end: the next record, or
+// `file_end`), checked before anything is sized from it.
+inline std::string route_record_problem(const route_file::RecordHeader& h, const route_file::FileHeader& file,
+                                        std::uint64_t offset, std::uint64_t limit, std::uint64_t file_end) {
+  const RouteShape& s = file.shape;
+  if (h.num_layers == 0 || h.first_layer + h.num_layers > s.num_layers)
+    return str("a record of sequence uid ", h.uid, " has first_layer ", h.first_layer, " and num_layers ", h.num_layers,
+               ", outside the file's ", s.num_layers, " layers");
+  if (h.first_position < 0 || h.first_position > kMaxPositions - std::int64_t{h.num_tokens})
+    return str("a record of sequence uid ", h.uid, " has first_position ", h.first_position, " and num_tokens ",
+               h.num_tokens, "; positions must be in [0, 2^32)");
+  std::uint64_t expect = 0;
+  if (!checked_product(expect, std::uint64_t{h.num_tokens}, h.num_layers, s.topk, file.id_width) ||
+      h.payload_bytes != expect)
+    return str("a record of sequence uid ", h.uid, " has payload_bytes ", h.payload_bytes,
+               " where num_tokens x num_layers x topk x id width = ", h.num_tokens, " x ", h.num_layers, " x ", s.topk,
+               " x ", int{file.id_width});
+  const std::uint64_t room = offset <= limit && limit - offset >= route_file::kRecordHeaderBytes
+                                 ? limit - offset - route_file::kRecordHeaderBytes
+                                 : 0;
+  if (offset > limit || limit - offset < route_file::kRecordHeaderBytes || h.payload_bytes > room ||
+      route_file::padded(h.payload_bytes) > room)
+    return str("a record of sequence uid ", h.uid, " has payload_bytes ", h.payload_bytes,
+               limit == file_end ? str(", past the end of the file (", file_end, " bytes)")
+                                 : str(", running into the next record at offset ", limit));
+  return {};
+}
+
+// Routes records encoded in memory, header and checksum included, so that one record call
+// reaches the file in one write.
+class RecordBatch {
+ public:
+  struct Record {
+    route_file::RecordHeader header;
+    std::size_t at;  // its offset in bytes()
+  };
+
+  void clear() {
+    bytes_.clear();
+    records_.clear();
+  }
+  bool empty() const { return bytes_.empty(); }
+  const std::vector<unsigned char>& bytes() const { return bytes_; }
+  const std::vector<Record>& records() const { return records_; }
+
+  // Reserves a routes record and returns where its payload goes (the caller encodes the ids
+  // there, then calls finish()).
+  unsigned char* begin(const RouteCodec& codec, SequenceId uid, std::int64_t first_position, std::uint32_t num_tokens,
+                       int first_layer, int num_layers) {
+    route_file::RecordHeader h;
+    h.type = route_file::RecordType::routes;
+    h.payload_bytes = codec.payload_bytes(num_tokens, num_layers);
+    h.uid = uid;
+    h.first_position = first_position;
+    h.num_tokens = num_tokens;
+    h.first_layer = static_cast<std::uint16_t>(first_layer);
+    h.num_layers = static_cast<std::uint16_t>(num_layers);
+    const std::size_t at = bytes_.size();
+    const auto bytes = static_cast<std::size_t>(route_file::record_bytes(h.payload_bytes));
+    if (bytes_.capacity() < at + bytes) bytes_.reserve(std::max(at + bytes, 2 * bytes_.capacity()));
+    bytes_.resize(at + bytes);  // header and padding are written by finish / below, the payload by the caller
+    std::memset(bytes_.data() + at + route_file::kRecordHeaderBytes + h.payload_bytes, 0,
+                bytes - route_file::kRecordHeaderBytes - static_cast<std::size_t>(h.payload_bytes));
+    records_.push_back({h, at});
+    return bytes_.data() + at + route_file::kRecordHeaderBytes;
+  }
+
+  // Writes the header (with its checksum over the payload now in place) of the record begun last.
+  void finish() {
+    Record& r = records_.back();
+    route_file::encode(r.header, bytes_.data() + r.at + route_file::kRecordHeaderBytes, bytes_.data() + r.at);
+  }
+
+ private:
+  std::vector<unsigned char> bytes_;
+  std::vector<Record> records_;
+};
+
+// The bytes of an index record holding `index_payload` followed by the tail record pointing at it,
+// for a file whose records end (and whose index starts) at `index_offset`.
+inline std::vector<unsigned char> encode_index_and_tail(std::span<const unsigned char> index_payload,
+                                                        std::uint64_t index_offset) {
+  const auto tail_at = static_cast<std::size_t>(route_file::record_bytes(index_payload.size()));
+  std::vector<unsigned char> buffer(tail_at + static_cast<std::size_t>(route_file::record_bytes(8)), 0);
+  route_file::RecordHeader ih;
+  ih.type = route_file::RecordType::index;
+  ih.payload_bytes = index_payload.size();
+  if (!index_payload.empty())
+    std::memcpy(buffer.data() + route_file::kRecordHeaderBytes, index_payload.data(), index_payload.size());
+  route_file::encode(ih, index_payload.data(), buffer.data());
+  unsigned char tail_payload[8];
+  route_file::detail::put<std::uint64_t>(tail_payload, index_offset);
+  route_file::RecordHeader th;
+  th.type = route_file::RecordType::tail;
+  th.payload_bytes = 8;
+  std::memcpy(buffer.data() + tail_at + route_file::kRecordHeaderBytes, tail_payload, 8);
+  route_file::encode(th, tail_payload, buffer.data() + tail_at);
+  return buffer;
+}
+
+// The index offset a tail record (its kRecordHeaderBytes + 8 bytes) points at, or nothing when
+// those bytes are not an intact tail record.
+inline std::optional<std::uint64_t> decode_tail(const unsigned char* tail) {
+  route_file::RecordHeader th;
+  if (!route_file::decode(tail, th) || th.type != route_file::RecordType::tail || th.payload_bytes != 8 ||
+      route_file::checksum(tail, tail + route_file::kRecordHeaderBytes, 8) != th.checksum)
+    return std::nullopt;
+  return route_file::detail::get<std::uint64_t>(tail + route_file::kRecordHeaderBytes);
+}
+
+}  // namespace detail
+MRR_NAMESPACE_END
