@@ -9,6 +9,7 @@
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/kl.hpp>
 #include <mrr/thrust/backend.hpp>
 
 #include <thrust/for_each.h>
@@ -266,36 +267,17 @@ struct Broadcast {
   }
 };
 
-// verl kl_penalty: 0 k1, 1 abs, 2 k2, 3 k3 (low_var_kl, clamped); straight-through takes k2's gradient.
+// verl kl_penalty per element (kernels/ppo/kl.hpp).
 template <class T>
 struct KlElement {
   const T *logprob, *ref_logprob;
   T *out, *grad;
-  int estimator;
+  mrr::kernels::ppo::KlEstimator estimator;
   bool straight_through;
   MRR_HOST_DEVICE void operator()(long i) const {
-    using std::exp;
-    const T diff = logprob[i] - ref_logprob[i];
-    T value = diff, g = T(1);
-    if (estimator == 1) {
-      value = diff < T(0) ? -diff : diff;
-      g = diff > T(0) ? T(1) : (diff < T(0) ? T(-1) : T(0));
-    } else if (estimator == 2) {
-      value = T(0.5) * diff * diff;
-      g = diff;
-    } else if (estimator == 3) {
-      const T bound = T(20), value_bound = T(10);
-      const T log_ratio = -diff;
-      const T clamped = log_ratio < -bound ? -bound : (log_ratio > bound ? bound : log_ratio);
-      const T ratio = exp(clamped);
-      const T estimate = ratio - clamped - T(1);
-      const bool passes = log_ratio >= -bound && log_ratio <= bound && estimate >= -value_bound &&
-                          estimate <= value_bound;
-      g = passes ? T(1) - ratio : T(0);
-      value = estimate < -value_bound ? -value_bound : (estimate > value_bound ? value_bound : estimate);
-    }
-    out[i] = value;
-    grad[i] = straight_through ? diff : g;
+    const auto e = mrr::kernels::ppo::kl_element(logprob[i], ref_logprob[i], estimator, straight_through);
+    out[i] = e.value;
+    grad[i] = e.grad;
   }
 };
 
@@ -576,8 +558,8 @@ KlResult<T, Backend> kl_penalty(const typename Backend::template vector<T>& logp
   thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0),
                    thrust::counting_iterator<long>(static_cast<long>(logprob.size())),
                    kernels::KlElement<T>{ppo_detail::raw(logprob), ppo_detail::raw(ref_logprob),
-                                         ppo_detail::raw(out.values), ppo_detail::raw(out.grad_logprob), estimator,
-                                         straight_through});
+                                         ppo_detail::raw(out.values), ppo_detail::raw(out.grad_logprob),
+                                         static_cast<mrr::kernels::ppo::KlEstimator>(estimator), straight_through});
   return out;
 }
 
