@@ -17,6 +17,7 @@ enum class Status : int {
   ok = 0,
   empty_mask,       // the mask selects no element
   single_element,   // the mask selects one element: the unbiased variance divides by zero
+  invalid_input,    // a mask value other than 0 / 1, or a non-finite input on a valid token
 };
 
 // A value and its derivative with respect to the current log-probability.
