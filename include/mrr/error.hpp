@@ -43,6 +43,17 @@ class CommunicatorError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Thrown on every other rank when one rank of a group failed in a step the group agrees on
+// (mrr/comm/agreement.hpp); the failing rank throws its own error.
+class PeerRankError : public std::runtime_error {
+ public:
+  PeerRankError(int rank, const std::string& what) : std::runtime_error(what), rank_(rank) {}
+  int rank() const { return rank_; }
+
+ private:
+  int rank_;
+};
+
 namespace detail {
 
 // Concatenates anything streamable; <format> is not available on every supported compiler.

@@ -1,7 +1,9 @@
-// MoELayer: one sparse-MoE block composed from policies at compile time — gate linear (hidden ->
-// E logits, torch nn.Linear layout, no bias) -> router through RoutingReplay (record / replay
-// happen here) -> dispatch to the ranks owning the experts -> experts -> combine weighted by the
-// gating weights — with the backward pass w.r.t. the input, the gate weight and every expert.
+// MoELayer: one sparse-MoE block composed from policies at compile time — the gate (hidden -> E
+// logits, mrr/moe/gate.hpp) -> router through RoutingReplay (record / replay happen here) ->
+// dispatch to the ranks owning the experts (a DispatchPlan run by a TokenExchange) -> experts ->
+// combine weighted by the gating weights (mrr/router/permute.hpp) — with the backward pass w.r.t.
+// the input, the gate weight and every expert. A step that can fail on one rank runs under
+// agree_on_step (mrr/comm/agreement.hpp), so every rank fails with it instead of waiting.
 //
 // Output and every gradient are bitwise the same for any number of expert-parallel ranks P
 // (global tokens split contiguously over the ranks), by construction (docs/expert-parallel.md):
@@ -13,25 +15,25 @@
 //   - each token's k expert outputs are summed in slot order (in at least fp32).
 #pragma once
 
+#include <mrr/comm/agreement.hpp>
 #include <mrr/comm/single_process.hpp>
 #include <mrr/concepts.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/moe/dispatch_plan.hpp>
+#include <mrr/moe/gate.hpp>
 #include <mrr/moe/placement.hpp>
+#include <mrr/moe/token_exchange.hpp>
 #include <mrr/replay/none_store.hpp>
 #include <mrr/replay/routing_replay.hpp>
 #include <mrr/router/permute.hpp>
 #include <mrr/router/routing.hpp>
 #include <mrr/tensor.hpp>
 
-#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <exception>
-#include <span>
-#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -39,22 +41,12 @@
 
 MRR_NAMESPACE_BEGIN
 
-// Thrown on every other rank when one rank of an expert-parallel group failed in a layer step;
-// the failing rank throws its own error.
-class PeerRankError : public std::runtime_error {
- public:
-  PeerRankError(int rank, const std::string& what) : std::runtime_error(what), rank_(rank) {}
-  int rank() const { return rank_; }
-
- private:
-  int rank_;
-};
-
 // What a forward keeps for its backward (pass it back to MoELayer::backward). Independent
 // forwards give independent contexts, so pipeline schedules (F1 F2 B1 B2) and activation
-// recomputation (re-run the forward, replayed from RoutingReplay's FIFO) both work.
+// recomputation (re-run the forward, replayed from RoutingReplay's FIFO) both work. It is the
+// forward's DispatchPlan (permutation, recv_rows, counts), which its backward exchanges run again.
 template <class Scalar>
-struct MoEForward {
+struct MoEForward : DispatchPlan {
   RowMatrix<Scalar> output;  // [tokens, hidden]
   Routing<Scalar> routing;   // this rank's tokens: global ids, weights, capacity mask
 
@@ -62,15 +54,14 @@ struct MoEForward {
   Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> router_logits() const {
     return {logits.data(), logits.rows(), num_experts, Eigen::OuterStride<>(logits.cols())};
   }
+  const DispatchPlan& plan() const { return *this; }
 
   // Saved for backward.
   RowMatrix<Scalar> input;   // [tokens, hidden]
   RowMatrix<Scalar> logits;  // [tokens, padded experts]: every row starts at the buffer's alignment
   int num_experts = 0;
-  ExpertPermutation permutation;                  // this rank's kept slots, expert-major
-  std::vector<std::int64_t> recv_rows;            // [P * local experts] rows from each rank per local expert
-  std::vector<RowMatrix<Scalar>> expert_inputs;   // per local expert, rows in (source rank, token) order
-  RowMatrix<Scalar> expert_outputs;               // [permuted rows, hidden], this rank's slots
+  std::vector<RowMatrix<Scalar>> expert_inputs;  // per local expert, rows in (source rank, token) order
+  RowMatrix<Scalar> expert_outputs;              // [permuted rows, hidden], this rank's slots
 };
 
 template <class Scalar, class Experts>
@@ -101,14 +92,15 @@ class MoELayer {
   // With replay: the layer routes through the model's controller as MoE layer `layer`.
   MoELayer(R router, X experts, C comm, RoutingReplay<Store>& replay, int layer)
       : router_(std::move(router)), experts_(std::move(experts)), comm_(std::forward<C>(comm)), replay_(&replay),
-        layer_(layer) {
+        layer_(layer), gate_(router_.num_experts(), experts_.hidden_size()) {
     init();
   }
 
   // Without replay (Store = NoRouteStore).
   MoELayer(R router, X experts, C comm = C{})
     requires std::is_same_v<Store, NoRouteStore>
-      : router_(std::move(router)), experts_(std::move(experts)), comm_(std::forward<C>(comm)) {
+      : router_(std::move(router)), experts_(std::move(experts)), comm_(std::forward<C>(comm)),
+        gate_(router_.num_experts(), experts_.hidden_size()) {
     init();
   }
 
@@ -124,142 +116,85 @@ class MoELayer {
   const Comm& comm() const { return comm_; }
 
   // Gate weight [num_experts, hidden] (nn.Linear layout, no bias); zero until set.
-  const RowMatrix<Scalar>& gate_weight() const { return gate_weight_; }
-  void set_gate_weight(MatrixRef<Scalar> weight) {
-    detail::require(weight.rows() == num_experts() && weight.cols() == hidden_size(), "MoELayer::set_gate_weight",
-                    "'weight' has shape ", detail::shape_of(weight), ", expected [", num_experts(), ", ",
-                    hidden_size(), "]");
-    gate_weight_ = weight;
-  }
+  const RowMatrix<Scalar>& gate_weight() const { return gate_.weight(); }
+  void set_gate_weight(MatrixRef<Scalar> weight) { gate_.set_weight(weight, "MoELayer::set_gate_weight"); }
 
   // hidden [tokens, hidden] (this rank's tokens) -> context with the output [tokens, hidden].
   // Collective: every rank of the group calls it.
   Forward forward(MatrixRef<Scalar> hidden) {
     constexpr const char* fn = "MoELayer::forward";
     Forward f;
-    agree(fn, [&] {
+    agree_on_step(comm_, fn, [&] {
       detail::require(hidden.cols() == hidden_size(), fn, "'hidden' has shape ", detail::shape_of(hidden),
                       " but the layer's hidden_size is ", hidden_size());
       f.input = hidden;
       f.num_experts = num_experts();
-      compute_logits(f);
+      f.logits = gate_.logits(f.input);
       f.routing = route(f.router_logits());
-      f.permutation = make_expert_permutation(f.routing, num_experts());
+      static_cast<DispatchPlan&>(f) = make_dispatch_plan(f.routing, placement_, hidden_size());
     });
     dispatch(f);
     std::vector<RowMatrix<Scalar>> outputs(f.expert_inputs.size());
-    agree(fn, [&] {
-      for (int e = 0; e < experts_per_rank(); ++e) {
-        const auto i = static_cast<std::size_t>(e);
-        outputs[i] = experts_.forward(e, f.expert_inputs[i]);
-        detail::require(outputs[i].rows() == f.expert_inputs[i].rows() && outputs[i].cols() == hidden_size(), fn,
-                        "local expert ", e, " returned shape ", detail::shape_of(outputs[i]), " for input ",
-                        detail::shape_of(f.expert_inputs[i]));
-      }
-    });
+    agree_on_step(comm_, fn, [&] { run_experts_forward(f.expert_inputs, outputs, fn); });
     combine(f, outputs);
     return f;
   }
 
   // forward's communication steps on their own, so bench/ep can time dispatch + combine without
-  // the gate and the experts. Collective. dispatch: f.input, f.permutation -> f.recv_rows,
-  // f.expert_inputs (permute, count exchange, rows to the owners, regroup per local expert).
-  // The staging buffers are the layer's, reused from call to call (a fresh 100 MB buffer per call
-  // costs more in page faults than the copy into it); f's matrices are reused when their shapes
-  // match. Same bytes, same order as permute_tokens + exchange + regroup.
+  // the gate and the experts. Collective. dispatch: f.input and f's plan -> the plan's receive
+  // side (count exchange) and f.expert_inputs (permute, rows to the owners, regroup per local
+  // expert); f's matrices are reused when their shapes match.
   void dispatch(Forward& f) {
-    const auto hidden = static_cast<std::size_t>(hidden_size());
-    const auto rows = static_cast<std::size_t>(f.permutation.rows());
-    send_buffer_.resize(rows * hidden);
-    for (std::size_t r = 0; r < rows; ++r)  // permute: one pass, straight into the send buffer
-      std::copy_n(f.input.row(f.permutation.source_token[r]).data(), hidden, send_buffer_.data() + r * hidden);
-    // Counts per (source rank, local expert), then the rows, to the owners.
-    f.recv_rows = exchange_counts(f.permutation.tokens_per_expert);
-    const std::vector<std::size_t> recv_counts = received_counts(f.recv_rows);
-    receive_buffer_.resize(total_of(recv_counts));
-    exchange_rows_into(send_buffer_, local_counts(f.permutation), receive_buffer_, recv_counts);
-    regroup_into(staged(receive_buffer_), f.recv_rows, f.expert_inputs);
+    TokenExchange<Scalar>::exchange_counts(comm_, f);
+    const RowMatrix<Scalar> permuted = permute_tokens<Scalar>(f.input, f.permutation);
+    exchange_.to_experts(comm_, permuted, f, f.expert_inputs);
   }
 
   // combine: the local experts' outputs (rows as in f.expert_inputs) -> f.expert_outputs (back on
   // the tokens' ranks) and f.output (each token's slots summed in slot order).
   void combine(Forward& f, const std::vector<RowMatrix<Scalar>>& outputs) {
-    const std::vector<std::size_t> send_counts = received_counts(f.recv_rows);
-    send_buffer_.resize(total_of(send_counts));
-    ungroup_into(outputs, f.recv_rows, send_buffer_.data());
-    const std::vector<std::size_t> recv_counts = local_counts(f.permutation);
-    f.expert_outputs.resize(f.permutation.rows(), hidden_size());
-    exchange_rows_into(send_buffer_, send_counts,
-                       std::span<Scalar>(f.expert_outputs.data(), static_cast<std::size_t>(f.expert_outputs.size())),
-                       recv_counts);
-    combine_rows_into(f.expert_outputs, f.routing, f.permutation, nullptr, f.output);
+    exchange_.from_experts(comm_, outputs, f, f.expert_outputs);
+    f.output = mrr::combine<Scalar>(f.expert_outputs, f.routing, f.permutation);
   }
 
   // Gradients of sum(forward.output * grad_output) w.r.t. the input (this rank's tokens), the
   // gate weight (whole, identical on every rank) and this rank's experts. Collective.
   Gradients backward(const Forward& f, MatrixRef<Scalar> grad_output) {
     constexpr const char* fn = "MoELayer::backward";
-    const Eigen::Index tokens = f.input.rows();
-    const int k = topk();
-    agree(fn, [&] {
+    agree_on_step(comm_, fn, [&] {
       detail::require(f.num_experts == num_experts() &&
                           f.expert_inputs.size() == static_cast<std::size_t>(experts_per_rank()),
                       fn, "the forward context comes from another layer");
-      detail::require(grad_output.rows() == tokens && grad_output.cols() == hidden_size(), fn, "'grad_output' has shape ",
-                      detail::shape_of(grad_output), " for an output of shape ", detail::shape_of(f.output));
+      detail::require(grad_output.rows() == f.input.rows() && grad_output.cols() == hidden_size(), fn,
+                      "'grad_output' has shape ", detail::shape_of(grad_output), " for an output of shape ",
+                      detail::shape_of(f.output));
     });
-    // d weights[t, j] = <grad_output[t], y[t, j]>, a fixed-order dot per slot; d y = w * grad_output.
-    RowMatrix<Scalar> grad_weights = RowMatrix<Scalar>::Zero(tokens, k);
-    RowMatrix<Scalar> grad_expert_out(f.expert_outputs.rows(), hidden_size());
-    for (Eigen::Index t = 0; t < tokens; ++t)
-      for (int j = 0; j < k; ++j) {
-        const auto row = f.permutation.row_of_slot(t, j);
-        if (row < 0) continue;
-        Accum dot = 0;
-        for (int h = 0; h < hidden_size(); ++h)
-          dot += static_cast<Accum>(grad_output(t, h)) * static_cast<Accum>(f.expert_outputs(row, h));
-        grad_weights(t, j) = static_cast<Scalar>(dot);
-        grad_expert_out.row(row) = grad_output.row(t) * f.routing.weights(t, j);
-      }
-    const RowMatrix<Scalar> received =
-        exchange_rows(grad_expert_out, local_counts(f.permutation), received_counts(f.recv_rows));
-    const std::vector<RowMatrix<Scalar>> grad_outputs = regroup(received, f.recv_rows);
+    RowMatrix<Scalar> grad_weights, grad_expert_out;
+    combine_backward(f, grad_output, grad_weights, grad_expert_out);
+    std::vector<RowMatrix<Scalar>> grad_outputs;
+    exchange_.to_experts(comm_, grad_expert_out, f, grad_outputs);
     Gradients g{RowMatrix<Scalar>(), RowMatrix<Scalar>(), experts_.zero_gradients()};
     std::vector<RowMatrix<Scalar>> grad_inputs(grad_outputs.size());
     RowMatrix<Scalar> grad_logits;
-    agree(fn, [&] {
-      for (int e = 0; e < experts_per_rank(); ++e) {
-        const auto i = static_cast<std::size_t>(e);
-        grad_inputs[i] = experts_.backward(e, f.expert_inputs[i], grad_outputs[i], g.experts);
-        detail::require(grad_inputs[i].rows() == f.expert_inputs[i].rows() && grad_inputs[i].cols() == hidden_size(),
-                        fn, "local expert ", e, " returned an input gradient of shape ",
-                        detail::shape_of(grad_inputs[i]), " for input ", detail::shape_of(f.expert_inputs[i]));
-      }
+    agree_on_step(comm_, fn, [&] {
+      run_experts_backward(f.expert_inputs, grad_outputs, grad_inputs, g.experts, fn);
       grad_logits = router_.backward(f.router_logits(), f.routing, grad_weights);
     });
-    const RowMatrix<Scalar> grad_expert_in =
-        exchange_rows(ungroup(grad_inputs, f.recv_rows), received_counts(f.recv_rows), local_counts(f.permutation));
-    g.input = combine_rows(grad_expert_in, f.routing, f.permutation, &grad_logits);
-    g.gate_weight = gate_weight_gradient(f.input, grad_logits);
+    RowMatrix<Scalar> grad_expert_in;
+    exchange_.from_experts(comm_, grad_inputs, f, grad_expert_in);
+    g.input = input_gradient(f, grad_expert_in, grad_logits);
+    g.gate_weight = gate_.weight_gradient(comm_, f.input, grad_logits);
     return g;
   }
 
  private:
   int experts_per_rank() const { return placement_.experts_per_rank(); }
-  int ranks() const { return placement_.ranks(); }
 
-  // Every row of the logits buffer starts at a multiple of 64 bytes from the (aligned) start, so
-  // the router's vectorised row reductions peel the same way for every token and every P.
-  static Eigen::Index padded_experts(int num_experts) {
-    constexpr Eigen::Index per_line = 64 / static_cast<Eigen::Index>(sizeof(Scalar));
-    return (num_experts + per_line - 1) / per_line * per_line;
-  }
-
+  // Local checks first, but every rank reaches the configuration agreement so none is left waiting.
   void init() {
     constexpr const char* fn = "MoELayer";
     const int p = static_cast<int>(comm_.size());
     const int r = static_cast<int>(comm_.rank());
-    // Local checks first, but every rank reaches the digest exchange so none is left waiting.
     std::string local_error;
     try {
       placement_ = ExpertPlacement::contiguous(router_.num_experts(), p);
@@ -277,69 +212,15 @@ class MoELayer {
     } catch (const std::exception& e) {
       local_error = e.what();
     }
-    gate_weight_ = RowMatrix<Scalar>::Zero(router_.num_experts(), experts_.hidden_size());
-    // Configuration digest: ranks must agree on the model and on the group.
-    constexpr int fields = 8;
-    const std::array<std::int64_t, fields> mine = {local_error.empty() ? 0 : 1,
-                                                   router_.num_experts(),
-                                                   router_.topk(),
-                                                   experts_.hidden_size(),
-                                                   experts_.intermediate_size(),
-                                                   p,
-                                                   static_cast<std::int64_t>(sizeof(Scalar)),
-                                                   experts_.first_expert()};
-    std::vector<std::int64_t> all(static_cast<std::size_t>(p * fields));
-    comm_.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
-    if (!local_error.empty()) throw InvalidArgument(local_error);
-    static constexpr std::array<const char*, fields> names = {
-        "", "num_experts", "topk", "hidden_size", "intermediate_size", "group size", "scalar size", ""};
-    for (int s = 0; s < p; ++s) {
-      const std::int64_t* theirs = all.data() + s * fields;
-      if (theirs[0] != 0)
-        throw PeerRankError(s, detail::str("mrr::", fn, ": rank ", s, " of ", p,
-                                           " rejected its configuration (its own error names the cause)"));
-      for (int i = 1; i < fields - 1; ++i)
-        if (theirs[i] != mine[static_cast<std::size_t>(i)])
-          throw InvalidArgument(detail::str("mrr::", fn, ": ranks disagree on ", names[static_cast<std::size_t>(i)],
-                                            ": rank ", r, " has ", mine[static_cast<std::size_t>(i)], ", rank ", s,
-                                            " has ", theirs[i]));
-      if (theirs[fields - 1] != placement_.first_expert(s))
-        throw InvalidArgument(detail::str("mrr::", fn, ": rank ", s, " holds experts from ", theirs[fields - 1],
-                                          " but contiguous placement gives it [", placement_.first_expert(s), ", ",
-                                          placement_.first_expert(s) + placement_.experts_per_rank(), ")"));
-    }
-  }
-
-  // Runs a step that can fail on one rank, then tells every rank: the failing rank rethrows its
-  // error, the others throw PeerRankError naming it (with its message), so no rank hangs in the
-  // next collective.
-  template <class F>
-  void agree(const char* fn, F&& step) {
-    constexpr std::size_t words = 32;  // 8 bytes of message each
-    std::exception_ptr error;
-    std::array<std::int64_t, 1 + words> mine{};
-    try {
-      step();
-    } catch (const std::exception& e) {
-      error = std::current_exception();
-      const std::string what = e.what();
-      std::memcpy(mine.data() + 1, what.data(), std::min(what.size(), words * 8 - 1));
-      mine[0] = 1;
-    } catch (...) {
-      error = std::current_exception();
-      mine[0] = 1;
-    }
-    const int p = ranks();
-    std::vector<std::int64_t> all(static_cast<std::size_t>(p) * mine.size());
-    comm_.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all));
-    if (error) std::rethrow_exception(error);
-    for (int s = 0; s < p; ++s) {
-      const std::int64_t* theirs = all.data() + static_cast<std::size_t>(s) * mine.size();
-      if (theirs[0] == 0) continue;
-      char message[words * 8] = {};
-      std::memcpy(message, theirs + 1, words * 8 - 1);
-      throw PeerRankError(s, detail::str("mrr::", fn, ": rank ", s, " of ", p, " failed: ", message));
-    }
+    // Each rank checked its own expert block against the placement; the ranks must agree on the
+    // model and on the group for those placements to be one.
+    agree_on_values(comm_, fn, local_error,
+                    std::array<AgreedValue, 6>{{{"num_experts", router_.num_experts()},
+                                                {"topk", router_.topk()},
+                                                {"hidden_size", experts_.hidden_size()},
+                                                {"intermediate_size", experts_.intermediate_size()},
+                                                {"group size", p},
+                                                {"scalar size", static_cast<std::int64_t>(sizeof(Scalar))}}});
   }
 
   Routing<Scalar> route(MatrixRef<Scalar> logits) {
@@ -349,200 +230,59 @@ class MoELayer {
       return replay_->route(router_, layer_, logits);
   }
 
-  // Per-token GEMV on an aligned copy of the token: the same kernel, shape and alignment for every
-  // token whatever the batch size (a batch GEMM's result per row depends on its blocking).
-  void compute_logits(Forward& f) const {
+  void run_experts_forward(const std::vector<RowMatrix<Scalar>>& inputs, std::vector<RowMatrix<Scalar>>& outputs,
+                           const char* fn) const {
+    for (int e = 0; e < experts_per_rank(); ++e) {
+      const auto i = static_cast<std::size_t>(e);
+      outputs[i] = experts_.forward(e, inputs[i]);
+      detail::require(outputs[i].rows() == inputs[i].rows() && outputs[i].cols() == hidden_size(), fn,
+                      "local expert ", e, " returned shape ", detail::shape_of(outputs[i]), " for input ",
+                      detail::shape_of(inputs[i]));
+    }
+  }
+
+  void run_experts_backward(const std::vector<RowMatrix<Scalar>>& inputs,
+                            const std::vector<RowMatrix<Scalar>>& grad_outputs,
+                            std::vector<RowMatrix<Scalar>>& grad_inputs, typename X::gradients_type& grads,
+                            const char* fn) const {
+    for (int e = 0; e < experts_per_rank(); ++e) {
+      const auto i = static_cast<std::size_t>(e);
+      grad_inputs[i] = experts_.backward(e, inputs[i], grad_outputs[i], grads);
+      detail::require(grad_inputs[i].rows() == inputs[i].rows() && grad_inputs[i].cols() == hidden_size(), fn,
+                      "local expert ", e, " returned an input gradient of shape ", detail::shape_of(grad_inputs[i]),
+                      " for input ", detail::shape_of(inputs[i]));
+    }
+  }
+
+  // combine's backward: d weights[t, j] = <grad_output[t], y[t, j]>, a fixed-order dot per slot
+  // (in at least fp32); d y[row(t, j)] = weights[t, j] * grad_output[t], in permuted order.
+  void combine_backward(const Forward& f, MatrixRef<Scalar> grad_output, RowMatrix<Scalar>& grad_weights,
+                        RowMatrix<Scalar>& grad_expert_out) const {
     const Eigen::Index tokens = f.input.rows();
-    f.logits = RowMatrix<Scalar>::Zero(tokens, padded_experts(num_experts()));
-    Vector<Scalar> x(hidden_size()), z(num_experts());
-    for (Eigen::Index t = 0; t < tokens; ++t) {
-      x = f.input.row(t).transpose();
-      z.noalias() = gate_weight_ * x;
-      f.logits.row(t).head(num_experts()) = z.transpose();
-    }
-  }
-
-  // Elements this rank sends to each rank: its kept rows per owner's block of experts.
-  std::vector<std::size_t> local_counts(const ExpertPermutation& p) const {
-    std::vector<std::size_t> counts(static_cast<std::size_t>(ranks()), 0);
-    for (int e = 0; e < num_experts(); ++e)
-      counts[static_cast<std::size_t>(placement_.owner(e))] +=
-          static_cast<std::size_t>(p.tokens_per_expert[static_cast<std::size_t>(e)]);
-    for (auto& c : counts) c *= static_cast<std::size_t>(hidden_size());
-    return counts;
-  }
-
-  // Elements this rank receives from each rank.
-  std::vector<std::size_t> received_counts(const std::vector<std::int64_t>& recv_rows) const {
-    std::vector<std::size_t> counts(static_cast<std::size_t>(ranks()), 0);
-    const int per = experts_per_rank();
-    for (int s = 0; s < ranks(); ++s)
-      for (int e = 0; e < per; ++e)
-        counts[static_cast<std::size_t>(s)] += static_cast<std::size_t>(recv_rows[static_cast<std::size_t>(s * per + e)]);
-    for (auto& c : counts) c *= static_cast<std::size_t>(hidden_size());
-    return counts;
-  }
-
-  // Rows per (source rank, local expert) that this rank will receive.
-  std::vector<std::int64_t> exchange_counts(const std::vector<std::int64_t>& tokens_per_expert) const {
-    const auto per = static_cast<std::size_t>(experts_per_rank());
-    const std::vector<std::size_t> counts(static_cast<std::size_t>(ranks()), per);
-    std::vector<std::int64_t> recv(static_cast<std::size_t>(ranks()) * per);
-    comm_.all_to_all_v(std::span<const std::int64_t>(tokens_per_expert), std::span<const std::size_t>(counts),
-                       std::span<std::int64_t>(recv), std::span<const std::size_t>(counts));
-    return recv;
-  }
-
-  RowMatrix<Scalar> exchange_rows(const RowMatrix<Scalar>& send, const std::vector<std::size_t>& send_counts,
-                                  const std::vector<std::size_t>& recv_counts) const {
-    const std::size_t total = total_of(recv_counts);
-    RowMatrix<Scalar> recv(static_cast<Eigen::Index>(total / static_cast<std::size_t>(hidden_size())), hidden_size());
-    exchange_rows_into(std::span<const Scalar>(send.data(), static_cast<std::size_t>(send.size())), send_counts,
-                       std::span<Scalar>(recv.data(), total), recv_counts);
-    return recv;
-  }
-
-  void exchange_rows_into(std::span<const Scalar> send, const std::vector<std::size_t>& send_counts,
-                          std::span<Scalar> recv, const std::vector<std::size_t>& recv_counts) const {
-    comm_.all_to_all_v(send, std::span<const std::size_t>(send_counts), recv,
-                       std::span<const std::size_t>(recv_counts));
-  }
-
-  static std::size_t total_of(const std::vector<std::size_t>& counts) {
-    std::size_t total = 0;
-    for (auto c : counts) total += c;
-    return total;
-  }
-
-  // A staging buffer as [rows, hidden] rows.
-  Eigen::Map<const RowMatrix<Scalar>> staged(const std::vector<Scalar>& buffer) const {
-    return {buffer.data(), static_cast<Eigen::Index>(buffer.size() / static_cast<std::size_t>(hidden_size())),
-            hidden_size()};
-  }
-
-  // Received rows (blocks by source rank, each expert-major) -> one matrix per local expert with
-  // its rows in (source rank, token) order: global token order for contiguous token chunks.
-  std::vector<RowMatrix<Scalar>> regroup(const RowMatrix<Scalar>& received, const std::vector<std::int64_t>& recv_rows) const {
-    std::vector<RowMatrix<Scalar>> out;
-    regroup_into(received, recv_rows, out);
-    return out;
-  }
-
-  // regroup into `out`, keeping the matrices whose shapes already match.
-  void regroup_into(MatrixRef<Scalar> received, const std::vector<std::int64_t>& recv_rows,
-                    std::vector<RowMatrix<Scalar>>& out) const {
-    const int per = experts_per_rank();
-    out.resize(static_cast<std::size_t>(per));
-    for (int e = 0; e < per; ++e) {
-      std::int64_t n = 0;
-      for (int s = 0; s < ranks(); ++s) n += recv_rows[static_cast<std::size_t>(s * per + e)];
-      out[static_cast<std::size_t>(e)].resize(n, hidden_size());
-    }
-    std::vector<std::int64_t> filled(static_cast<std::size_t>(per), 0);
-    Eigen::Index row = 0;
-    for (int s = 0; s < ranks(); ++s)
-      for (int e = 0; e < per; ++e) {
-        const auto n = recv_rows[static_cast<std::size_t>(s * per + e)];
-        auto& dst = out[static_cast<std::size_t>(e)];
-        dst.middleRows(filled[static_cast<std::size_t>(e)], n) = received.middleRows(row, n);
-        filled[static_cast<std::size_t>(e)] += n;
-        row += n;
-      }
-  }
-
-  // The mirror of regroup: per-expert rows back into blocks by destination rank.
-  RowMatrix<Scalar> ungroup(const std::vector<RowMatrix<Scalar>>& per_expert,
-                            const std::vector<std::int64_t>& recv_rows) const {
-    Eigen::Index total = 0;
-    for (const auto& m : per_expert) total += m.rows();
-    RowMatrix<Scalar> out(total, hidden_size());
-    ungroup_into(per_expert, recv_rows, out.data());
-    return out;
-  }
-
-  // ungroup into `out` (room for every row).
-  void ungroup_into(const std::vector<RowMatrix<Scalar>>& per_expert, const std::vector<std::int64_t>& recv_rows,
-                    Scalar* out) const {
-    const int per = experts_per_rank();
-    const auto hidden = static_cast<std::size_t>(hidden_size());
-    std::vector<std::int64_t> taken(static_cast<std::size_t>(per), 0);
-    std::size_t at = 0;
-    for (int s = 0; s < ranks(); ++s)
-      for (int e = 0; e < per; ++e) {
-        const auto n = static_cast<std::size_t>(recv_rows[static_cast<std::size_t>(s * per + e)]);
-        const auto& src = per_expert[static_cast<std::size_t>(e)];
-        if (n > 0) std::copy_n(src.row(taken[static_cast<std::size_t>(e)]).data(), n * hidden, out + at);
-        taken[static_cast<std::size_t>(e)] += static_cast<std::int64_t>(n);
-        at += n * hidden;
-      }
-  }
-
-  // out[t] = sum over kept slots j, in slot order, of weight[t, j] * rows[row(t, j)] (forward), or
-  // of rows[row(t, j)] plus gate_weight^T grad_logits[t] (input gradient), accumulated in Accum
-  // in an aligned buffer: element-wise operations only, so no result depends on P.
-  RowMatrix<Scalar> combine_rows(const RowMatrix<Scalar>& rows, const Routing<Scalar>& routing,
-                                 const ExpertPermutation& p, const RowMatrix<Scalar>* grad_logits) const {
-    RowMatrix<Scalar> out;
-    combine_rows_into(rows, routing, p, grad_logits, out);
-    return out;
-  }
-
-  void combine_rows_into(const RowMatrix<Scalar>& rows, const Routing<Scalar>& routing, const ExpertPermutation& p,
-                         const RowMatrix<Scalar>* grad_logits, RowMatrix<Scalar>& out) const {
-    const Eigen::Index tokens = routing.tokens();
-    out.resize(tokens, hidden_size());
-    Vector<Accum> acc(hidden_size());
-    Vector<Scalar> dz(num_experts()), dx(hidden_size());
-    for (Eigen::Index t = 0; t < tokens; ++t) {
-      acc.setZero();
-      for (int j = 0; j < routing.topk(); ++j) {
-        const auto row = p.row_of_slot(t, j);
+    grad_weights = RowMatrix<Scalar>::Zero(tokens, topk());
+    grad_expert_out.resize(f.expert_outputs.rows(), hidden_size());
+    for (Eigen::Index t = 0; t < tokens; ++t)
+      for (int j = 0; j < topk(); ++j) {
+        const auto row = f.permutation.row_of_slot(t, j);
         if (row < 0) continue;
-        if (grad_logits)
-          acc += rows.row(row).transpose().template cast<Accum>();
-        else
-          acc += rows.row(row).transpose().template cast<Accum>() * static_cast<Accum>(routing.weights(t, j));
+        Accum dot = 0;
+        for (int h = 0; h < hidden_size(); ++h)
+          dot += static_cast<Accum>(grad_output(t, h)) * static_cast<Accum>(f.expert_outputs(row, h));
+        grad_weights(t, j) = static_cast<Scalar>(dot);
+        grad_expert_out.row(row) = grad_output.row(t) * f.routing.weights(t, j);
       }
-      if (grad_logits) {
-        dz = grad_logits->row(t).transpose();
-        dx.noalias() = gate_weight_.transpose() * dz;
-        acc += dx.template cast<Accum>();
-      }
-      out.row(t) = acc.transpose().template cast<Scalar>();
-    }
   }
 
-  // d gate_weight = grad_logits^T @ input over the global batch. Every rank gathers the per-token
-  // terms of all ranks (rank order = global token order) and runs the same GEMM on the same
-  // [global tokens, .] matrices as P = 1 does, so the result is bitwise independent of P.
-  RowMatrix<Scalar> gate_weight_gradient(const RowMatrix<Scalar>& input, const RowMatrix<Scalar>& grad_logits) const {
-    const int p = ranks();
-    const int num_e = num_experts(), hidden = hidden_size();
-    const std::array<std::int64_t, 1> mine = {input.rows()};
-    std::vector<std::int64_t> tokens(static_cast<std::size_t>(p));
-    comm_.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(tokens));
-    const std::int64_t most = *std::max_element(tokens.begin(), tokens.end());
-    std::int64_t global = 0;
-    for (auto n : tokens) global += n;
-    const auto stride = static_cast<std::size_t>(num_e + hidden);
-    std::vector<Scalar> send(static_cast<std::size_t>(most) * stride, Scalar(0));
-    for (Eigen::Index t = 0; t < input.rows(); ++t) {
-      Scalar* dst = send.data() + static_cast<std::size_t>(t) * stride;
-      for (int e = 0; e < num_e; ++e) dst[e] = grad_logits(t, e);
-      for (int h = 0; h < hidden; ++h) dst[num_e + h] = input(t, h);
-    }
-    std::vector<Scalar> all(send.size() * static_cast<std::size_t>(p));
-    comm_.all_gather(std::span<const Scalar>(send), std::span<Scalar>(all));
-    RowMatrix<Scalar> dz(global, num_e), x(global, hidden);
-    Eigen::Index row = 0;
-    for (int s = 0; s < p; ++s)
-      for (std::int64_t t = 0; t < tokens[static_cast<std::size_t>(s)]; ++t, ++row) {
-        const Scalar* src = all.data() + (static_cast<std::size_t>(s) * static_cast<std::size_t>(most) +
-                                          static_cast<std::size_t>(t)) * stride;
-        for (int e = 0; e < num_e; ++e) dz(row, e) = src[e];
-        for (int h = 0; h < hidden; ++h) x(row, h) = src[num_e + h];
-      }
-    return dz.transpose() * x;
+  // d input[t] = the sum over t's kept slots, in slot order, of the expert input gradients (a
+  // combine with unit weights: multiplying by one is exact, so these are the plain sums) plus the
+  // gate's term grad_logits[t] @ gate_weight; element-wise, so no result depends on P.
+  RowMatrix<Scalar> input_gradient(const Forward& f, const RowMatrix<Scalar>& grad_expert_in,
+                                   const RowMatrix<Scalar>& grad_logits) const {
+    Routing<Scalar> unit = f.routing;
+    unit.weights.setOnes();
+    RowMatrix<Scalar> grad = mrr::combine<Scalar>(grad_expert_in, unit, f.permutation);
+    grad += gate_.input_gradient(grad_logits);
+    return grad;
   }
 
   R router_;
@@ -551,8 +291,8 @@ class MoELayer {
   RoutingReplay<Store>* replay_ = nullptr;
   int layer_ = 0;
   ExpertPlacement placement_ = ExpertPlacement::contiguous(1, 1);
-  RowMatrix<Scalar> gate_weight_;
-  std::vector<Scalar> send_buffer_, receive_buffer_;  // dispatch/combine staging, reused across calls
+  Gate<Scalar> gate_;
+  TokenExchange<Scalar> exchange_;  // staging reused across calls
 };
 
 MRR_NAMESPACE_END

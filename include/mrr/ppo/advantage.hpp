@@ -5,6 +5,8 @@
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/advantage.hpp>
+#include <mrr/kernels/ppo/masked.hpp>
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/ppo/groups.hpp>
 #include <mrr/ppo/masked.hpp>
@@ -34,73 +36,41 @@ struct AdvantageResult {
 namespace detail {
 
 // Accumulates the masked moments of rows of a matrix block by block (Chan et al.'s pairwise
-// update), so a producer can fold each block in while it is still in cache. Sums run in double.
+// update, kernels/ppo/masked.hpp), so a producer can fold each block in while it is still in cache.
+// Sums run in double.
 template <class T>
 class MaskedMomentAccumulator {
  public:
   // Adds rows [row_begin, row_end) of values (row stride `stride`) under the same rows of mask.
   void add_rows(const T* values, Eigen::Index value_stride, const T* mask, Eigen::Index mask_stride,
                 Eigen::Index row_begin, Eigen::Index row_end, Eigen::Index cols) {
-    double weight = 0, sum = 0;
-    for (Eigen::Index i = row_begin; i < row_end; ++i) {
-      const T* v = values + i * value_stride;
-      const T* m = mask + i * mask_stride;
-      for (Eigen::Index j = 0; j < cols; ++j) {
-        const double mj = static_cast<double>(m[j]);
-        weight += mj;
-        if (mj != 0) sum += static_cast<double>(v[j]) * mj;
-      }
-    }
-    if (weight == 0) return;
-    const double mean = sum / weight;
-    double m2 = 0;
-    for (Eigen::Index i = row_begin; i < row_end; ++i) {
-      const T* v = values + i * value_stride;
-      const T* m = mask + i * mask_stride;
-      for (Eigen::Index j = 0; j < cols; ++j) {
-        const double mj = static_cast<double>(m[j]);
-        if (mj != 0) {
-          const double d = static_cast<double>(v[j]) - mean;
-          m2 += d * d * mj;
-        }
-      }
-    }
-    merge(weight, mean, m2);
+    kernels::ppo::merge(total_, kernels::ppo::masked_moments(values + row_begin * value_stride, value_stride,
+                                                             mask + row_begin * mask_stride, mask_stride,
+                                                             row_end - row_begin, cols));
   }
 
   // Adds a group of elements given by its total mask weight, weighted mean and centred M2.
-  void add_moments(double weight, double mean, double m2) {
-    if (weight != 0) merge(weight, mean, m2);
-  }
+  void add_moments(double weight, double mean, double m2) { kernels::ppo::merge(total_, {weight, mean, m2}); }
 
-  // verl's masked_whiten statistics from the exact moments: its mean divides by count + 1e-8
-  // and its variance is taken around that mean, then Bessel-corrected.
+  // verl's masked_whiten statistics (kernels::ppo::mean_and_variance, unbiased).
   MaskedMoments<T> whitening_moments(std::string_view function) const {
-    mrr::detail::require(weight_ != 0, function, "'response_mask' selects no element; whitening is undefined");
-    mrr::detail::require(weight_ != 1, function,
+    MaskedMoments<T> out{};
+    const auto status = kernels::ppo::mean_and_variance<T>(total_, true, out.mean, out.variance);
+    mrr::detail::require(status != kernels::ppo::Status::empty_mask, function,
+                         "'response_mask' selects no element; whitening is undefined");
+    mrr::detail::require(status != kernels::ppo::Status::single_element, function,
                          "'response_mask' selects a single element; the unbiased variance divides by zero");
-    const double shifted_mean = mean_ * weight_ / (weight_ + kMaskCountEpsilon);
-    const double offset = mean_ - shifted_mean;
-    const double centered = m2_ + weight_ * offset * offset;
-    const double variance = centered / (weight_ + kMaskCountEpsilon) * (weight_ / (weight_ - 1));
-    return {static_cast<T>(shifted_mean), static_cast<T>(variance)};
+    return out;
   }
 
  private:
-  void merge(double weight, double mean, double m2) {
-    const double total = weight_ + weight;
-    const double delta = mean - mean_;
-    mean_ += delta * (weight / total);
-    m2_ += m2 + delta * delta * (weight_ * weight / total);
-    weight_ = total;
-  }
-
-  double weight_ = 0, mean_ = 0, m2_ = 0;
+  kernels::ppo::Moments total_;
 };
 
 template <class T>
 void whiten_in_place(RowMatrix<T>& values, const MaskedMoments<T>& moments) {
-  const T inv_std = T(1) / std::sqrt(moments.variance + T(kWhitenVarianceEpsilon));
+  // kernels::ppo::whiten over every element, vectorised by Eigen (the same operations).
+  const T inv_std = kernels::ppo::whitening_scale(moments.variance);
   mrr::detail::parallel_tiles(values.rows(), row_tile(values.cols()), values.size(),
                               [&](std::int64_t, std::int64_t begin, std::int64_t end) {
                                 auto block = values.middleRows(begin, end - begin).array();
@@ -200,29 +170,31 @@ void broadcast_outcome(std::string_view function, const Vector<T>& per_response,
   broadcast_outcome_rows<T>(function, per_response, mask, advantages, &returns);
 }
 
-// Placeholder "std" verl gives a singleton group is a float32 tensor, so std + epsilon is rounded
-// to float32 (1 + 1e-6 becomes 1.00000095...). Reproduced so that results match bit for bit.
-inline double singleton_std_plus_epsilon(double epsilon) {
-  return static_cast<double>(1.0f + static_cast<float>(epsilon));
-}
+using kernels::ppo::singleton_std_plus_epsilon;
 
-// Unbiased standard deviation of the group members' scores (torch.std), two-pass.
+// Unbiased standard deviation and mean of the group members' scores (kernels/ppo/advantage.hpp).
 template <class T>
 T group_std(const Vector<T>& scores, std::span<const Eigen::Index> members, T mean) {
-  T sum = 0;
-  for (const auto i : members) {
-    const T d = scores[i] - mean;
-    sum += d * d;
-  }
-  return std::sqrt(sum / T(static_cast<double>(members.size() - 1)));
+  return kernels::ppo::group_std(scores.data(), members.data(), static_cast<long>(members.size()), mean);
 }
 
 template <class T>
 T group_mean(const Vector<T>& scores, std::span<const Eigen::Index> members) {
-  T sum = 0;
-  for (const auto i : members)
-    sum += scores[i];
-  return sum / T(static_cast<double>(members.size()));
+  return kernels::ppo::group_mean(scores.data(), members.data(), static_cast<long>(members.size()));
+}
+
+// Every group's per-response scalars by kernels::ppo::group_outcome.
+template <class T>
+Vector<T> group_outcome_scalars(const Vector<T>& scores, const GroupIndex& index,
+                                kernels::ppo::OutcomeEstimator estimator, double epsilon = 0) {
+  Vector<T> scalars(scores.size());
+  const T singleton = static_cast<T>(singleton_std_plus_epsilon(epsilon));
+  for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
+    const auto members = index.members(g);
+    kernels::ppo::group_outcome(scores.data(), members.data(), static_cast<long>(members.size()), estimator,
+                                static_cast<T>(epsilon), singleton, scalars.data());
+  }
+  return scalars;
 }
 
 // Copies between `rows` row-major rows (row stride `stride`) and a column-major tile with `Rows`
@@ -321,9 +293,9 @@ struct TileMoments {
 // GAE for up to `Rows` consecutive rows, one time tile at a time. Each row's tile (2 KiB of it)
 // is first copied, as one sequential burst, into a transposed buffer [time][row], so the
 // recurrence runs across the rows in SIMD lanes (the rows are independent; time is the
-// dependency chain) while memory is still read and written row by row, in few streams. verl's
-// masked updates x' = new * m + (1 - m) * x are kept as written: identical results for 0/1 masks,
-// the same interpolation for fractional ones. The tile's masked moments (for the whitening) and
+// dependency chain) while memory is still read and written row by row, in few streams. Each step
+// is kernels::ppo::gae_step on a packet of rows: the bits of gae_row, row by row. The tile's
+// masked moments (for the whitening, summed per lane and merged in double: a host order) and
 // a NaN/inf probe are folded in while the tile is in cache.
 template <class T, int Rows>
 class GaeBlockKernel {
@@ -370,11 +342,7 @@ class GaeBlockKernel {
       weighted_sum.setZero();
       for (Eigen::Index j = n - 1; j >= 0; --j) {
         const Lane r = reward_.col(j), v = value_.col(j), m = mask_.col(j);
-        const Lane delta = r + gamma_ * next_value - v;
-        const Lane gae = delta + gamma_lambda_ * last_gae;
-        // Observation (mask 0) tokens carry the next value and the running GAE through unchanged.
-        next_value = v * m + (one - m) * next_value;
-        last_gae = gae * m + (one - m) * last_gae;
+        kernels::ppo::gae_step<Lane, T>(r, v, m, one, gamma_, gamma_lambda_, next_value, last_gae);
         advantage_.col(j) = last_gae;
         return_.col(j) = last_gae + v;
         probe += last_gae * T(0);  // NaN once an input was NaN or inf
@@ -497,19 +465,10 @@ namespace detail {
 template <class T>
 Vector<T> grpo_scalars(std::string_view fn, const MatrixRef<T>& token_level_rewards, const GroupIndex& index,
                        double epsilon, bool norm_adv_by_std_in_grpo) {
-  const Vector<T> scores = response_scores<T>(fn, token_level_rewards);
-  Vector<T> scalars(scores.size());
-  for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
-    const auto members = index.members(g);
-    T mean = 0, divisor = static_cast<T>(singleton_std_plus_epsilon(epsilon));
-    if (members.size() > 1) {
-      mean = group_mean(scores, members);
-      divisor = group_std(scores, members, mean) + static_cast<T>(epsilon);
-    }
-    for (const auto i : members)
-      scalars[i] = norm_adv_by_std_in_grpo ? (scores[i] - mean) / divisor : scores[i] - mean;
-  }
-  return scalars;
+  return group_outcome_scalars<T>(response_scores<T>(fn, token_level_rewards), index,
+                                  norm_adv_by_std_in_grpo ? kernels::ppo::OutcomeEstimator::grpo
+                                                          : kernels::ppo::OutcomeEstimator::grpo_mean_only,
+                                  epsilon);
 }
 
 }  // namespace detail
@@ -683,16 +642,9 @@ void compute_rloo_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> t
   detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
   detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
                          response_mask);
-  Vector<T> scores = detail::response_scores<T>(fn, token_level_rewards);
-  for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
-    const auto members = index.members(g);
-    if (members.size() < 2) continue;
-    const T n = static_cast<T>(static_cast<double>(members.size()));
-    const T mean = detail::group_mean(scores, members);
-    for (const auto i : members)
-      scores[i] = scores[i] * n / (n - T(1)) - mean * n / (n - T(1));
-  }
-  detail::broadcast_outcome<T>(fn, scores, response_mask, out);
+  const Vector<T> scalars = detail::group_outcome_scalars<T>(detail::response_scores<T>(fn, token_level_rewards),
+                                                             index, kernels::ppo::OutcomeEstimator::rloo);
+  detail::broadcast_outcome<T>(fn, scalars, response_mask, out);
 }
 
 template <class T>
@@ -711,18 +663,8 @@ void compute_rloo_vectorized_outcome_advantage_into(AdvantageResult<T>& out, Mat
   detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
   detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
                          response_mask);
-  const Vector<T> scores = detail::response_scores<T>(fn, token_level_rewards);
-  Vector<T> scalars = Vector<T>::Zero(scores.size());
-  for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
-    const auto members = index.members(g);
-    if (members.size() < 2) continue;
-    T sum = 0;
-    for (const auto i : members)
-      sum += scores[i];
-    const T n = static_cast<T>(static_cast<double>(members.size()));
-    for (const auto i : members)
-      scalars[i] = (n * scores[i] - sum) / (n - T(1));
-  }
+  const Vector<T> scalars = detail::group_outcome_scalars<T>(detail::response_scores<T>(fn, token_level_rewards),
+                                                             index, kernels::ppo::OutcomeEstimator::rloo_vectorized);
   detail::broadcast_outcome<T>(fn, scalars, response_mask, out);
 }
 

@@ -134,6 +134,25 @@ Vector<T> aggregation_row_weights(const MatrixRef<T>& loss_mask, LossAggMode mod
   return aggregation_row_weights_from_counts<T>(tokens_per_row, total, loss_mask.cols(), mode, info, function);
 }
 
+// The aggregated loss from each row's masked loss sum (row i at row_loss[i * stride]) and the row
+// weights: token-sum and token-mean sum every row first, then scale (as verl); fully masked rows of
+// the seq-mean modes have weight 0 and are skipped (their sum is 0 anyway). Serial in row order.
+template <class T>
+T aggregate_row_sums(const T* row_loss, Eigen::Index stride, const Vector<T>& row_weights, LossAggMode mode,
+                     const GlobalBatchInfo& info) {
+  const bool token_mode = mode == LossAggMode::token_mean || mode == LossAggMode::token_sum;
+  T loss = 0;
+  for (Eigen::Index i = 0; i < row_weights.size(); ++i) {
+    if (token_mode)
+      loss += row_loss[i * stride];
+    else if (row_weights[i] != T(0))
+      loss += row_loss[i * stride] * row_weights[i];
+  }
+  if (mode == LossAggMode::token_sum) return loss * static_cast<T>(static_cast<double>(info.dp_size));
+  if (mode == LossAggMode::token_mean) return loss * row_weights[0];
+  return loss;
+}
+
 // Value of the aggregated loss given the row weights: the masked token sum of each row, weighted
 // (token-sum and token-mean sum all tokens first, as verl does). Agrees with verl to rounding.
 template <class T>

@@ -6,6 +6,7 @@
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/vexp.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/kl.hpp>
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/ppo/masked.hpp>
 #include <mrr/tensor.hpp>
@@ -20,12 +21,7 @@
 MRR_NAMESPACE_BEGIN
 namespace ppo {
 
-enum class KlEstimator {
-  k1,   // verl "kl" / "k1": log p - log p_ref
-  abs,  // verl "abs": |log p - log p_ref|
-  k2,   // verl "mse" / "k2": 0.5 (log p - log p_ref)^2
-  k3,   // verl "low_var_kl" / "k3": exp(r) - r - 1 with r = log p_ref - log p, clamped
-};
+using KlEstimator = kernels::ppo::KlEstimator;  // k1, abs, k2, k3 (kernels/ppo/kl.hpp)
 
 // A parsed verl kl_penalty name. straight_through ("+" suffix) keeps the forward value of the
 // estimator but takes the gradient of k2, whose expected gradient is the KL's.
@@ -85,41 +81,17 @@ inline std::string to_string(KlPenalty penalty) {
 
 namespace detail {
 
-// verl clamps the log-ratio and the k3 estimate for numerical stability (low_var_kl).
-inline constexpr double kLowVarKlLogRatioBound = 20.0;
-inline constexpr double kLowVarKlValueBound = 10.0;
+using kernels::ppo::kLowVarKlLogRatioBound;
+using kernels::ppo::kLowVarKlValueBound;
 
 template <class T>
-struct KlValueAndGrad {
-  T value;
-  T grad;  // d value / d logprob
-};
+using KlValueAndGrad = kernels::ppo::ValueGrad<T>;
 
-// One element of an estimator and its derivative w.r.t. log p. Clamps pass the gradient on their
-// closed interval, as torch.clamp does.
+// One element of an estimator and its derivative w.r.t. log p: the kernel's (kernels/ppo/kl.hpp).
+// The row functions below are its vectorised host specialisation.
 template <class T>
 KlValueAndGrad<T> kl_element(T logprob, T ref_logprob, KlEstimator estimator) {
-  const T diff = logprob - ref_logprob;
-  switch (estimator) {
-    case KlEstimator::k1:
-      return {diff, T(1)};
-    case KlEstimator::abs:
-      return {std::abs(diff), diff > T(0) ? T(1) : (diff < T(0) ? T(-1) : T(0))};
-    case KlEstimator::k2:
-      return {T(0.5) * diff * diff, diff};
-    case KlEstimator::k3: {
-      const T bound = T(kLowVarKlLogRatioBound), value_bound = T(kLowVarKlValueBound);
-      const T log_ratio = ref_logprob - logprob;
-      const T clamped = std::clamp(log_ratio, -bound, bound);
-      const T ratio = std::exp(clamped);
-      const T estimate = ratio - clamped - T(1);
-      const bool ratio_passes = log_ratio >= -bound && log_ratio <= bound;
-      const bool value_passes = estimate >= -value_bound && estimate <= value_bound;
-      const T grad = (ratio_passes && value_passes) ? T(1) - ratio : T(0);
-      return {std::clamp(estimate, -value_bound, value_bound), grad};
-    }
-  }
-  return {T(0), T(0)};
+  return kernels::ppo::kl_element<T>(logprob, ref_logprob, estimator);
 }
 
 }  // namespace detail
@@ -229,6 +201,9 @@ void kl_k3_eigen(const T* lp, const T* ref, T* values, T* grad, Eigen::Index n) 
 }
 
 // One row segment [0, n) of an estimator: values and (when grad != nullptr) d value / d logprob.
+// The host's vectorised specialisation of kernels::ppo::kl_element: the same IEEE operations
+// (bit-identical for k1, abs and k2), except k3's exp, which is Eigen's packet exp (double) or
+// exp_float_reduced (float), within 1 ulp of std::exp (tests/ppo/test_kernels.cpp).
 // The estimator is chosen outside the element loop; the arithmetic is Eigen array expressions
 // (float k3: kl_k3_float; double k3: Eigen's vectorised exp) and the remaining loops only select
 // between loaded values, which the compiler vectorises. NaN inputs give NaN values and a zero

@@ -6,6 +6,7 @@
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/masked.hpp>
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/tensor.hpp>
 
@@ -20,10 +21,10 @@ namespace ppo {
 
 namespace detail {
 
-// verl adds this to every mask count it divides by, so an all-masked batch yields 0 rather than NaN.
-inline constexpr double kMaskCountEpsilon = 1e-8;
-// masked_whiten adds this to the variance before the reciprocal square root.
-inline constexpr double kWhitenVarianceEpsilon = 1e-8;
+// verl adds this to every mask count it divides by, so an all-masked batch yields 0 rather than NaN;
+// masked_whiten adds the other to the variance before the reciprocal square root.
+using kernels::ppo::kMaskCountEpsilon;
+using kernels::ppo::kWhitenVarianceEpsilon;
 
 // Writable view of caller memory for `_into` outputs: a RowMatrix, a row-major block or a Map.
 template <class T>
@@ -69,14 +70,12 @@ void require_output(std::string_view function, std::string_view name, const Out&
 }
 
 // sum over (i, j) with mask != 0 of values * mask; the "where" keeps NaN in padding out of the sum.
+// One sum in T, row after row (kernels::ppo::masked_sum).
 template <class T>
 T masked_sum_unchecked(const MatrixRef<T>& values, const MatrixRef<T>& mask) {
   T total = 0;
   for (Eigen::Index i = 0; i < values.rows(); ++i)
-    for (Eigen::Index j = 0; j < values.cols(); ++j) {
-      const T m = mask(i, j);
-      if (m != T(0)) total += values(i, j) * m;
-    }
+    total = kernels::ppo::masked_sum<T>(values.row(i).data(), mask.row(i).data(), values.cols(), total);
   return total;
 }
 
@@ -87,6 +86,8 @@ struct MaskedMoments {
   T variance;
 };
 
+// In T around verl's (shifted) mean, as torch computes masked_var on a float tensor; the moments of
+// kernels/ppo/masked.hpp are the double-precision form the GAE whitening and the Thrust path use.
 template <class T>
 MaskedMoments<T> masked_moments(const MatrixRef<T>& values, const MatrixRef<T>& mask, bool unbiased,
                                 std::string_view function) {
@@ -94,13 +95,8 @@ MaskedMoments<T> masked_moments(const MatrixRef<T>& values, const MatrixRef<T>& 
   const T mean = masked_sum_unchecked<T>(values, mask) / (count + T(kMaskCountEpsilon));
   T centered_sum = 0;
   for (Eigen::Index i = 0; i < values.rows(); ++i)
-    for (Eigen::Index j = 0; j < values.cols(); ++j) {
-      const T m = mask(i, j);
-      if (m != T(0)) {
-        const T d = values(i, j) - mean;
-        centered_sum += d * d * m;
-      }
-    }
+    centered_sum =
+        kernels::ppo::masked_centered_sum<T>(values.row(i).data(), mask.row(i).data(), values.cols(), mean, centered_sum);
   T variance = centered_sum / (count + T(kMaskCountEpsilon));
   if (unbiased) {
     // Bessel's correction is undefined for fewer than two selected elements; verl raises too.
@@ -136,14 +132,8 @@ Vector<T> masked_row_mean(MatrixRef<T> values, MatrixRef<T> mask) {
   detail::require_same_shape("ppo::masked_row_mean", "values", values, "mask", mask);
   detail::require_mask("ppo::masked_row_mean", "mask", mask);
   Vector<T> out(values.rows());
-  for (Eigen::Index i = 0; i < values.rows(); ++i) {
-    T sum = 0;
-    for (Eigen::Index j = 0; j < values.cols(); ++j) {
-      const T m = mask(i, j);
-      if (m != T(0)) sum += values(i, j) * m;
-    }
-    out[i] = sum / (mask.row(i).sum() + T(detail::kMaskCountEpsilon));
-  }
+  for (Eigen::Index i = 0; i < values.rows(); ++i)
+    out[i] = kernels::ppo::masked_mean<T>(values.row(i).data(), mask.row(i).data(), values.cols());
   return out;
 }
 
@@ -162,7 +152,7 @@ RowMatrix<T> masked_whiten(MatrixRef<T> values, MatrixRef<T> mask, bool shift_me
   detail::require_same_shape("ppo::masked_whiten", "values", values, "mask", mask);
   detail::require_mask("ppo::masked_whiten", "mask", mask);
   const auto moments = detail::masked_moments<T>(values, mask, true, "ppo::masked_whiten");
-  const T inv_std = T(1) / std::sqrt(moments.variance + T(detail::kWhitenVarianceEpsilon));
+  const T inv_std = kernels::ppo::whitening_scale(moments.variance);
   RowMatrix<T> out = ((values.array() - moments.mean) * inv_std).matrix();
   if (!shift_mean) out.array() += moments.mean;
   return out;

@@ -6,6 +6,7 @@
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/policy_loss.hpp>
 #include <mrr/ppo/aggregate.hpp>
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/ppo/masked.hpp>
@@ -100,61 +101,19 @@ struct PolicyLossResult {
 
 namespace detail {
 
-inline constexpr double kLogRatioBound = 20.0;       // verl clamps log(pi/pi_old) to +-20 before exp
-inline constexpr double kGspoLogRatioMax = 10.0;     // gspo clamps the sequence log-ratio from above
-inline constexpr double kBinaryKlEpsilon = 1e-8;     // dppo_kl: log((1 - p_old + eps) / (1 - p + eps))
-inline constexpr double kGeoMeanLogEpsilon = 1e-10;  // geo_mean: log(w + eps) of rollout weights
-
-// Per-token quantities a loss produces before weighting and aggregation.
-template <class T>
-struct TokenTerms {
-  T loss;            // per-token loss
-  T grad;            // d loss / d log_prob at this token
-  T clipfrac;        // indicator for actor/pg_clipfrac
-  T clipfrac_lower;  // indicator for actor/pg_clipfrac_lower
-  T neg_kl;          // term of actor/ppo_kl (old - new log-prob, clamped where verl clamps)
-};
+// The per-token math lives in kernels/ppo/policy_loss.hpp; these names keep the host's spelling.
+using kernels::ppo::clamp;
+using kernels::ppo::clamped_ratio;
+using kernels::ppo::kBinaryKlEpsilon;
+using kernels::ppo::kGeoMeanLogEpsilon;
+using kernels::ppo::kGspoLogRatioMax;
+using kernels::ppo::kLogRatioBound;
+using kernels::ppo::maximum;
+using kernels::ppo::minimum;
+using kernels::ppo::TokenTerms;
+using kernels::ppo::ValueGrad;
 
 enum class MetricSet { clip_and_kl, kl_only, none };
-
-// torch.maximum/minimum split the gradient evenly on ties; replicate it so the analytic
-// gradient is the one autograd gives.
-template <class T>
-struct ValueGrad {
-  T value;
-  T grad;
-};
-
-template <class T>
-ValueGrad<T> maximum(ValueGrad<T> a, ValueGrad<T> b) {
-  if (a.value > b.value) return a;
-  if (a.value < b.value) return b;
-  return {a.value, T(0.5) * (a.grad + b.grad)};
-}
-
-template <class T>
-ValueGrad<T> minimum(ValueGrad<T> a, ValueGrad<T> b) {
-  if (a.value < b.value) return a;
-  if (a.value > b.value) return b;
-  return {a.value, T(0.5) * (a.grad + b.grad)};
-}
-
-// torch.clamp passes the gradient on the closed interval.
-template <class T>
-ValueGrad<T> clamp(ValueGrad<T> x, T lo, T hi) {
-  if (x.value < lo) return {lo, T(0)};
-  if (x.value > hi) return {hi, T(0)};
-  return x;
-}
-
-// exp(clamp(log_prob - old_log_prob, -20, 20)) and its derivative w.r.t. log_prob.
-template <class T>
-ValueGrad<T> clamped_ratio(T log_prob, T old_log_prob) {
-  const T bound = T(kLogRatioBound);
-  const auto log_ratio = clamp<T>({log_prob - old_log_prob, T(1)}, -bound, bound);
-  const T ratio = std::exp(log_ratio.value);
-  return {ratio, ratio * log_ratio.grad};
-}
 
 template <class T>
 void check_policy_inputs(std::string_view function, const MatrixRef<T>& old_log_prob, const MatrixRef<T>& log_prob,
@@ -212,8 +171,7 @@ PolicyLossResult<T> token_policy_loss(std::string_view function, const MatrixRef
   out.grad_log_prob.resize(rows, cols);
   for (Eigen::Index i = 0; i < rows; ++i)
     for (Eigen::Index j = 0; j < cols; ++j) {
-      const T m = response_mask(i, j);
-      out.grad_log_prob(i, j) = m != T(0) ? row_weights[i] * m * token_grad(i, j) : T(0);
+      out.grad_log_prob(i, j) = kernels::ppo::aggregated_grad(token_grad(i, j), response_mask(i, j), row_weights[i]);
     }
   const T denominator = response_mask.sum() + T(kMaskCountEpsilon);
   if (metric_set == MetricSet::clip_and_kl) {
@@ -240,6 +198,10 @@ struct RowPartials {
   }
 };
 
+// The host's vectorised specialisation of kernels::ppo::vanilla_row (whose per-token math,
+// vanilla_token, the Thrust path runs): the same choices, ties and values; the gradient takes the
+// row weight before the rollout weight, and the row sums are Eigen's chunked reductions, so they may
+// differ from the kernel's in the last ulp (tests/device/test_ppo_parity.cpp holds both to verl).
 // One row of verl's vanilla PPO loss, value and gradient, chunk by chunk in L1 buffers. All
 // arithmetic is Eigen array expressions (vectorised, exp included); the comparisons are small
 // loops that only turn them into 0/1 indicators, which GCC vectorises (Eigen 3.4 does not
@@ -424,24 +386,13 @@ void compute_policy_loss_vanilla_into(PolicyLossResult<T>& out, MatrixRef<T> old
     full_check();
     mrr::detail::throw_invalid_argument(fn, "an input is not finite on a valid token");
   }
-  T loss = 0, clip_sum = 0, lower_sum = 0, kl_sum = 0;
-  const bool token_mode = loss_agg_mode == LossAggMode::token_mean || loss_agg_mode == LossAggMode::token_sum;
+  T clip_sum = 0, lower_sum = 0, kl_sum = 0;
   for (Eigen::Index i = 0; i < rows; ++i) {
     clip_sum += partials.clip[i];
     lower_sum += partials.lower[i];
     kl_sum += partials.kl[i];
-    // token-sum and token-mean sum every token first, then scale (as verl); fully masked rows of
-    // the seq-mean modes have weight 0 and are skipped (their sum is 0 anyway).
-    if (token_mode)
-      loss += partials.loss[i];
-    else if (row_weights[i] != T(0))
-      loss += partials.loss[i] * row_weights[i];
   }
-  if (loss_agg_mode == LossAggMode::token_sum)
-    loss = loss * static_cast<T>(static_cast<double>(config.global_batch_info.dp_size));
-  else if (loss_agg_mode == LossAggMode::token_mean)
-    loss = loss * row_weights[0];
-  out.loss = loss;
+  out.loss = detail::aggregate_row_sums<T>(partials.loss.data(), 1, row_weights, loss_agg_mode, config.global_batch_info);
   const T denominator = static_cast<T>(total_tokens) + T(detail::kMaskCountEpsilon);
   if (out.metrics.size() != 3) out.metrics.clear();
   out.metrics["actor/pg_clipfrac"] = clip_sum / denominator;
@@ -486,16 +437,8 @@ PolicyLossResult<T> compute_policy_loss_gspo(
   return detail::token_policy_loss<T>(
       fn, old_log_prob, log_prob, advantages, response_mask, LossAggMode::seq_mean_token_mean, config.global_batch_info,
       rollout_is_weights, detail::MetricSet::clip_and_kl,
-      [&](Eigen::Index i, Eigen::Index, T lp, T old, T a) -> detail::TokenTerms<T> {
-        const T log_ratio = sequence_log_ratio[i];
-        const T capped = std::min(log_ratio, T(detail::kGspoLogRatioMax));
-        const T ratio = std::exp(capped);
-        const detail::ValueGrad<T> r{ratio, log_ratio <= T(detail::kGspoLogRatioMax) ? ratio : T(0)};
-        const detail::ValueGrad<T> loss1{-a * r.value, -a * r.grad};
-        const auto clipped = detail::clamp(r, lo, hi);
-        const detail::ValueGrad<T> loss2{-a * clipped.value, -a * clipped.grad};
-        const auto chosen = detail::maximum(loss1, loss2);
-        return {chosen.value, chosen.grad, T(loss2.value > loss1.value ? 1 : 0), T(0), old - lp};
+      [&](Eigen::Index i, Eigen::Index, T lp, T old, T a) {
+        return kernels::ppo::gspo_token(sequence_log_ratio[i], lp, old, a, lo, hi);
       });
 }
 
@@ -515,17 +458,8 @@ PolicyLossResult<T> compute_policy_loss_sapo(
   return detail::token_policy_loss<T>(
       fn, old_log_prob, log_prob, advantages, response_mask, LossAggMode::seq_mean_token_mean, config.global_batch_info,
       rollout_is_weights, detail::MetricSet::clip_and_kl,
-      [&](Eigen::Index, Eigen::Index, T lp, T old, T a) -> detail::TokenTerms<T> {
-        const auto ratio = detail::clamped_ratio(lp, old);
-        const T tau = a > T(0) ? tau_pos : tau_neg;
-        const T sigmoid = T(1) / (T(1) + std::exp(-(tau * (ratio.value - T(1)))));
-        // verl's 4.0 / tau is tau.reciprocal() * 4 (Tensor.__rtruediv__); scaling by 4 is exact, so
-        // it equals the quotient bit for bit (docs/ppo.md, "gpg arithmetic").
-        const T gate = sigmoid * (T(4) / tau);
-        // d gate / d r = 4 sigmoid (1 - sigmoid): the tau of the argument cancels the 1/tau.
-        const T gate_grad = T(4) * sigmoid * (T(1) - sigmoid) * ratio.grad;
-        const T neg_kl = -std::clamp(lp - old, T(-detail::kLogRatioBound), T(detail::kLogRatioBound));
-        return {-gate * a, -a * gate_grad, T(0), T(0), neg_kl};
+      [&](Eigen::Index, Eigen::Index, T lp, T old, T a) {
+        return kernels::ppo::sapo_token(lp, old, a, tau_pos, tau_neg);
       });
 }
 
@@ -540,8 +474,8 @@ PolicyLossResult<T> compute_policy_loss_gpg(MatrixRef<T> old_log_prob, MatrixRef
   detail::check_policy_inputs<T>(fn, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights);
   return detail::token_policy_loss<T>(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                                       config.global_batch_info, rollout_is_weights, detail::MetricSet::none,
-                                      [&](Eigen::Index, Eigen::Index, T lp, T, T a) -> detail::TokenTerms<T> {
-                                        return {-lp * a, -a, T(0), T(0), T(0)};
+                                      [](Eigen::Index, Eigen::Index, T lp, T, T a) {
+                                        return kernels::ppo::gpg_token(lp, a);
                                       });
 }
 
@@ -559,11 +493,8 @@ PolicyLossResult<T> compute_policy_loss_cispo(MatrixRef<T> old_log_prob, MatrixR
   return detail::token_policy_loss<T>(
       fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config.global_batch_info,
       rollout_is_weights, detail::MetricSet::clip_and_kl,
-      [&](Eigen::Index, Eigen::Index, T lp, T old, T a) -> detail::TokenTerms<T> {
-        const T log_ratio = std::clamp(lp - old, T(-detail::kLogRatioBound), T(detail::kLogRatioBound));
-        const T ratio = std::exp(log_ratio);
-        const T clipped = std::clamp(ratio, lo, hi);
-        return {-clipped * a * lp, -clipped * a, T(ratio != clipped ? 1 : 0), T(0), -log_ratio};
+      [&](Eigen::Index, Eigen::Index, T lp, T old, T a) {
+        return kernels::ppo::cispo_token(lp, old, a, lo, hi);
       });
 }
 
@@ -580,13 +511,10 @@ PolicyLossResult<T> dppo_loss(std::string_view fn, const MatrixRef<T>& old_log_p
   const T cap = static_cast<T>(config.clip_ratio_c);
   return token_policy_loss<T>(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                               config.global_batch_info, rollout_is_weights, MetricSet::clip_and_kl,
-                              [&](Eigen::Index, Eigen::Index, T lp, T old, T a) -> TokenTerms<T> {
-                                const T log_ratio = std::clamp(lp - old, T(-kLogRatioBound), T(kLogRatioBound));
-                                const T ratio = std::exp(log_ratio);
-                                const T truncated = std::min(ratio, cap);
-                                const T keep = valid(std::exp(lp), std::exp(old), lp, old, a) ? T(1) : T(0);
-                                return {-a * truncated * lp * keep, -a * truncated * keep, T(1) - keep,
-                                        T(ratio > cap ? 1 : 0) * keep, -log_ratio};
+                              [&](Eigen::Index, Eigen::Index, T lp, T old, T a) {
+                                using std::exp;
+                                const bool keep = valid(exp(lp), exp(old), lp, old, a);
+                                return kernels::ppo::dppo_token(lp, old, a, cap, keep);
                               });
 }
 
@@ -603,7 +531,7 @@ PolicyLossResult<T> compute_policy_loss_dppo_tv(MatrixRef<T> old_log_prob, Matri
   const T low = static_cast<T>(config.low()), high = static_cast<T>(config.high());
   return detail::dppo_loss<T>("ppo::compute_policy_loss_dppo_tv", old_log_prob, log_prob, advantages, response_mask,
                               loss_agg_mode, config, rollout_is_weights, [&](T p, T p_old, T, T, T a) {
-                                return a > T(0) ? (p - p_old) <= high : (p - p_old) >= -low;
+                                return kernels::ppo::dppo_tv_keeps(p, p_old, a, low, high);
                               });
 }
 
@@ -618,10 +546,7 @@ PolicyLossResult<T> compute_policy_loss_dppo_kl(MatrixRef<T> old_log_prob, Matri
   const T low = static_cast<T>(config.low()), high = static_cast<T>(config.high());
   return detail::dppo_loss<T>("ppo::compute_policy_loss_dppo_kl", old_log_prob, log_prob, advantages, response_mask,
                               loss_agg_mode, config, rollout_is_weights, [&](T p, T p_old, T lp, T old, T a) {
-                                const T eps = T(detail::kBinaryKlEpsilon);
-                                const T binary_kl = p_old * (old - lp) +
-                                                    (T(1) - p_old) * std::log((T(1) - p_old + eps) / (T(1) - p + eps));
-                                return a > T(0) ? (binary_kl <= high || p <= p_old) : (binary_kl <= low || p >= p_old);
+                                return kernels::ppo::dppo_kl_keeps(p, p_old, lp, old, a, low, high);
                               });
 }
 
@@ -641,10 +566,7 @@ PolicyLossResult<T> compute_policy_loss_dro(MatrixRef<T> old_log_prob, MatrixRef
   return detail::token_policy_loss<T>(
       fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config.global_batch_info,
       rollout_is_weights, detail::MetricSet::kl_only,
-      [&](Eigen::Index, Eigen::Index, T lp, T old, T a) -> detail::TokenTerms<T> {
-        const T log_ratio = lp - old;
-        return {-(lp * a - T(0.5) * beta * (log_ratio * log_ratio)), -(a - beta * log_ratio), T(0), T(0), -log_ratio};
-      });
+      [&](Eigen::Index, Eigen::Index, T lp, T old, T a) { return kernels::ppo::dro_token(lp, old, a, beta); });
 }
 
 // GMPO (verl "geo_mean", arXiv 2507.20673): the per-sequence geometric mean of token ratios, each

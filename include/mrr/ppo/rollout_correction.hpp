@@ -5,6 +5,8 @@
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/masked.hpp>
+#include <mrr/kernels/ppo/rollout_correction.hpp>
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/ppo/masked.hpp>
 #include <mrr/tensor.hpp>
@@ -104,7 +106,7 @@ struct RolloutIsResult {
 };
 
 namespace detail {
-inline constexpr double kRolloutSafetyBound = 20.0;  // log-ratios are clamped to +-20 before exp
+using kernels::ppo::kRolloutSafetyBound;  // log-ratios are clamped to +-20 before exp
 }  // namespace detail
 
 // log_ratio = log pi_train - log pi_rollout per token.
@@ -131,20 +133,16 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
   Vector<T> sequence_log_ratio = Vector<T>::Zero(rows);
   if (sequence_level)
     for (Eigen::Index i = 0; i < rows; ++i)
-      for (Eigen::Index j = 0; j < cols; ++j) {
-        const T m = response_mask(i, j);
-        if (m != T(0)) sequence_log_ratio[i] += log_ratio(i, j) * m;
-      }
+      sequence_log_ratio[i] = kernels::ppo::masked_sum<T>(log_ratio.row(i).data(), response_mask.row(i).data(), cols, T(0));
 
   RowMatrix<T> raw(rows, cols);
   RolloutIsResult<T> out{RowMatrix<T>(rows, cols), {}};
   for (Eigen::Index i = 0; i < rows; ++i)
     for (Eigen::Index j = 0; j < cols; ++j) {
-      const T m = response_mask(i, j);
       const T lr = sequence_level ? sequence_log_ratio[i] : log_ratio(i, j);
-      const T r = m != T(0) ? std::exp(std::clamp(lr, -bound, bound)) * m : T(0);
+      const T r = kernels::ppo::rollout_is_raw_weight(lr, response_mask(i, j));
       raw(i, j) = r;
-      out.weights(i, j) = icepop ? ((r >= lower && r <= upper) ? r : T(0)) : std::min(r, upper);
+      out.weights(i, j) = kernels::ppo::rollout_is_weight(r, lower, upper, icepop);
     }
 
   // Diagnostics, from the weights before batch normalisation.

@@ -4,6 +4,7 @@
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/value_loss.hpp>
 #include <mrr/ppo/aggregate.hpp>
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/ppo/masked.hpp>
@@ -23,8 +24,8 @@ struct ValueLossResult {
   RowMatrix<T> grad_vpreds;  // d loss / d vpreds
 };
 
-// 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)). The clip is torch's
-// max(min(v, hi), lo) and ties of min/max share the gradient evenly, as autograd does.
+// 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)), per token by
+// kernels::ppo::value_loss_token (torch's clip and autograd's even split of ties).
 template <class T>
 ValueLossResult<T> compute_value_loss(MatrixRef<T> vpreds, MatrixRef<T> returns, MatrixRef<T> values,
                                       MatrixRef<T> response_mask, double cliprange_value,
@@ -47,36 +48,11 @@ ValueLossResult<T> compute_value_loss(MatrixRef<T> vpreds, MatrixRef<T> returns,
   T clipped_count = 0;
   for (Eigen::Index i = 0; i < rows; ++i)
     for (Eigen::Index j = 0; j < cols; ++j) {
-      const T v = vpreds(i, j), r = returns(i, j);
-      const T hi = values(i, j) + c, lo = values(i, j) - c;
-      // min(v, hi) then max(., lo), with the derivative w.r.t. v.
-      T clipped = v, d_clipped = 1;
-      if (v > hi) {
-        clipped = hi;
-        d_clipped = 0;
-      } else if (v == hi) {
-        d_clipped = T(0.5);
-      }
-      if (clipped < lo) {
-        clipped = lo;
-        d_clipped = 0;
-      } else if (clipped == lo) {
-        d_clipped = d_clipped * T(0.5);
-      }
-      const T loss1 = (v - r) * (v - r), loss2 = (clipped - r) * (clipped - r);
-      const T grad1 = T(2) * (v - r), grad2 = T(2) * (clipped - r) * d_clipped;
-      if (loss1 > loss2) {
-        token_loss(i, j) = loss1;
-        token_grad(i, j) = grad1;
-      } else if (loss1 < loss2) {
-        token_loss(i, j) = loss2;
-        token_grad(i, j) = grad2;
-      } else {
-        token_loss(i, j) = loss1;
-        token_grad(i, j) = T(0.5) * (grad1 + grad2);
-      }
+      const auto terms = kernels::ppo::value_loss_token(vpreds(i, j), returns(i, j), values(i, j), c);
+      token_loss(i, j) = terms.loss;
+      token_grad(i, j) = terms.grad;
       const T m = response_mask(i, j);
-      if (m != T(0) && loss2 > loss1) clipped_count += m;
+      if (m != T(0) && terms.clipped) clipped_count += m;
     }
   const Vector<T> row_weights = detail::aggregation_row_weights<T>(response_mask, loss_agg_mode, info, fn);
   ValueLossResult<T> out;

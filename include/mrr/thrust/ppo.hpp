@@ -1,27 +1,30 @@
 // mrr-requires: mrr_thrust_omp
-// PPO / GRPO utilities on a Thrust system (the device mirror of ppo/advantage.hpp, masked.hpp and
-// kl.hpp, same verl semantics). GAE on a GPU runs as two segmented reverse scans of affine maps
-// x_t = a_t x_{t+1} + b_t (one for the carried next value, one for the advantage), so time is
-// parallel too (results equal the sequential recurrence up to floating-point reassociation); on
-// CPU threads (the OpenMP system) as the sequential recurrence over blocks of rows.
-// Tensors are row-major [rows, cols] Thrust vectors; sums behind means run in double.
+// PPO / GRPO utilities on a Thrust system, same verl semantics as ppo/advantage.hpp, masked.hpp and
+// kl.hpp: an executor of the kernels in kernels/ppo/ (the math is written there once). GAE on a GPU
+// runs as two segmented reverse scans of the recurrence's affine maps x_t = a_t x_{t+1} + b_t (one
+// for the carried next value, one for the advantage), so time is parallel too (results equal the
+// sequential recurrence up to floating-point reassociation); on CPU threads (the OpenMP system) as
+// kernels::ppo::gae_row over blocks of rows. Tensors are row-major [rows, cols] Thrust vectors;
+// sums behind means run in double (Thrust's reductions combine the kernels' element terms).
 #pragma once
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/advantage.hpp>
+#include <mrr/kernels/ppo/kl.hpp>
+#include <mrr/kernels/ppo/masked.hpp>
 #include <mrr/thrust/backend.hpp>
 
 #include <thrust/for_each.h>
 #include <thrust/functional.h>
 #include <thrust/iterator/constant_iterator.h>
 #include <thrust/iterator/counting_iterator.h>
-#include <thrust/iterator/permutation_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
 #include <thrust/pair.h>
 #include <thrust/reduce.h>
 #include <thrust/scan.h>
-#include <thrust/scatter.h>
 #include <thrust/sequence.h>
+#include <thrust/host_vector.h>
 #include <thrust/sort.h>
 #include <thrust/transform.h>
 #include <thrust/transform_reduce.h>
@@ -33,8 +36,8 @@
 MRR_NAMESPACE_BEGIN
 namespace device {
 
-inline constexpr double kMaskCountEpsilon = 1e-8;       // verl masked_mean: sum / (count + 1e-8)
-inline constexpr double kWhitenVarianceEpsilon = 1e-8;  // verl masked_whiten: rsqrt(var + 1e-8)
+using mrr::kernels::ppo::kMaskCountEpsilon;       // verl masked_mean: sum / (count + 1e-8)
+using mrr::kernels::ppo::kWhitenVarianceEpsilon;  // verl masked_whiten: rsqrt(var + 1e-8)
 
 template <class T, class Backend = ThrustDeviceBackend>
 struct AdvantageResult {
@@ -43,17 +46,12 @@ struct AdvantageResult {
 
 namespace kernels {
 
-// x = a x' + b, composed along the scan: applying (a1,b1) first then (a2,b2) gives
-// (a2 a1, a2 b1 + b2). Associative, so a parallel scan computes the recurrence.
-template <class T>
-struct Affine {
-  T a, b;
-};
+namespace k = mrr::kernels::ppo;
 
 template <class T>
 struct ComposeAffine {
-  MRR_HOST_DEVICE Affine<T> operator()(const Affine<T>& first, const Affine<T>& then) const {
-    return {then.a * first.a, then.a * first.b + then.b};
+  MRR_HOST_DEVICE k::Affine<T> operator()(const k::Affine<T>& first, const k::Affine<T>& then) const {
+    return k::compose(first, then);
   }
 };
 
@@ -63,37 +61,33 @@ struct ReverseRowKey {
   MRR_HOST_DEVICE long operator()(long j) const { return (n - 1 - j) / cols; }
 };
 
-// next_value_t = m v + (1 - m) next_value_{t+1}.
 template <class T>
 struct NextValueStep {
   const T *values, *mask;
   long n;
-  MRR_HOST_DEVICE Affine<T> operator()(long j) const {
+  MRR_HOST_DEVICE k::Affine<T> operator()(long j) const {
     const long i = n - 1 - j;
-    return {T(1) - mask[i], mask[i] * values[i]};
+    return k::gae_next_value_map(values[i], mask[i]);
   }
 };
 
-// last_gae_t = m (delta_t + gl last_gae_{t+1}) + (1 - m) last_gae_{t+1},
-// delta_t = r_t + gamma next_value_{t+1} - v_t (next_value_{t+1} is the previous scan position).
+// next_value_{t+1} is the previous scan position's result (0 past a row's end).
 template <class T>
 struct AdvantageStep {
   const T *rewards, *values, *mask;
-  const Affine<T>* next_value;  // scan results of NextValueStep
+  const k::Affine<T>* next_value;  // scan results of NextValueStep
   long n, cols;
   T gamma, gamma_lambda;
-  MRR_HOST_DEVICE Affine<T> operator()(long j) const {
+  MRR_HOST_DEVICE k::Affine<T> operator()(long j) const {
     const long i = n - 1 - j;
     const T nv = (i % cols == cols - 1) ? T(0) : next_value[j - 1].b;
-    const T m = mask[i];
-    const T delta = rewards[i] + gamma * nv - values[i];
-    return {m * gamma_lambda + (T(1) - m), m * delta};
+    return k::gae_advantage_map(rewards[i], values[i], mask[i], nv, gamma, gamma_lambda);
   }
 };
 
 template <class T>
 struct WriteAdvantage {
-  const Affine<T>* scanned;
+  const k::Affine<T>* scanned;
   const T* values;
   T *advantages, *returns;
   long n;
@@ -104,49 +98,26 @@ struct WriteAdvantage {
   }
 };
 
-// GAE for a block of kGaeRows rows by the sequential recurrence, one row after the other (rows
-// of a power-of-two length sit at the same cache set: interleaving them thrashes L1), each step
-// one fused multiply-add on the carried value (last = a last + b, a and b free of it), with the
-// block's masked count, sum and M2 about the block mean of the advantages for the whitening
-// statistics. The OpenMP system's algorithm: rows are spread over threads, time stays sequential.
+// GAE for a block of kGaeRows rows by the sequential recurrence (kernels::ppo::gae_row), one row
+// after the other (rows of a power-of-two length sit at the same cache set: interleaving them
+// thrashes L1), then the block's masked moments of the advantages for the whitening statistics.
+// The OpenMP system's algorithm: rows are spread over threads, time stays sequential.
 inline constexpr int kGaeRows = 8;
 
 template <class T>
 struct GaeRowBlock {
   const T *rewards, *values, *mask;
   T *advantages, *returns;
-  double* moments;  // [blocks, 3]: count, sum, M2
+  k::Moments* moments;  // [blocks]
   long rows, cols;
   T gamma, gamma_lambda;
   MRR_HOST_DEVICE void operator()(long block) const {
     const long r0 = block * kGaeRows, r1 = r0 + kGaeRows < rows ? r0 + kGaeRows : rows;
-    double count = 0, sum = 0;
     for (long r = r0; r < r1; ++r) {
-      T next_value = 0, last_gae = 0;
-      for (long at = r * cols + cols - 1; at >= r * cols; --at) {
-        const T m = mask[at], v = values[at];
-        const T delta = rewards[at] + gamma * next_value - v;
-        last_gae = (m * gamma_lambda + (T(1) - m)) * last_gae + m * delta;
-        next_value = (T(1) - m) * next_value + m * v;
-        advantages[at] = last_gae;
-        returns[at] = last_gae + v;
-      }
+      const long at = r * cols;
+      k::gae_row(rewards + at, values + at, mask + at, advantages + at, returns + at, cols, gamma, gamma_lambda);
     }
-    for (long at = r0 * cols; at < r1 * cols; ++at) {
-      const double m = static_cast<double>(mask[at]);
-      count += m;
-      sum += m != 0 ? static_cast<double>(advantages[at]) * m : 0.0;
-    }
-    const double mean = count != 0 ? sum / count : 0.0;
-    double m2 = 0;
-    for (long at = r0 * cols; at < r1 * cols; ++at) {
-      const double m = static_cast<double>(mask[at]);
-      const double d = static_cast<double>(advantages[at]) - mean;
-      m2 += m != 0 ? d * d * m : 0.0;
-    }
-    moments[3 * block] = count;
-    moments[3 * block + 1] = sum;
-    moments[3 * block + 2] = m2;
+    moments[block] = k::masked_moments(advantages + r0 * cols, cols, mask + r0 * cols, cols, r1 - r0, cols);
   }
 };
 
@@ -154,8 +125,7 @@ template <class T>
 struct MaskedTerm {  // (m, v m) in double
   const T *values, *mask;
   MRR_HOST_DEVICE thrust::pair<double, double> operator()(long i) const {
-    const double m = static_cast<double>(mask[i]);
-    return {m, m != 0 ? static_cast<double>(values[i]) * m : 0.0};
+    return {static_cast<double>(mask[i]), k::masked_value<double>(values[i], mask[i])};
   }
 };
 
@@ -170,31 +140,24 @@ template <class T>
 struct CenteredSquare {  // m (v - mean)^2 in double
   const T *values, *mask;
   double mean;
-  MRR_HOST_DEVICE double operator()(long i) const {
-    const double m = static_cast<double>(mask[i]);
-    if (m == 0) return 0.0;
-    const double d = static_cast<double>(values[i]) - mean;
-    return d * d * m;
-  }
+  MRR_HOST_DEVICE double operator()(long i) const { return k::masked_centered_square<double>(values[i], mask[i], mean); }
 };
 
 template <class T>
 struct Whiten {
   T* values;
-  T mean, inv_std, add_back;
-  MRR_HOST_DEVICE void operator()(long i) const { values[i] = (values[i] - mean) * inv_std + add_back; }
+  T mean, scale, add_back;
+  MRR_HOST_DEVICE void operator()(long i) const { values[i] = k::whiten(values[i], mean, scale) + add_back; }
 };
 
 template <class T>
-struct MeanOfSums {  // (weight, weighted sum) -> verl's masked mean
-  MRR_HOST_DEVICE T operator()(const thrust::pair<double, double>& p) const {
-    return static_cast<T>(p.second / (p.first + 1e-8));
+struct MaskedRowMean {  // verl masked_mean(axis=-1) of one row, in double
+  const T *values, *mask;
+  T* out;
+  long cols;
+  MRR_HOST_DEVICE void operator()(long r) const {
+    out[r] = static_cast<T>(k::masked_mean<double>(values + r * cols, mask + r * cols, cols));
   }
-};
-
-template <class T>
-struct ToDouble {
-  MRR_HOST_DEVICE double operator()(T x) const { return static_cast<double>(x); }
 };
 
 template <class T>
@@ -203,56 +166,19 @@ struct RowOf {
   MRR_HOST_DEVICE long operator()(long i) const { return i / cols; }
 };
 
+// One group's per-response scalars (kernels::ppo::group_outcome) over its members, which sit at
+// [start, start + count) of the responses sorted by group (stable: in sample order, as the host's).
 template <class T>
-struct ReadAt {
-  const T* data;
-  MRR_HOST_DEVICE T operator()(long i) const { return data[i]; }
-};
-
-// Per-response scalar of the outcome estimators, from the row scores and per-group sums.
-template <class T>
-struct OutcomeScalar {
+struct GroupOutcome {
   const T* scores;
-  const std::int32_t* group;
-  const double *group_count, *group_sum, *group_m2;
-  T* scalar;
-  int estimator;  // 0 grpo, 1 grpo without std (Dr.GRPO), 2 rloo, 3 rloo_vectorized
+  const std::int32_t *order, *count;
+  const long* start;
+  T* scalars;
+  k::OutcomeEstimator estimator;
   T epsilon, singleton_divisor;
-  MRR_HOST_DEVICE void operator()(long i) const {
-    using std::sqrt;
-    const int g = group[i];
-    const T s = scores[i];
-    const double count = group_count[g];
-    if (estimator <= 1) {
-      T mean = 0, divisor = singleton_divisor;
-      if (count > 1) {
-        mean = static_cast<T>(group_sum[g] / count);
-        divisor = static_cast<T>(sqrt(group_m2[g] / (count - 1))) + epsilon;
-      }
-      scalar[i] = estimator == 0 ? (s - mean) / divisor : s - mean;
-    } else if (estimator == 2) {
-      if (count < 2) {
-        scalar[i] = s;
-        return;
-      }
-      const T n = static_cast<T>(count), mean = static_cast<T>(group_sum[g] / count);
-      scalar[i] = s * n / (n - T(1)) - mean * n / (n - T(1));
-    } else {
-      const T n = static_cast<T>(count);
-      scalar[i] = count < 2 ? T(0) : (n * s - static_cast<T>(group_sum[g])) / (n - T(1));
-    }
-  }
-};
-
-template <class T>
-struct GroupCentered {  // (s - group mean)^2 of one response, in double
-  const T* scores;
-  const std::int32_t* group;
-  const double *group_count, *group_sum;
-  MRR_HOST_DEVICE double operator()(long i) const {
-    const int g = group[i];
-    const double d = static_cast<double>(scores[i]) - group_sum[g] / group_count[g];
-    return d * d;
+  MRR_HOST_DEVICE void operator()(long g) const {
+    k::group_outcome(scores, order + start[g], static_cast<long>(count[g]), estimator, epsilon, singleton_divisor,
+                     scalars);
   }
 };
 
@@ -261,41 +187,20 @@ struct Broadcast {
   const T *scalar, *mask;
   T *advantages, *returns;
   long cols;
-  MRR_HOST_DEVICE void operator()(long i) const {
-    advantages[i] = returns[i] = mask[i] * scalar[i / cols];
-  }
+  MRR_HOST_DEVICE void operator()(long i) const { advantages[i] = returns[i] = k::outcome_token(scalar[i / cols], mask[i]); }
 };
 
-// verl kl_penalty: 0 k1, 1 abs, 2 k2, 3 k3 (low_var_kl, clamped); straight-through takes k2's gradient.
+// verl kl_penalty per element (kernels/ppo/kl.hpp).
 template <class T>
 struct KlElement {
   const T *logprob, *ref_logprob;
   T *out, *grad;
-  int estimator;
+  mrr::kernels::ppo::KlEstimator estimator;
   bool straight_through;
   MRR_HOST_DEVICE void operator()(long i) const {
-    using std::exp;
-    const T diff = logprob[i] - ref_logprob[i];
-    T value = diff, g = T(1);
-    if (estimator == 1) {
-      value = diff < T(0) ? -diff : diff;
-      g = diff > T(0) ? T(1) : (diff < T(0) ? T(-1) : T(0));
-    } else if (estimator == 2) {
-      value = T(0.5) * diff * diff;
-      g = diff;
-    } else if (estimator == 3) {
-      const T bound = T(20), value_bound = T(10);
-      const T log_ratio = -diff;
-      const T clamped = log_ratio < -bound ? -bound : (log_ratio > bound ? bound : log_ratio);
-      const T ratio = exp(clamped);
-      const T estimate = ratio - clamped - T(1);
-      const bool passes = log_ratio >= -bound && log_ratio <= bound && estimate >= -value_bound &&
-                          estimate <= value_bound;
-      g = passes ? T(1) - ratio : T(0);
-      value = estimate < -value_bound ? -value_bound : (estimate > value_bound ? value_bound : estimate);
-    }
-    out[i] = value;
-    grad[i] = straight_through ? diff : g;
+    const auto e = mrr::kernels::ppo::kl_element(logprob[i], ref_logprob[i], estimator, straight_through);
+    out[i] = e.value;
+    grad[i] = e.grad;
   }
 };
 
@@ -312,23 +217,43 @@ auto raw(V& v) {
   return thrust::raw_pointer_cast(v.data());
 }
 
-// (weight, weighted sum, M2) of values under mask, in double.
+// The masked moments of every element (count, mean, M2 about it) by Thrust reductions, in double.
 template <class T, class Backend>
-void masked_sums(const typename Backend::template vector<T>& values, const typename Backend::template vector<T>& mask,
-                 double& weight, double& sum, double* m2) {
+mrr::kernels::ppo::Moments masked_moments(const typename Backend::template vector<T>& values,
+                                          const typename Backend::template vector<T>& mask) {
   const auto policy = Backend::policy();
   const long n = static_cast<long>(values.size());
   const auto ws = thrust::transform_reduce(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(n),
                                            kernels::MaskedTerm<T>{raw(values), raw(mask)},
                                            thrust::pair<double, double>(0.0, 0.0), kernels::AddPair{});
-  weight = ws.first;
-  sum = ws.second;
-  if (m2 != nullptr) {
-    const double mean = weight != 0 ? sum / weight : 0.0;
-    *m2 = thrust::transform_reduce(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(n),
-                                   kernels::CenteredSquare<T>{raw(values), raw(mask), mean}, 0.0,
-                                   thrust::plus<double>());
-  }
+  if (ws.first == 0) return {};
+  const double mean = ws.second / ws.first;
+  const double m2 = thrust::transform_reduce(policy, thrust::counting_iterator<long>(0),
+                                             thrust::counting_iterator<long>(n),
+                                             kernels::CenteredSquare<T>{raw(values), raw(mask), mean}, 0.0,
+                                             thrust::plus<double>());
+  return {ws.first, mean, m2};
+}
+
+// verl's mean and variance from the moments (kernels::ppo::mean_and_variance), errors named on the host.
+template <class T>
+thrust::pair<T, T> mean_and_variance(const mrr::kernels::ppo::Moments& moments, bool unbiased, const char* fn,
+                                     const char* mask_name) {
+  T mean{}, variance{};
+  const auto status = mrr::kernels::ppo::mean_and_variance<T>(moments, unbiased, mean, variance);
+  mrr::detail::require(status != mrr::kernels::ppo::Status::empty_mask, fn, "'", mask_name,
+                       "' selects no element; the variance is undefined");
+  mrr::detail::require(status != mrr::kernels::ppo::Status::single_element, fn, "'", mask_name,
+                       "' selects a single element; the unbiased variance divides by zero");
+  return {mean, variance};
+}
+
+template <class T, class Backend>
+void whiten(typename Backend::template vector<T>& values, thrust::pair<T, T> mean_var, bool shift_mean) {
+  const T scale = mrr::kernels::ppo::whitening_scale(mean_var.second);
+  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0),
+                   thrust::counting_iterator<long>(static_cast<long>(values.size())),
+                   kernels::Whiten<T>{raw(values), mean_var.first, scale, shift_mean ? T(0) : mean_var.first});
 }
 
 }  // namespace ppo_detail
@@ -337,9 +262,9 @@ void masked_sums(const typename Backend::template vector<T>& values, const typen
 template <class T, class Backend = ThrustDeviceBackend>
 T masked_mean(const typename Backend::template vector<T>& values, const typename Backend::template vector<T>& mask) {
   mrr::detail::require(values.size() == mask.size(), "device::masked_mean", "'values' and 'mask' differ in size");
-  double w = 0, s = 0;
-  ppo_detail::masked_sums<T, Backend>(values, mask, w, s, nullptr);
-  return static_cast<T>(s / (w + kMaskCountEpsilon));
+  return ppo_detail::mean_and_variance<T>(ppo_detail::masked_moments<T, Backend>(values, mask), false,
+                                          "device::masked_mean", "mask")
+      .first;
 }
 
 // Mean (verl's, with the count epsilon) and variance (Bessel-corrected when unbiased).
@@ -348,17 +273,7 @@ thrust::pair<T, T> masked_mean_var(const typename Backend::template vector<T>& v
                                    const typename Backend::template vector<T>& mask, bool unbiased = true) {
   constexpr const char* fn = "device::masked_var";
   mrr::detail::require(values.size() == mask.size(), fn, "'values' and 'mask' differ in size");
-  double w = 0, s = 0, m2 = 0;
-  ppo_detail::masked_sums<T, Backend>(values, mask, w, s, &m2);
-  const double mean = s / (w + kMaskCountEpsilon);
-  const double exact = w != 0 ? s / w : 0.0, offset = exact - mean;
-  double var = (m2 + w * offset * offset) / (w + kMaskCountEpsilon);
-  if (unbiased) {
-    mrr::detail::require(w != 0, fn, "'mask' selects no element; the variance is undefined");
-    mrr::detail::require(w != 1, fn, "'mask' selects a single element; the unbiased variance divides by zero");
-    var *= w / (w - 1);
-  }
-  return {static_cast<T>(mean), static_cast<T>(var)};
+  return ppo_detail::mean_and_variance<T>(ppo_detail::masked_moments<T, Backend>(values, mask), unbiased, fn, "mask");
 }
 
 template <class T, class Backend = ThrustDeviceBackend>
@@ -371,46 +286,28 @@ T masked_var(const typename Backend::template vector<T>& values, const typename 
 template <class T, class Backend = ThrustDeviceBackend>
 void masked_whiten_in_place(typename Backend::template vector<T>& values,
                             const typename Backend::template vector<T>& mask, bool shift_mean = true) {
-  using std::sqrt;
-  const auto mv = masked_mean_var<T, Backend>(values, mask, true);
-  const T inv_std = T(1) / sqrt(mv.second + T(kWhitenVarianceEpsilon));
-  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0),
-                   thrust::counting_iterator<long>(static_cast<long>(values.size())),
-                   kernels::Whiten<T>{ppo_detail::raw(values), mv.first, inv_std, shift_mean ? T(0) : mv.first});
+  ppo_detail::whiten<T, Backend>(values, masked_mean_var<T, Backend>(values, mask, true), shift_mean);
 }
 
-// Row sums of v m / (row sum of m + 1e-8): verl masked_mean(axis=-1).
+// Row sums of v m / (row sum of m + 1e-8): verl masked_mean(axis=-1), one row per work item.
 template <class T, class Backend = ThrustDeviceBackend>
 typename Backend::template vector<T> masked_row_mean(const typename Backend::template vector<T>& values,
                                                      const typename Backend::template vector<T>& mask, long cols) {
-  const long n = static_cast<long>(values.size()), rows = n / cols;
-  const auto policy = Backend::policy();
-  typename Backend::template vector<long> keys(static_cast<std::size_t>(rows));
-  typename Backend::template vector<thrust::pair<double, double>> sums(static_cast<std::size_t>(rows));
-  thrust::reduce_by_key(policy, thrust::make_transform_iterator(thrust::counting_iterator<long>(0), kernels::RowOf<T>{cols}),
-                        thrust::make_transform_iterator(thrust::counting_iterator<long>(n), kernels::RowOf<T>{cols}),
-                        thrust::make_transform_iterator(thrust::counting_iterator<long>(0),
-                                                        kernels::MaskedTerm<T>{ppo_detail::raw(values), ppo_detail::raw(mask)}),
-                        keys.begin(), sums.begin(), thrust::equal_to<long>(), kernels::AddPair{});
+  mrr::detail::require(cols > 0 && values.size() % static_cast<std::size_t>(cols) == 0 && mask.size() == values.size(),
+                       "device::masked_row_mean", "'values' and 'mask' must both be [rows, ", cols, "]");
+  const long rows = static_cast<long>(values.size()) / cols;
   typename Backend::template vector<T> out(static_cast<std::size_t>(rows));
-  thrust::transform(policy, sums.begin(), sums.end(), out.begin(), kernels::MeanOfSums<T>{});
+  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(rows),
+                   kernels::MaskedRowMean<T>{ppo_detail::raw(values), ppo_detail::raw(mask), ppo_detail::raw(out), cols});
   return out;
 }
 
-// verl whitens GAE advantages with its own statistics (count epsilon in the mean, variance around
-// that mean), from the masked count w, sum s and M2 about the exact mean s / w.
+// verl whitens GAE advantages with masked_whiten's statistics, from their masked moments.
 template <class T, class Backend>
-void whiten_advantages(typename Backend::template vector<T>& advantages, double w, double s, double m2,
+void whiten_advantages(typename Backend::template vector<T>& advantages, const mrr::kernels::ppo::Moments& moments,
                        const char* fn) {
-  mrr::detail::require(w != 0, fn, "'response_mask' selects no element; whitening is undefined");
-  mrr::detail::require(w != 1, fn, "'response_mask' selects a single element; the unbiased variance divides by zero");
-  const double mean = s / (w + kMaskCountEpsilon), offset = s / w - mean;
-  const double var = (m2 + w * offset * offset) / (w + kMaskCountEpsilon) * (w / (w - 1));
-  using std::sqrt;
-  const T inv_std = T(1) / sqrt(static_cast<T>(var) + T(kWhitenVarianceEpsilon));
-  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0),
-                   thrust::counting_iterator<long>(static_cast<long>(advantages.size())),
-                   kernels::Whiten<T>{ppo_detail::raw(advantages), static_cast<T>(mean), inv_std, T(0)});
+  mrr::detail::require(moments.weight != 0, fn, "'response_mask' selects no element; whitening is undefined");
+  ppo_detail::whiten<T, Backend>(advantages, ppo_detail::mean_and_variance<T>(moments, true, fn, "response_mask"), true);
 }
 
 // How GAE walks time: `scan` (two segmented reverse scans of affine maps, parallel over time: what
@@ -428,6 +325,52 @@ constexpr GaeAlgorithm resolve_gae_algorithm(GaeAlgorithm a) {
 #endif
 }
 
+namespace ppo_detail {
+
+// GAE by rows (kernels::GaeRowBlock); returns the advantages' masked moments, merged in block order
+// (kernels::ppo::merge): the same bits for any thread count.
+template <class T, class Backend>
+mrr::kernels::ppo::Moments gae_rows(const typename Backend::template vector<T>& rewards,
+                                    const typename Backend::template vector<T>& values,
+                                    const typename Backend::template vector<T>& mask, long cols, T gamma,
+                                    T gamma_lambda, AdvantageResult<T, Backend>& out) {
+  const long rows = static_cast<long>(rewards.size()) / cols, blocks = (rows + kernels::kGaeRows - 1) / kernels::kGaeRows;
+  typename Backend::template vector<mrr::kernels::ppo::Moments> moments(static_cast<std::size_t>(blocks));
+  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(blocks),
+                   kernels::GaeRowBlock<T>{raw(rewards), raw(values), raw(mask), raw(out.advantages), raw(out.returns),
+                                           raw(moments), rows, cols, gamma, gamma_lambda});
+  const thrust::host_vector<mrr::kernels::ppo::Moments> h(moments);
+  mrr::kernels::ppo::Moments total;
+  for (const auto& m : h) mrr::kernels::ppo::merge(total, m);
+  return total;
+}
+
+// GAE as two segmented reverse scans of the recurrence's affine maps; returns the moments.
+template <class T, class Backend>
+mrr::kernels::ppo::Moments gae_scan(const typename Backend::template vector<T>& rewards,
+                                    const typename Backend::template vector<T>& values,
+                                    const typename Backend::template vector<T>& mask, long cols, T gamma,
+                                    T gamma_lambda, AdvantageResult<T, Backend>& out) {
+  using Affine = mrr::kernels::ppo::Affine<T>;
+  const auto policy = Backend::policy();
+  const long n = static_cast<long>(rewards.size());
+  const auto keys = thrust::make_transform_iterator(thrust::counting_iterator<long>(0), kernels::ReverseRowKey{n, cols});
+  typename Backend::template vector<Affine> next_value(static_cast<std::size_t>(n)), scanned(static_cast<std::size_t>(n));
+  thrust::inclusive_scan_by_key(
+      policy, keys, keys + n,
+      thrust::make_transform_iterator(thrust::counting_iterator<long>(0), kernels::NextValueStep<T>{raw(values), raw(mask), n}),
+      next_value.begin(), thrust::equal_to<long>(), kernels::ComposeAffine<T>{});
+  const kernels::AdvantageStep<T> step{raw(rewards), raw(values), raw(mask), raw(next_value), n, cols, gamma, gamma_lambda};
+  thrust::inclusive_scan_by_key(policy, keys, keys + n,
+                                thrust::make_transform_iterator(thrust::counting_iterator<long>(0), step),
+                                scanned.begin(), thrust::equal_to<long>(), kernels::ComposeAffine<T>{});
+  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(n),
+                   kernels::WriteAdvantage<T>{raw(scanned), raw(values), raw(out.advantages), raw(out.returns), n});
+  return masked_moments<T, Backend>(out.advantages, mask);
+}
+
+}  // namespace ppo_detail
+
 // verl "gae": advantages whitened over the mask (every element), returns = advantages + values
 // before whitening. Inputs [rows, cols].
 template <class T, class Backend = ThrustDeviceBackend>
@@ -437,58 +380,16 @@ AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend:
                                                          double gamma, double lam,
                                                          GaeAlgorithm algorithm = GaeAlgorithm::automatic) {
   constexpr const char* fn = "device::compute_gae_advantage_return";
-  using ppo_detail::raw;
   const long n = static_cast<long>(rewards.size());
   mrr::detail::require(cols > 0 && n % cols == 0 && values.size() == rewards.size() && mask.size() == rewards.size(), fn,
                        "rewards, values and mask must all be [rows, ", cols, "]");
-  const auto policy = Backend::policy();
-  if (resolve_gae_algorithm<Backend>(algorithm) == GaeAlgorithm::rows) {
-    const long rows = n / cols, blocks = (rows + kernels::kGaeRows - 1) / kernels::kGaeRows;
-    AdvantageResult<T, Backend> out{typename Backend::template vector<T>(static_cast<std::size_t>(n)),
-                                    typename Backend::template vector<T>(static_cast<std::size_t>(n))};
-    typename Backend::template vector<double> moments(static_cast<std::size_t>(3 * blocks));
-    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(blocks),
-                     kernels::GaeRowBlock<T>{raw(rewards), raw(values), raw(mask), raw(out.advantages),
-                                             raw(out.returns), raw(moments), rows, cols, static_cast<T>(gamma),
-                                             static_cast<T>(gamma * lam)});
-    // Merge the blocks' moments in block order (Chan et al.): deterministic for any thread count.
-    const thrust::host_vector<double> h(moments);
-    double w = 0, s = 0, m2 = 0;
-    for (long b = 0; b < blocks; ++b) {
-      const double wb = h[static_cast<std::size_t>(3 * b)], sb = h[static_cast<std::size_t>(3 * b + 1)],
-                   m2b = h[static_cast<std::size_t>(3 * b + 2)];
-      if (wb == 0) continue;
-      if (w != 0) {
-        const double d = sb / wb - s / w;
-        m2 += m2b + d * d * w * wb / (w + wb);
-      } else {
-        m2 = m2b;
-      }
-      w += wb;
-      s += sb;
-    }
-    whiten_advantages<T, Backend>(out.advantages, w, s, m2, fn);
-    return out;
-  }
-  const auto keys = thrust::make_transform_iterator(thrust::counting_iterator<long>(0), kernels::ReverseRowKey{n, cols});
-  typename Backend::template vector<kernels::Affine<T>> next_value(static_cast<std::size_t>(n)),
-      scanned(static_cast<std::size_t>(n));
-  thrust::inclusive_scan_by_key(
-      policy, keys, keys + n,
-      thrust::make_transform_iterator(thrust::counting_iterator<long>(0), kernels::NextValueStep<T>{raw(values), raw(mask), n}),
-      next_value.begin(), thrust::equal_to<long>(), kernels::ComposeAffine<T>{});
-  const kernels::AdvantageStep<T> step{raw(rewards),     raw(values), raw(mask), raw(next_value), n, cols,
-                                       static_cast<T>(gamma), static_cast<T>(gamma * lam)};
-  thrust::inclusive_scan_by_key(policy, keys, keys + n,
-                                thrust::make_transform_iterator(thrust::counting_iterator<long>(0), step),
-                                scanned.begin(), thrust::equal_to<long>(), kernels::ComposeAffine<T>{});
   AdvantageResult<T, Backend> out{typename Backend::template vector<T>(static_cast<std::size_t>(n)),
                                   typename Backend::template vector<T>(static_cast<std::size_t>(n))};
-  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(n),
-                   kernels::WriteAdvantage<T>{raw(scanned), raw(values), raw(out.advantages), raw(out.returns), n});
-  double w = 0, s = 0, m2 = 0;
-  ppo_detail::masked_sums<T, Backend>(out.advantages, mask, w, s, &m2);
-  whiten_advantages<T, Backend>(out.advantages, w, s, m2, fn);
+  const T g = static_cast<T>(gamma), gl = static_cast<T>(gamma * lam);
+  const auto moments = resolve_gae_algorithm<Backend>(algorithm) == GaeAlgorithm::rows
+                           ? ppo_detail::gae_rows<T, Backend>(rewards, values, mask, cols, g, gl, out)
+                           : ppo_detail::gae_scan<T, Backend>(rewards, values, mask, cols, g, gl, out);
+  whiten_advantages<T, Backend>(out.advantages, moments, fn);
   return out;
 }
 
@@ -496,7 +397,8 @@ enum class OutcomeEstimator { grpo, rloo, rloo_vectorized };
 
 // verl "grpo" (norm_adv_by_std_in_grpo; Dr.GRPO without), "rloo" and "rloo_vectorized".
 // `group` [rows] holds each response's group as an int in [0, num_groups) (map verl's uid labels
-// to ints on the host). Score = sum of the row's rewards (every column, as verl).
+// to ints on the host). Score = sum of the row's rewards (every column, as verl). Each group's
+// scalars come from kernels::ppo::group_outcome over its members in sample order, as on the host.
 template <class T, class Backend = ThrustDeviceBackend>
 AdvantageResult<T, Backend> compute_outcome_advantage(OutcomeEstimator estimator,
                                                       const typename Backend::template vector<T>& rewards,
@@ -506,7 +408,7 @@ AdvantageResult<T, Backend> compute_outcome_advantage(OutcomeEstimator estimator
                                                       bool norm_adv_by_std_in_grpo = true) {
   constexpr const char* fn = "device::compute_outcome_advantage";
   using ppo_detail::raw;
-  const long n = static_cast<long>(rewards.size()), rows = n / cols;
+  const long n = static_cast<long>(rewards.size()), rows = cols > 0 ? n / cols : 0;
   mrr::detail::require(cols > 0 && n % cols == 0 && mask.size() == rewards.size() &&
                            static_cast<long>(group.size()) == rows,
                        fn, "rewards and mask must be [rows, ", cols, "] and group [rows]");
@@ -516,41 +418,32 @@ AdvantageResult<T, Backend> compute_outcome_advantage(OutcomeEstimator estimator
   typename Backend::template vector<T> scores(static_cast<std::size_t>(rows));
   const auto row_of = thrust::make_transform_iterator(thrust::counting_iterator<long>(0), kernels::RowOf<T>{cols});
   thrust::reduce_by_key(policy, row_of, row_of + n, rewards.begin(), row_keys.begin(), scores.begin());
-  // Group count, sum and M2 (double), scattered by group id: the groups are small, so an atomic-free
-  // pass over the responses sorted by group.
+  // The responses sorted by group (stable: sample order inside a group), each group's size and start.
   typename Backend::template vector<std::int32_t> sorted_group(group.begin(), group.end()),
-      order(static_cast<std::size_t>(rows));
+      order(static_cast<std::size_t>(rows)), unique_groups(static_cast<std::size_t>(rows)),
+      counts(static_cast<std::size_t>(rows));
   thrust::sequence(policy, order.begin(), order.end());
   thrust::stable_sort_by_key(policy, sorted_group.begin(), sorted_group.end(), order.begin());
-  typename Backend::template vector<std::int32_t> unique_groups(static_cast<std::size_t>(rows));
-  typename Backend::template vector<double> sums(static_cast<std::size_t>(rows)), counts(static_cast<std::size_t>(rows));
-  const auto score_in_order = thrust::make_permutation_iterator(
-      thrust::make_transform_iterator(scores.begin(), kernels::ToDouble<T>{}),
-      order.begin());
-  const auto ends = thrust::reduce_by_key(policy, sorted_group.begin(), sorted_group.end(), score_in_order,
-                                          unique_groups.begin(), sums.begin());
+  const auto ends = thrust::reduce_by_key(policy, sorted_group.begin(), sorted_group.end(),
+                                          thrust::constant_iterator<std::int32_t>(1), unique_groups.begin(),
+                                          counts.begin());
   const long present = ends.first - unique_groups.begin();
-  thrust::reduce_by_key(policy, sorted_group.begin(), sorted_group.end(), thrust::constant_iterator<double>(1.0),
-                        unique_groups.begin(), counts.begin());
-  typename Backend::template vector<double> group_sum(static_cast<std::size_t>(num_groups), 0.0),
-      group_count(static_cast<std::size_t>(num_groups), 1.0), group_m2(static_cast<std::size_t>(num_groups), 0.0);
-  thrust::scatter(policy, sums.begin(), sums.begin() + present, unique_groups.begin(), group_sum.begin());
-  thrust::scatter(policy, counts.begin(), counts.begin() + present, unique_groups.begin(), group_count.begin());
-  const auto centered = thrust::make_permutation_iterator(
-      thrust::make_transform_iterator(thrust::counting_iterator<long>(0),
-                                      kernels::GroupCentered<T>{raw(scores), raw(group), raw(group_count), raw(group_sum)}),
-      order.begin());
-  thrust::reduce_by_key(policy, sorted_group.begin(), sorted_group.end(), centered, unique_groups.begin(), sums.begin());
-  thrust::scatter(policy, sums.begin(), sums.begin() + present, unique_groups.begin(), group_m2.begin());
+  mrr::detail::require(present <= num_groups, fn, "'group' holds ", present, " distinct ids, more than num_groups (",
+                       num_groups, ")");
+  typename Backend::template vector<long> starts(static_cast<std::size_t>(present));
+  thrust::exclusive_scan(policy, counts.begin(), counts.begin() + present, starts.begin(), 0L);
 
+  namespace k = mrr::kernels::ppo;
+  const k::OutcomeEstimator kind = estimator == OutcomeEstimator::grpo
+                                       ? (norm_adv_by_std_in_grpo ? k::OutcomeEstimator::grpo
+                                                                  : k::OutcomeEstimator::grpo_mean_only)
+                                       : (estimator == OutcomeEstimator::rloo ? k::OutcomeEstimator::rloo
+                                                                              : k::OutcomeEstimator::rloo_vectorized);
+  const T singleton = static_cast<T>(k::singleton_std_plus_epsilon(epsilon));
   typename Backend::template vector<T> scalar(static_cast<std::size_t>(rows));
-  const int code = estimator == OutcomeEstimator::grpo ? (norm_adv_by_std_in_grpo ? 0 : 1)
-                                                       : (estimator == OutcomeEstimator::rloo ? 2 : 3);
-  // verl's singleton "std" is a float32 tensor: 1 + epsilon rounded to float32.
-  const T singleton = static_cast<T>(static_cast<double>(1.0f + static_cast<float>(epsilon)));
-  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(rows),
-                   kernels::OutcomeScalar<T>{raw(scores), raw(group), raw(group_count), raw(group_sum), raw(group_m2),
-                                             raw(scalar), code, static_cast<T>(epsilon), singleton});
+  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(present),
+                   kernels::GroupOutcome<T>{raw(scores), raw(order), raw(counts), raw(starts), raw(scalar), kind,
+                                            static_cast<T>(epsilon), singleton});
   AdvantageResult<T, Backend> out{typename Backend::template vector<T>(static_cast<std::size_t>(n)),
                                   typename Backend::template vector<T>(static_cast<std::size_t>(n))};
   thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(n),
@@ -576,8 +469,8 @@ KlResult<T, Backend> kl_penalty(const typename Backend::template vector<T>& logp
   thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0),
                    thrust::counting_iterator<long>(static_cast<long>(logprob.size())),
                    kernels::KlElement<T>{ppo_detail::raw(logprob), ppo_detail::raw(ref_logprob),
-                                         ppo_detail::raw(out.values), ppo_detail::raw(out.grad_logprob), estimator,
-                                         straight_through});
+                                         ppo_detail::raw(out.values), ppo_detail::raw(out.grad_logprob),
+                                         static_cast<mrr::kernels::ppo::KlEstimator>(estimator), straight_through});
   return out;
 }
 
