@@ -1,6 +1,7 @@
 // MoELayer gradients against central finite differences (double): w.r.t. the input, the gate
 // weight and every expert matrix, with native and replayed routes, with and without capacity
-// dropping; and activation recomputation replaying the forward's routes first-in-first-out.
+// dropping; activation recomputation replaying the forward's routes first-in-first-out; and the
+// replay controller handing the router no mask when every row has a route.
 #include <mrr/moe.hpp>
 #include <mrr/replay.hpp>
 #include <mrr/router.hpp>
@@ -10,7 +11,9 @@
 #include "moe_fixture.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <functional>
+#include <span>
 
 using mrr::RowMatrix;
 using mrr::test::MoEModel;
@@ -198,4 +201,67 @@ TEST_CASE("MoELayer: activation recomputation replays each forward's routes firs
   CHECK(mrr::test::bitwise_equal(g1.input, g1_direct.input));
   CHECK(mrr::test::bitwise_equal(g1.gate_weight, g1_direct.gate_weight));
   CHECK_THROWS_AS(layer.forward(x1), mrr::RouteStoreError);  // nothing left to recompute with
+}
+
+namespace {
+
+// TopKRouter, watched: counts the replays that reached it without a mask (the router's replay-all
+// fast path) and with the controller's `found` mask.
+struct MaskWatchingRouter {
+  using scalar_type = double;
+  mrr::TopKRouter<double> inner;
+  mutable int mask_free = 0, masked = 0;
+
+  int num_experts() const { return inner.num_experts(); }
+  int topk() const { return inner.topk(); }
+  mrr::Routing<double> route(mrr::MatrixRef<double> logits) const { return inner.route(logits); }
+  mrr::Routing<double> replay(mrr::MatrixRef<double> logits, mrr::ExpertIdsRef ids,
+                              std::span<const std::uint8_t> mask) const {
+    ++(mask.empty() ? mask_free : masked);
+    return inner.replay(logits, ids, mask);
+  }
+  RowMatrix<double> backward(mrr::MatrixRef<double> logits, const mrr::Routing<double>& routing,
+                             mrr::MatrixRef<double> grad_weights) const {
+    return inner.backward(logits, routing, grad_weights);
+  }
+};
+static_assert(mrr::Router<MaskWatchingRouter>);
+
+}  // namespace
+
+TEST_CASE("MoELayer with replay: every row recorded reaches the mask-free replay, a missing row passes the mask") {
+  const auto model = model_with(mrr::presets::qwen3_moe(6, 2));
+  mrr::SwiGLUExperts<double> experts(kHidden, kIntermediate, 6);
+  experts.load_torch(model.w_gate, model.w_up, model.w_down);
+  mrr::MemoryRouteStore store({.num_experts = 6, .num_layers = 1, .topk = 2});
+  mrr::RoutingReplay replay(mrr::ReplayMode::R2, store, mrr::MissingRoutes::native);
+  mrr::MoELayer<MaskWatchingRouter, mrr::SwiGLUExperts<double>, mrr::SingleProcess, mrr::MemoryRouteStore> layer(
+      MaskWatchingRouter{mrr::TopKRouter<double>(model.config)}, experts, mrr::SingleProcess{}, replay, 0);
+  layer.set_gate_weight(model.gate);
+  const RowMatrix<double> x = mrr::test::random_normal<double>(kTokens, kHidden, 31);
+  constexpr Eigen::Index recorded_rows = 10;  // tokens [10, 14) are never recorded
+  replay.set_micro_batch(mrr::test::token_layout(0, recorded_rows));
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  const mrr::ExpertIds recorded = layer.forward(x.topRows(recorded_rows)).routing.ids;
+
+  // The policy moves, so native routing now disagrees with the record somewhere.
+  layer.set_gate_weight(model.gate + 2.0 * mrr::test::random_normal<double>(6, kHidden, 32));
+  const auto natively = [&](const auto& f) { return mrr::TopKRouter<double>(model.config).route(f.router_logits()).ids; };
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  const auto all = layer.forward(x.topRows(recorded_rows));
+  REQUIRE(natively(all) != recorded);
+  CHECK(all.routing.ids == recorded);
+  CHECK(layer.router().mask_free == 1);
+  CHECK(layer.router().masked == 0);
+  CHECK(replay.stats().mask_free_replays == 1);
+
+  replay.set_micro_batch(mrr::test::token_layout(0, kTokens));
+  const auto some = layer.forward(x);
+  CHECK(layer.router().mask_free == 1);
+  CHECK(layer.router().masked == 1);
+  CHECK(replay.stats().mask_free_replays == 1);
+  CHECK(replay.stats().native_rows == static_cast<std::uint64_t>(kTokens - recorded_rows));
+  CHECK(some.routing.ids.topRows(recorded_rows) == recorded);
+  CHECK(some.routing.ids.bottomRows(kTokens - recorded_rows) ==
+        natively(some).bottomRows(kTokens - recorded_rows));
 }

@@ -1,16 +1,21 @@
 // Fused routing + replay kernel: one warp per token, the token's logits in registers, top-k by k
-// rounds of a warp arg-max (ties: lower index, as detail/topk.hpp), replayed rows take their ids
+// rounds of a warp arg-max (ties: lower index, as kernels/topk.hpp), replayed rows take their ids
 // from the replay buffer, then the weights of DESIGN.md section 3, all in one launch. The fast path
 // for routers without group limits (softmax pre/post, sigmoid / sqrt-softplus, with or without
 // expert bias); checked against the Thrust path (mrr/thrust/routing.hpp) in tests/cuda.
-// Rows are checked in the same pass as the Thrust path checks them (device::kernels::RowStatus:
+// It is the warp-cooperative specialisation of the router kernels (mrr/kernels/router.hpp), as the
+// AVX2 tiles are their host specialisation: it reads the same resolved parameters, applies the same
+// score functions (kernels::score_of) and reports the same status codes, with the row's work split
+// over 32 lanes instead of one thread.
+// Rows are checked in the same pass as the Thrust path checks them (kernels::RowStatus:
 // NaN / +inf logits, replayed ids out of range or repeated, fewer than k finite logits); a bad
 // row's ids are written as -1 and its weights as NaN, and its code goes to `status` when given
 // (a row whose weights come out NaN, its chosen logits all -inf, keeps its ids: row_nan_weight).
 #pragma once
 
 #include <mrr/cuda/config.cuh>
-#include <mrr/detail/score.hpp>
+#include <mrr/kernels/router.hpp>
+#include <mrr/kernels/score.hpp>
 #include <mrr/thrust/routing.hpp>
 
 #include <cuda_runtime.h>
@@ -58,7 +63,7 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
                        const std::int32_t* __restrict__ replay_ids, const std::uint8_t* __restrict__ replay_mask,
                        long tokens, std::int32_t* __restrict__ ids, float* __restrict__ weights,
                        std::uint8_t* __restrict__ status) {
-  namespace rk = device::kernels;
+  namespace rk = mrr::kernels;
   const int lane = threadIdx.x & 31;
   const long t = (static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (t >= tokens) return;  // whole warps
@@ -67,7 +72,7 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
   const bool replay_row = replay_ids != nullptr && (replay_mask == nullptr || replay_mask[t] != 0);
   // Unrenormalised pre-softmax weights divide by a sum over all E: a replayed row reads its whole
   // row only then (as the Thrust path and the CPU router); other replayed rows read k logits.
-  const bool whole_row = p.score == 0 && p.pre_softmax && !p.normalize;
+  const bool whole_row = p.replay_reads_whole_row();
   const bool load_row = !replay_row || whole_row;
   float zr[PerLane], s[PerLane];
   unsigned taken = 0;  // bit i: expert lane + 32 i is no candidate (past E, or chosen already)
@@ -89,7 +94,7 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
     s[i] = v;
   }
 
-  // The checks of device::kernels::RouteRows, in its order; the code is warp-uniform.
+  // The checks of kernels::route_row, in its order; the code is warp-uniform.
   std::uint8_t code = rk::row_ok;
   std::int32_t my_id = -1;  // lane j < k holds slot j
   float zj = 0.f;           // and its logit

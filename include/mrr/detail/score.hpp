@@ -1,47 +1,15 @@
-// Scalar score functions and their derivatives, written once for host and device. Thresholds
-// follow torch (softplus switches to the identity above 20) so results match to the last bits.
+// The score functions moved to mrr/kernels/score.hpp (one definition for every backend); these
+// names stay for existing includers.
 #pragma once
 
-#include <mrr/detail/config.hpp>
-
-#include <cmath>
+#include <mrr/kernels/score.hpp>
 
 MRR_NAMESPACE_BEGIN
 namespace detail {
-
-template <class T>
-MRR_HOST_DEVICE MRR_FORCEINLINE T sigmoid(T x) {
-  using std::exp;
-  return T(1) / (T(1) + exp(-x));
-}
-
-// torch.nn.functional.softplus with beta=1, threshold=20.
-template <class T>
-MRR_HOST_DEVICE MRR_FORCEINLINE T softplus(T x) {
-  using std::exp;
-  using std::log1p;
-  return x > T(20) ? x : log1p(exp(x));
-}
-
-template <class T>
-MRR_HOST_DEVICE MRR_FORCEINLINE T sqrt_softplus(T x) {
-  using std::sqrt;
-  return sqrt(softplus(x));
-}
-
-// d sigmoid(x)/dx expressed through s = sigmoid(x).
-template <class T>
-MRR_HOST_DEVICE MRR_FORCEINLINE T sigmoid_grad_from_value(T s) {
-  return s * (T(1) - s);
-}
-
-// d sqrt(softplus(x))/dx = softplus'(x) / (2 sqrt(softplus(x))); softplus' = sigmoid below the
-// threshold and 1 above it, as torch differentiates its thresholded softplus.
-template <class T>
-MRR_HOST_DEVICE MRR_FORCEINLINE T sqrt_softplus_grad(T x, T value) {
-  const T dsp = x > T(20) ? T(1) : sigmoid(x);
-  return dsp / (T(2) * value);
-}
-
+using kernels::sigmoid;
+using kernels::sigmoid_grad_from_value;
+using kernels::softplus;
+using kernels::sqrt_softplus;
+using kernels::sqrt_softplus_grad;
 }  // namespace detail
 MRR_NAMESPACE_END

@@ -1,78 +1,13 @@
-// Deterministic top-k over one row: descending value, and among equal values the lower index
-// first. This is mrr's tie rule everywhere (CPU and GPU, experts and groups); torch.topk leaves
-// ties implementation-defined. NaN must be rejected by the caller: it compares false and would
-// never be selected.
+// The deterministic top-k moved to mrr/kernels/topk.hpp (one definition for every backend); these
+// names stay for existing includers.
 #pragma once
 
-#include <mrr/detail/config.hpp>
+#include <mrr/kernels/topk.hpp>
 
 MRR_NAMESPACE_BEGIN
 namespace detail {
-
-// Writes the indices of the k largest of values[0], values[stride], ... (n of them) to out_idx
-// and their values to out_val, best first. Index iteration is ascending and the comparison
-// strict, which is what makes the lower index win a tie. O(n * k) worst case, O(n) typical for
-// the small k routers use.
-// Places value v of index e at slot `pos` or above, shifting smaller kept values down; strict
-// comparison keeps an equal earlier value (the lower index) in front.
-template <class T, class Index>
-MRR_HOST_DEVICE MRR_FORCEINLINE void topk_insert(T v, int e, int pos, Index* out_idx, T* out_val) {
-  while (pos > 0 && v > out_val[pos - 1]) {
-    out_val[pos] = out_val[pos - 1];
-    out_idx[pos] = out_idx[pos - 1];
-    --pos;
-  }
-  out_val[pos] = v;
-  out_idx[pos] = static_cast<Index>(e);
-}
-
-template <class T, class Index>
-MRR_HOST_DEVICE inline void topk_desc(const T* values, int n, int k, Index* out_idx, T* out_val, long stride = 1) {
-  auto insert = [&](T v, int e, int pos) { topk_insert(v, e, pos, out_idx, out_val); };
-  const int first = n < k ? n : k;
-  for (int e = 0; e < first; ++e) insert(values[static_cast<long>(e) * stride], e, e);
-  if (first < k) return;
-  // Steady state: one compare against the k-th best, kept in a register; most values stop here.
-  T threshold = out_val[k - 1];
-  for (int e = k; e < n; ++e) {
-    const T v = values[static_cast<long>(e) * stride];
-    if (!(v > threshold)) continue;
-    insert(v, e, k - 1);
-    threshold = out_val[k - 1];
-  }
-}
-
-// The same selection for long rows on the host, about twice as fast: k disjoint blocks have k
-// distinct maxima, so the k-th largest value is at least the smallest block maximum; only values
-// reaching that bound can be selected. They are gathered in index order (so ties still go to the
-// lower index) and the insertion above runs on those few. `candidates` holds n ints of scratch.
-template <class T, class Index>
-inline void topk_desc_bounded(const T* values, int n, int k, Index* out_idx, T* out_val, int* candidates) {
-  if (n < 4 * k) return topk_desc(values, n, k, out_idx, out_val);
-  const int block = (n + k - 1) / k;
-  T bound = values[0];
-  for (int b = 0; b < k; ++b) {
-    const int lo = b * block, hi = lo + block < n ? lo + block : n;
-    if (lo >= hi) break;
-    T m = values[lo];
-    for (int e = lo + 1; e < hi; ++e) m = values[e] > m ? values[e] : m;
-    bound = (b == 0 || m < bound) ? m : bound;
-  }
-  int count = 0;
-  for (int e = 0; e < n; ++e) {  // branch-free compaction
-    candidates[count] = e;
-    count += values[e] >= bound ? 1 : 0;
-  }
-  int kept = 0;
-  for (int i = 0; i < count; ++i) {
-    const int e = candidates[i];
-    const T v = values[e];
-    if (kept < k)
-      topk_insert(v, e, kept++, out_idx, out_val);
-    else if (v > out_val[k - 1])
-      topk_insert(v, e, k - 1, out_idx, out_val);
-  }
-}
-
+using kernels::topk_desc;
+using kernels::topk_desc_bounded;
+using kernels::topk_insert;
 }  // namespace detail
 MRR_NAMESPACE_END

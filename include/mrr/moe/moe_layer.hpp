@@ -91,8 +91,8 @@ class MoELayer {
 
   // With replay: the layer routes through the model's controller as MoE layer `layer`.
   MoELayer(R router, X experts, C comm, RoutingReplay<Store>& replay, int layer)
-      : router_(std::move(router)), experts_(std::move(experts)), comm_(std::forward<C>(comm)), replay_(&replay),
-        layer_(layer), gate_(router_.num_experts(), experts_.hidden_size()) {
+      : router_(std::move(router), replay, layer), experts_(std::move(experts)), comm_(std::forward<C>(comm)),
+        gate_(num_experts(), experts_.hidden_size()) {
     init();
   }
 
@@ -100,17 +100,17 @@ class MoELayer {
   MoELayer(R router, X experts, C comm = C{})
     requires std::is_same_v<Store, NoRouteStore>
       : router_(std::move(router)), experts_(std::move(experts)), comm_(std::forward<C>(comm)),
-        gate_(router_.num_experts(), experts_.hidden_size()) {
+        gate_(num_experts(), experts_.hidden_size()) {
     init();
   }
 
-  int num_experts() const { return router_.num_experts(); }
-  int topk() const { return router_.topk(); }
+  int num_experts() const { return router().num_experts(); }
+  int topk() const { return router().topk(); }
   int hidden_size() const { return experts_.hidden_size(); }
-  int layer() const { return layer_; }
+  int layer() const { return router_.layer(); }
   const ExpertPlacement& placement() const { return placement_; }
-  const R& router() const { return router_; }
-  R& router() { return router_; }
+  const R& router() const { return router_.router(); }
+  R& router() { return router_.router(); }
   const X& experts() const { return experts_; }
   X& experts() { return experts_; }
   const Comm& comm() const { return comm_; }
@@ -130,7 +130,7 @@ class MoELayer {
       f.input = hidden;
       f.num_experts = num_experts();
       f.logits = gate_.logits(f.input);
-      f.routing = route(f.router_logits());
+      f.routing = router_.forward(f.router_logits());
       static_cast<DispatchPlan&>(f) = make_dispatch_plan(f.routing, placement_, hidden_size());
     });
     dispatch(f);
@@ -197,37 +197,26 @@ class MoELayer {
     const int r = static_cast<int>(comm_.rank());
     std::string local_error;
     try {
-      placement_ = ExpertPlacement::contiguous(router_.num_experts(), p);
+      placement_ = ExpertPlacement::contiguous(num_experts(), p);
       detail::require(experts_.num_experts() == placement_.experts_per_rank() &&
                           experts_.first_expert() == placement_.first_expert(r),
                       fn, "rank ", r, " holds experts [", experts_.first_expert(), ", ",
                       experts_.first_expert() + experts_.num_experts(), ") but contiguous placement of ",
-                      router_.num_experts(), " experts over ", p, " ranks gives it [", placement_.first_expert(r), ", ",
+                      num_experts(), " experts over ", p, " ranks gives it [", placement_.first_expert(r), ", ",
                       placement_.first_expert(r) + placement_.experts_per_rank(), ")");
-      if constexpr (!std::is_same_v<Store, NoRouteStore>) {
-        const RouteShape& shape = replay_->store().shape();
-        detail::require(layer_ >= 0 && layer_ < shape.num_layers, fn, "layer ", layer_, " outside the store's [0, ",
-                        shape.num_layers, ")");
-      }
+      router_.check_layer(fn);
     } catch (const std::exception& e) {
       local_error = e.what();
     }
     // Each rank checked its own expert block against the placement; the ranks must agree on the
     // model and on the group for those placements to be one.
     agree_on_values(comm_, fn, local_error,
-                    std::array<AgreedValue, 6>{{{"num_experts", router_.num_experts()},
-                                                {"topk", router_.topk()},
+                    std::array<AgreedValue, 6>{{{"num_experts", num_experts()},
+                                                {"topk", topk()},
                                                 {"hidden_size", experts_.hidden_size()},
                                                 {"intermediate_size", experts_.intermediate_size()},
                                                 {"group size", p},
                                                 {"scalar size", static_cast<std::int64_t>(sizeof(Scalar))}}});
-  }
-
-  Routing<Scalar> route(MatrixRef<Scalar> logits) {
-    if constexpr (std::is_same_v<Store, NoRouteStore>)
-      return router_.route(logits);
-    else
-      return replay_->route(router_, layer_, logits);
   }
 
   void run_experts_forward(const std::vector<RowMatrix<Scalar>>& inputs, std::vector<RowMatrix<Scalar>>& outputs,
@@ -285,11 +274,9 @@ class MoELayer {
     return grad;
   }
 
-  R router_;
+  ReplayRouter<R, Store> router_;  // the router bound to the replay controller (native without one)
   X experts_;
   C comm_;
-  RoutingReplay<Store>* replay_ = nullptr;
-  int layer_ = 0;
   ExpertPlacement placement_ = ExpertPlacement::contiguous(1, 1);
   Gate<Scalar> gate_;
   TokenExchange<Scalar> exchange_;  // staging reused across calls

@@ -199,9 +199,9 @@ struct RowPartials {
 };
 
 // The host's vectorised specialisation of kernels::ppo::vanilla_row (whose per-token math,
-// vanilla_token, the Thrust path runs): the same choices, ties and values; the gradient takes the
-// row weight before the rollout weight, and the row sums are Eigen's chunked reductions, so they may
-// differ from the kernel's in the last ulp (tests/device/test_ppo_parity.cpp holds both to verl).
+// vanilla_token, the Thrust path runs): the same choices and ties; the ratio is Eigen's packet exp
+// (within 1 ulp of std::exp) and the row sums are Eigen's chunked reductions, so values may differ
+// from the kernel's in the last bits (tests/device/test_ppo_executors.cpp states by how much).
 // One row of verl's vanilla PPO loss, value and gradient, chunk by chunk in L1 buffers. All
 // arithmetic is Eigen array expressions (vectorised, exp included); the comparisons are small
 // loops that only turn them into 0/1 indicators, which GCC vectorises (Eigen 3.4 does not

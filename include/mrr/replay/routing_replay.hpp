@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <deque>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -121,9 +122,15 @@ class RoutingReplay {
 
   // Ids queued for recomputation in `layer`.
   std::size_t queued(int layer) const {
-    detail::require(layer >= 0 && static_cast<std::size_t>(layer) < queues_.size(), "RoutingReplay::queued", "layer ",
-                    layer, " outside the store's [0, ", queues_.size(), ")");
+    check_layer(layer, "RoutingReplay::queued");
     return queues_[static_cast<std::size_t>(layer)].size();
+  }
+
+  // Throws unless `layer` is one of the store's MoE layers.
+  void check_layer(int layer, const char* fn) const {
+    const RouteShape& shape = store_->shape();
+    detail::require(layer >= 0 && layer < shape.num_layers, fn, "layer ", layer, " outside the store's [0, ",
+                    shape.num_layers, ")");
   }
 
   // Padding rows of the micro-batch are never recorded or used, so their logits may hold
@@ -132,13 +139,14 @@ class RoutingReplay {
   template <Router R>
   Routing<typename R::scalar_type> route(const R& router, int layer, MatrixRef<typename R::scalar_type> logits) {
     using S = typename R::scalar_type;
+    constexpr const char* fn = "RoutingReplay::route";
     if (!padding_rows_finite(logits)) {
       RowMatrix<S> clean = logits;
       for (std::size_t r = 0; r < layout_.size(); ++r)
         if (layout_[r].is_padding()) clean.row(static_cast<Eigen::Index>(r)).setZero();
-      return route_rows(router, layer, clean);
+      return route_with(HostLogits<R>{router, clean}, layer, fn);
     }
-    return route_rows(router, layer, logits);
+    return route_with(HostLogits<R>{router, logits}, layer, fn);
   }
 
   // The same, for logits resident in a backend's memory (a ResidentRouter, e.g.
@@ -146,59 +154,67 @@ class RoutingReplay {
   // to the host store (through pinned buffers on CUDA), replayed ids from it.
   template <ResidentRouter R>
   typename R::resident_routing route_resident(const R& router, int layer, const typename R::resident_logits& logits) {
-    constexpr const char* fn = "RoutingReplay::route_resident";
-    if (action_ == RouterAction::native) return router.route_resident(logits);
-    check_router(router, layer, fn);
-    const long rows = router.resident_rows(logits);
-    if (action_ == RouterAction::replay_backward) {
-      const Queued q = pop_queued(layer, rows, fn);
-      return router.replay_resident(logits, q.ids, replay_mask_vector(q));
-    }
-    check_layout_rows(layer, rows, fn);
-    if (action_ == RouterAction::record) {
-      auto routing = router.route_resident(logits);
-      ExpertIds ids;
-      router.copy_ids_to_host(routing, ids);
-      store_->record(layer, layout_, ids);
-      stats_.recorded_rows += layout_.real_tokens();
-      return routing;
-    }
-    Queued q = lookup_replayed(layer);
-    auto routing = router.replay_resident(logits, q.ids, replay_mask_vector(q));
-    if (queue_) queues_[static_cast<std::size_t>(layer)].push_back(std::move(q));
-    return routing;
+    return route_with(ResidentLogits<R>{router, logits}, layer, "RoutingReplay::route_resident");
   }
 
  private:
-  // route() once padding rows are finite.
-  template <Router R>
-  Routing<typename R::scalar_type> route_rows(const R& router, int layer, MatrixRef<typename R::scalar_type> logits) {
-    constexpr const char* fn = "RoutingReplay::route";
-    if (action_ == RouterAction::native) return router.route(logits);
-    check_router(router, layer, fn);
-    if (action_ == RouterAction::replay_backward) {
-      const Queued q = pop_queued(layer, logits.rows(), fn);
-      return router.replay(logits, q.ids, replay_mask(q));
+  // How route_with reaches one router call's logits: host matrices, or a backend's memory where
+  // only ids cross to the host store.
+  template <class R>
+  struct HostLogits {
+    const R& router;
+    MatrixRef<typename R::scalar_type> logits;
+    long rows() const { return static_cast<long>(logits.rows()); }
+    Routing<typename R::scalar_type> route() const { return router.route(logits); }
+    Routing<typename R::scalar_type> replay(const ExpertIds& ids, const std::vector<std::uint8_t>& mask) const {
+      return router.replay(logits, ids, mask);
     }
-    check_layout_rows(layer, logits.rows(), fn);
+    static const ExpertIds& host_ids(const Routing<typename R::scalar_type>& routing) { return routing.ids; }
+  };
+  template <class R>
+  struct ResidentLogits {
+    const R& router;
+    const typename R::resident_logits& logits;
+    long rows() const { return router.resident_rows(logits); }
+    typename R::resident_routing route() const { return router.route_resident(logits); }
+    typename R::resident_routing replay(const ExpertIds& ids, const std::vector<std::uint8_t>& mask) const {
+      return router.replay_resident(logits, ids, mask);
+    }
+    ExpertIds host_ids(const typename R::resident_routing& routing) const {
+      ExpertIds ids;
+      router.copy_ids_to_host(routing, ids);
+      return ids;
+    }
+  };
+
+  // The current action around one router call: route natively, route and record, replay the
+  // store's ids (replay_forward, queued for a recompute when asked) or the queue's oldest
+  // (replay_backward). The one body behind route and route_resident.
+  template <class Logits>
+  auto route_with(const Logits& in, int layer, const char* fn) {
+    if (action_ == RouterAction::native) return in.route();
+    check_router(in.router, layer, fn);
+    if (action_ == RouterAction::replay_backward) {
+      const Queued q = pop_queued(layer, in.rows(), fn);
+      return in.replay(q.ids, replay_mask(q));
+    }
+    check_layout_rows(layer, in.rows(), fn);
     if (action_ == RouterAction::record) {
-      auto routing = router.route(logits);
-      store_->record(layer, layout_, routing.ids);
+      auto routing = in.route();
+      store_->record(layer, layout_, in.host_ids(routing));
       stats_.recorded_rows += layout_.real_tokens();
       return routing;
     }
-    // replay_forward
-    Queued q = lookup_replayed(layer);
-    auto routing = router.replay(logits, q.ids, replay_mask(q));
+    Queued q = lookup_replayed(layer);  // replay_forward
+    auto routing = in.replay(q.ids, replay_mask(q));
     if (queue_) queues_[static_cast<std::size_t>(layer)].push_back(std::move(q));
     return routing;
   }
 
   template <class R>
   void check_router(const R& router, int layer, const char* fn) const {
+    check_layer(layer, fn);
     const RouteShape& shape = store_->shape();
-    detail::require(layer >= 0 && layer < shape.num_layers, fn, "layer ", layer, " outside the store's [0, ",
-                    shape.num_layers, ")");
     detail::require(router.num_experts() == shape.num_experts && router.topk() == shape.topk, fn, "layer ", layer,
                     ": the router has ", router.num_experts(), " experts and k=", router.topk(), " but the store holds ",
                     shape.to_string());
@@ -221,14 +237,11 @@ class RoutingReplay {
 
   // The mask a replay passes its router: none when every row has a route, so the router takes
   // its mask-free path (same ids and weights, several times faster), else `found`.
-  std::span<const std::uint8_t> replay_mask(const Queued& q) {
+  const std::vector<std::uint8_t>& replay_mask(const Queued& q) {
+    static const std::vector<std::uint8_t> none;
     if (!q.all_found) return q.found;
     ++stats_.mask_free_replays;
-    return {};
-  }
-  const std::vector<std::uint8_t>& replay_mask_vector(const Queued& q) {
-    static const std::vector<std::uint8_t> none;
-    return replay_mask(q).empty() ? none : q.found;
+    return none;
   }
 
   // replay_backward: the oldest ids queued by replay_forward in `layer`, for a forward of `rows`.
@@ -310,6 +323,7 @@ class RoutingReplay<NoRouteStore> {
   }
   ReplayMode mode() const { return ReplayMode::disabled; }
   RouterAction action() const { return RouterAction::native; }
+  void check_layer(int, const char*) const {}  // no store: any layer routes natively
   void begin_pass(TrainingPass) {}
   void set_micro_batch(const TokenLayout&) {}
 
@@ -323,14 +337,19 @@ class RoutingReplay<NoRouteStore> {
   }
 };
 
-// One MoE layer's router bound to the model's replay controller.
-template <Router R, class Store>
+// One MoE layer's router bound to the model's replay controller: the one way a router meets
+// replay (MoELayer routes through it). With Store = NoRouteStore it may be built without a
+// controller and routes natively (RoutingReplay<NoRouteStore> compiles replay out).
+template <Router R, class Store = NoRouteStore>
 class ReplayRouter {
  public:
   using scalar_type = typename R::scalar_type;
 
   ReplayRouter(R router, RoutingReplay<Store>& replay, int layer)
       : router_(std::move(router)), replay_(&replay), layer_(layer) {}
+  explicit ReplayRouter(R router)
+    requires std::is_same_v<Store, NoRouteStore>
+      : router_(std::move(router)), replay_(&disabled()), layer_(0) {}
 
   Routing<scalar_type> forward(MatrixRef<scalar_type> logits) { return replay_->route(router_, layer_, logits); }
   RowMatrix<scalar_type> backward(MatrixRef<scalar_type> logits, const Routing<scalar_type>& routing,
@@ -338,11 +357,20 @@ class ReplayRouter {
     return router_.backward(logits, routing, grad_weights);
   }
 
+  // Throws unless the layer is one of the controller's store's layers (always passes without one).
+  void check_layer(const char* fn) const { replay_->check_layer(layer_, fn); }
+
   const R& router() const { return router_; }
   R& router() { return router_; }
   int layer() const { return layer_; }
 
  private:
+  // Stateless, so one instance serves every unbound router on every thread.
+  static RoutingReplay<NoRouteStore>& disabled() {
+    static RoutingReplay<NoRouteStore> none;
+    return none;
+  }
+
   R router_;
   RoutingReplay<Store>* replay_;
   int layer_;

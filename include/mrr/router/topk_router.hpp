@@ -2,17 +2,23 @@
 // and sqrt-softplus scores; pre/post-softmax; group limits; selection-only expert bias;
 // normalisation; scaling; capacity), replay of given ids with weights recomputed from the current
 // logits (DESIGN.md section 3), and the exact gradient of the weights w.r.t. the logits.
+// The row algorithms are the kernels every backend runs (mrr/kernels/router.hpp); this is their
+// CPU executor: rows in fixed tiles over OpenMP threads (bits independent of the thread count),
+// with two host specialisations that give the kernels' results faster: the selection scores
+// through Eigen's vectorised exp, and the weights of a whole tile at once (weights_tile, and the
+// float softmax of detail/softmax_tile.hpp with its AVX2 variant).
 #pragma once
 
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/parallel.hpp>
-#include <mrr/detail/score.hpp>
 #include <mrr/detail/softmax_tile.hpp>
-#include <mrr/detail/topk.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/router.hpp>
 #include <mrr/router/capacity.hpp>
 #include <mrr/router/config.hpp>
+#include <mrr/router/params.hpp>
 #include <mrr/router/routing.hpp>
+#include <mrr/router/row_error.hpp>
 #include <mrr/tensor.hpp>
 
 #include <algorithm>
@@ -35,6 +41,7 @@ class TopKRouter {
 
   explicit TopKRouter(RouterConfig config) : config_(std::move(config)) {
     config_.validate();
+    params_ = resolve_router_params(config_);
     if (config_.use_expert_bias) expert_bias_ = Vector<Scalar>::Zero(config_.num_experts);
   }
 
@@ -105,19 +112,16 @@ class TopKRouter {
                     detail::shape_of(routing.ids), " for logits ", detail::shape_of(logits), " and topk ", k);
     detail::require(grad_weights.rows() == logits.rows() && grad_weights.cols() == k, fn, "'grad_weights' has shape ",
                     detail::shape_of(grad_weights), ", expected [", logits.rows(), ", ", k, "]");
-    const int num_e = num_experts();
-    RowMatrix<Scalar> grad = RowMatrix<Scalar>::Zero(logits.rows(), num_e);
-    const Scalar scale = config_.scaling_factor ? static_cast<Scalar>(*config_.scaling_factor) : Scalar(1);
+    RowMatrix<Scalar> grad(logits.rows(), num_experts());
     std::vector<Scalar> g(static_cast<std::size_t>(k)), w(static_cast<std::size_t>(k));
     for (Eigen::Index t = 0; t < logits.rows(); ++t) {
-      const Scalar* z = detail::row_ptr(logits, t);
       const std::int32_t* ids = &routing.ids(t, 0);
-      Scalar* dz = &grad(t, 0);
-      for (int j = 0; j < k; ++j) g[j] = routing.is_kept(t, j) ? grad_weights(t, j) * scale : Scalar(0);
-      for (int j = 0; j < k; ++j)
-        detail::require(ids[j] >= 0 && ids[j] < num_e, fn, "row ", t, " slot ", j, " has expert id ", ids[j],
-                        " outside [0, ", num_e, ")");
-      backward_row(z, ids, g.data(), w.data(), dz);
+      const std::uint8_t* kept = routing.has_capacity_mask() ? &routing.kept(t, 0) : nullptr;
+      const auto status = kernels::backward_row(params_, detail::row_ptr(logits, t), ids,
+                                                detail::row_ptr(grad_weights, t), kept, &grad(t, 0), g.data(),
+                                                w.data());
+      if (status != kernels::row_ok) [[unlikely]]
+        detail::reject_invalid_ids(ids, k, num_experts(), t, fn);
     }
     return grad;
   }
@@ -156,60 +160,27 @@ class TopKRouter {
                     " but the router has ", num_experts(), " experts");
   }
 
-  // NaN would never be selected and +inf makes every softmax weight NaN; -inf is a valid mask.
-  // Returns the number of unmasked (finite) logits of the row.
-  static int reject_invalid_logits(const Scalar* z, int n, Eigen::Index row, const char* fn) {
-    int finite = 0;
-    for (int e = 0; e < n; ++e) {
-      if (std::isnan(z[e]) || z[e] == std::numeric_limits<Scalar>::infinity()) [[unlikely]]
-        detail::throw_invalid_argument(fn, "logits row ", row, " has ", z[e], " at expert ", e,
-                                       " (NaN and +inf are not valid logits)");
-      finite += z[e] != -std::numeric_limits<Scalar>::infinity();
-    }
-    return finite;
-  }
-
-  // Weights are NaN only when every logit they are normalised over is -inf (0/0): all k chosen
-  // experts masked (post-softmax, renormalised, or a group choice that kept only masked experts),
-  // or the whole row masked (pre-softmax). That is an error, never NaN weights handed on.
-  void reject_nan_weights(const std::int32_t* ids, const Scalar* w, Eigen::Index row, bool replayed,
-                          const char* fn) const {
-    for (int j = 0; j < topk(); ++j)
-      if (std::isnan(w[j])) [[unlikely]]
-        detail::throw_invalid_argument(fn, "logits row ", row, ": the weight of ", replayed ? "replayed" : "chosen",
-                                       " expert ", ids[j], " (slot ", j,
-                                       ") is NaN because every logit it is normalised over is -inf (masked); a row "
-                                       "whose chosen experts are all masked cannot be routed");
-  }
-
-  bool selects_on_logits() const {
-    // Score functions are monotonic, so without bias or group sums the top-k of the logits is the
-    // top-k of the scores; selecting on logits keeps CPU and GPU identical despite exp rounding.
-    return !config_.grouped() && !config_.use_expert_bias;
-  }
-
-  // Per-chunk scratch, so rows allocate nothing; replay needs only the stamps and the tile.
+  // Per-chunk scratch, so rows allocate nothing; replay needs only the tile.
   struct Workspace {
-    std::vector<Scalar> scores, masked_scores, values, group_scores, group_values;
-    std::vector<int> group_ids, group_members, candidate_ids;
+    std::vector<Scalar> scores, values, group_scores;
+    std::vector<int> indices, candidates;
     std::vector<Scalar> row_scale;
-    std::vector<std::uint32_t> seen;  // replay: row stamp per expert (duplicate ids)
-    std::vector<Scalar> slot_major;   // float softmax weights: the tile's logits, slot-major
+    std::vector<Scalar> slot_major;      // float softmax weights: the tile's logits, slot-major
     std::vector<std::int32_t> slot_ids;  // and its replayed ids (duplicate check)
     Workspace(const RouterConfig& c, bool selects, bool slot_major_tile)
-        : seen(static_cast<std::size_t>(c.num_experts), 0u),
-          slot_major(slot_major_tile ? static_cast<std::size_t>(c.topk) * detail::kSoftmaxTileRows : 0),
+        : slot_major(slot_major_tile ? static_cast<std::size_t>(c.topk) * detail::kSoftmaxTileRows : 0),
           slot_ids(slot_major.size()) {
       if (!selects) return;
       const auto e = static_cast<std::size_t>(c.num_experts), g = static_cast<std::size_t>(c.num_groups);
+      const auto m = static_cast<std::size_t>(c.effective_group_score_topk());
       scores.resize(e);
-      masked_scores.resize(e);
-      values.resize(e);
+      values.resize(std::max({static_cast<std::size_t>(c.topk), g, m}));
       group_scores.resize(g);
-      group_values.resize(e);
-      group_ids.resize(g);
-      group_members.resize(e);
-      candidate_ids.resize(e);
+      indices.resize(std::max(g, m));
+      candidates.resize(e);
+    }
+    kernels::SelectScratch<Scalar> select() {
+      return {scores.data(), values.data(), group_scores.data(), indices.data(), candidates.data()};
     }
   };
 
@@ -219,9 +190,7 @@ class TopKRouter {
   static constexpr std::int64_t kChunkRows = 8 * kTileRows;
 
   // Replay reads only z[ids] unless the weights are unrenormalised pre-softmax probabilities.
-  bool replay_reads_whole_row() const {
-    return config_.score_function == ScoreFunction::softmax && config_.pre_softmax && !config_.normalizes();
-  }
+  bool replay_reads_whole_row() const { return params_.replay_reads_whole_row(); }
 
   // Float weights that are a softmax over the k chosen logits take detail::softmax_slot_major.
   bool softmax_over_slots() const {
@@ -281,19 +250,18 @@ class TopKRouter {
             Scalar* w = sink + (t - first) * row_step;
             const bool replay_row =
                 replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
-            if (replay_row) {
-              const std::int32_t* src = detail::row_ptr(*replay_ids, t);
-              for (int j = 0; j < k; ++j) ids[j] = src[j];
-              bad |= !gather_replayed_row(z, src, t, w, slot_step, ws);
-              if (whole_row) bad |= !row_is_valid(z, num_e, k, false);
-            } else {
-              if (!row_is_valid(z, num_e, k, true)) [[unlikely]] {
-                bad = true;
-                continue;
-              }
-              select_row(z, ids, ws);
-              for (int j = 0; j < k; ++j) w[j * slot_step] = z[ids[j]];
+            const std::int32_t* src = replay_row ? detail::row_ptr(*replay_ids, t) : nullptr;
+            const auto status =
+                replay_row ? kernels::check_replay_row(params_, z, src) : kernels::check_native_row(params_, z);
+            if (status != kernels::row_ok) [[unlikely]] {
+              bad = true;
+              continue;
             }
+            if (replay_row)
+              for (int j = 0; j < k; ++j) ids[j] = src[j];
+            else
+              select_row(z, ids, ws);
+            for (int j = 0; j < k; ++j) w[j * slot_step] = z[ids[j]];
           }
         }
         // An invalid row re-runs the checks one row at a time, which raise the precise error.
@@ -323,47 +291,12 @@ class TopKRouter {
           for (Eigen::Index t = first; t < end; ++t) {
             const bool replay_row =
                 replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
-            reject_nan_weights(&out.ids(t, 0), &out.weights(t, 0), t, replay_row, fn);
+            detail::reject_nan_weights(&out.ids(t, 0), &out.weights(t, 0), k, t, replay_row, fn);
           }
       }
     });
     if (config_.capacity_factor)
       drop_over_capacity(out, num_e, *config_.capacity_factor, config_.drop_policy);
-  }
-
-  // No NaN or +inf in z[0, n), and (when `need_k`) at least k finite logits.
-  static bool row_is_valid(const Scalar* z, int n, int k, bool need_k) {
-    constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
-    bool ok = true;
-    int finite = 0;
-    for (int e = 0; e < n; ++e) {
-      ok &= z[e] < inf;  // false for NaN and +inf
-      finite += z[e] > -inf;
-    }
-    return ok && (!need_k || finite >= k);
-  }
-
-  // Copies the logits a replayed row reads to w[0], w[step], ... (for the weight pass), checking
-  // the ids (in range, distinct) and those logits (no NaN, no +inf) without branching per slot.
-  // Returns false when something is wrong; diagnose_row then says what.
-  bool gather_replayed_row(const Scalar* z, const std::int32_t* src, Eigen::Index t, Scalar* w, std::int64_t step,
-                           Workspace& ws) const {
-    constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
-    const int k = topk();
-    const auto num_e = static_cast<std::uint32_t>(num_experts());
-    const auto stamp = static_cast<std::uint32_t>(t) + 1;  // marks this row's experts (no clearing needed)
-    std::uint32_t* seen = ws.seen.data();
-    bool ok = true;
-    for (int j = 0; j < k; ++j) {
-      const std::int32_t e = src[j];
-      const bool in_range = static_cast<std::uint32_t>(e) < num_e;
-      const std::uint32_t safe = in_range ? static_cast<std::uint32_t>(e) : 0u;
-      const Scalar v = z[safe];
-      ok &= in_range & (v < inf) & (seen[safe] != stamp);
-      seen[safe] = stamp;
-      w[j * step] = v;
-    }
-    return ok;
   }
 
   // The same for the rows [first, end) of a replay without a mask, into the slot-major tile of
@@ -379,92 +312,25 @@ class TopKRouter {
   // The checks of one row, in the order they are reported, throwing the first that fails.
   void diagnose_row(const MatrixRef<Scalar>& logits, const ExpertIdsRef* replay_ids,
                     std::span<const std::uint8_t> replay_mask, Eigen::Index t, const char* fn) const {
-    const int k = topk(), num_e = num_experts();
-    const Scalar* z = detail::row_ptr(logits, t);
     const bool replay_row = replay_ids && (replay_mask.empty() || replay_mask[static_cast<std::size_t>(t)] != 0);
-    if (!replay_row || replay_reads_whole_row()) {
-      const int finite = reject_invalid_logits(z, num_e, t, fn);
-      // A top-k that must take a masked (-inf) expert is not a routing decision.
-      if (!replay_row && finite < k) [[unlikely]]
-        detail::throw_invalid_argument(fn, "logits row ", t, " has ", finite, " finite logits (the other ",
-                                       num_e - finite, " are -inf, masked) but k=", k,
-                                       " experts must be chosen: a row needs at least k unmasked experts");
-    }
-    if (!replay_row) return;
-    for (int j = 0; j < k; ++j) {
-      const std::int32_t e = (*replay_ids)(t, j);
-      detail::require(e >= 0 && e < num_e, fn, "row ", t, " slot ", j, " has expert id ", e, " outside [0, ", num_e,
-                      ")");
-      for (int i = 0; i < j; ++i)
-        detail::require((*replay_ids)(t, i) != e, fn, "row ", t, " repeats expert id ", e, " in slots ", i, " and ",
-                        j);
-      if (std::isnan(z[e]) || z[e] == std::numeric_limits<Scalar>::infinity()) [[unlikely]]
-        detail::throw_invalid_argument(fn, "logits row ", t, " has ", z[e], " at expert ", e,
-                                       " (NaN and +inf are not valid logits)");
-    }
+    detail::reject_bad_row(params_, detail::row_ptr(logits, t), replay_row ? detail::row_ptr(*replay_ids, t) : nullptr,
+                           t, fn);
   }
 
-  // Fills ids[0, k) for one token.
+  // Fills ids[0, k) for one token: kernels::select_row, with the selection scores computed by
+  // the host specialisation below.
   void select_row(const Scalar* z, std::int32_t* ids, Workspace& ws) const {
-    const int k = topk();
-    const int num_e = num_experts();
-    if (selects_on_logits()) {
-      detail::topk_desc_bounded(z, num_e, k, ids, ws.values.data(), ws.group_members.data());
+    const kernels::SelectScratch<Scalar> scratch = ws.select();
+    if (params_.selects_on_logits) {
+      kernels::select_row(params_, z, static_cast<const Scalar*>(nullptr), ids, scratch);
       return;
     }
-    // Selection scores: softmax probs (pre-softmax), logits (post-softmax), or the sigmoid /
-    // sqrt-softplus scores plus the expert bias.
-    Scalar* scores = ws.scores.data();
-    compute_selection_scores(z, scores);
-    if (!config_.grouped()) {
-      detail::topk_desc_bounded(scores, num_e, k, ids, ws.values.data(), ws.group_members.data());
-      return;
-    }
-    // A group scores the sum of its best m experts; the best group_topk groups stay eligible.
-    const int groups = config_.num_groups, per_group = config_.experts_per_group();
-    const int m = config_.effective_group_score_topk();
-    for (int g = 0; g < groups; ++g)
-      ws.group_scores[static_cast<std::size_t>(g)] = sum_of_top(scores + g * per_group, per_group, m, ws);
-    detail::topk_desc(ws.group_scores.data(), groups, config_.group_topk, ws.group_ids.data(), ws.group_values.data());
-    std::sort(ws.group_ids.begin(), ws.group_ids.begin() + config_.group_topk);
-    // The top k of the masked row (others at -inf or 0.0) without building it: the kept groups'
-    // experts, plus, when masking with 0.0, the k lowest-indexed masked experts (equal values:
-    // no other masked expert could win). Candidates stay in index order, so ties still go to
-    // the lower index.
-    const bool zero_masking = config_.group_masking == GroupMasking::zero;
-    int count = 0, masked_taken = 0, next_group = 0;
-    for (int g = 0; g < groups; ++g) {
-      const bool kept = next_group < config_.group_topk && ws.group_ids[static_cast<std::size_t>(next_group)] == g;
-      if (kept) ++next_group;
-      if (!kept && !zero_masking) continue;
-      for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
-        if (!kept && masked_taken++ >= k) break;
-        ws.masked_scores[static_cast<std::size_t>(count)] = kept ? scores[e] : Scalar(0);
-        ws.candidate_ids[static_cast<std::size_t>(count++)] = e;
-      }
-    }
-    detail::topk_desc_bounded(ws.masked_scores.data(), count, k, ids, ws.values.data(), ws.group_members.data());
-    for (int j = 0; j < k; ++j) ids[j] = ws.candidate_ids[static_cast<std::size_t>(ids[j])];
+    compute_selection_scores(z, scratch.scores);
+    kernels::select_on_scores(params_, scratch.scores, ids, scratch);
   }
 
-  // Sum of the m largest of values[0, n): the group score.
-  static Scalar sum_of_top(const Scalar* values, int n, int m, Workspace& ws) {
-    if (m == 1) return *std::max_element(values, values + n);
-    if (m == 2) {  // the common case (DeepSeek-V3): two running maxima, no insertion
-      Scalar a = values[0], b = -std::numeric_limits<Scalar>::infinity();
-      for (int e = 1; e < n; ++e) {
-        const Scalar v = values[e];
-        b = v > a ? a : (v > b ? v : b);
-        a = v > a ? v : a;
-      }
-      return a + b;
-    }
-    detail::topk_desc(values, n, m, ws.group_members.data(), ws.group_values.data());
-    Scalar sum = 0;
-    for (int i = 0; i < m; ++i) sum += ws.group_values[static_cast<std::size_t>(i)];
-    return sum;
-  }
-
+  // kernels::selection_scores on the host: the exponentials of sigmoid and of the pre-softmax
+  // probabilities vectorised through Eigen (selection needs only their order).
   void compute_selection_scores(const Scalar* z, Scalar* scores) const {
     const int num_e = num_experts();
     switch (config_.score_function) {
@@ -482,7 +348,7 @@ class TopKRouter {
         break;
       }
       case ScoreFunction::sqrt_softplus:
-        for (int e = 0; e < num_e; ++e) scores[e] = detail::sqrt_softplus(z[e]);
+        for (int e = 0; e < num_e; ++e) scores[e] = kernels::sqrt_softplus(z[e]);
         break;
     }
     if (config_.use_expert_bias)
@@ -496,16 +362,16 @@ class TopKRouter {
     p /= p.sum();
   }
 
-  // log of the softmax normaliser over all experts: (max, sum exp(z - max)).
+  // kernels::softmax_normalizer vectorised (weights_tile's full-row softmax): (max, sum exp(z - max)).
   static std::pair<Scalar, Scalar> softmax_normalizer(const Scalar* z, int n) {
     Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>> zz(z, n);
     const Scalar mx = zz.maxCoeff();
     return {mx, (zz - mx).exp().sum()};
   }
 
-  // Weights of rows [first, end) (DESIGN.md section 3), in place: on entry weights(t, j) holds the
-  // logit z[t, ids(t, j)]. The exponentials and scores run vectorised over the whole tile; sums
-  // and maxima run per row in slot order.
+  // kernels::weights_row over the rows [first, end) at once (DESIGN.md section 3), in place: on
+  // entry weights(t, j) holds the logit z[t, ids(t, j)]. The exponentials and scores run
+  // vectorised over the whole tile; sums and maxima run per row in slot order.
   void weights_tile(const MatrixRef<Scalar>& logits, Routing<Scalar>& out, Eigen::Index first, Eigen::Index end,
                     Workspace& ws) const {
     using Array = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
@@ -575,65 +441,10 @@ class TopKRouter {
     return masked;
   }
 
-  static void softmax_gathered(const Scalar* z, const std::int32_t* ids, int k, Scalar* w) {
-    using std::exp;
-    Scalar mx = z[ids[0]];
-    for (int j = 1; j < k; ++j) mx = std::max(mx, z[ids[j]]);
-    Scalar sum = 0;
-    for (int j = 0; j < k; ++j) sum += (w[j] = exp(z[ids[j]] - mx));
-    for (int j = 0; j < k; ++j) w[j] /= sum;
-  }
-
-  Scalar score(Scalar x) const {
-    return config_.score_function == ScoreFunction::sigmoid ? detail::sigmoid(x) : detail::sqrt_softplus(x);
-  }
-
-  // g: upstream gradient of the unscaled weights; w: scratch of size k; dz accumulates.
-  void backward_row(const Scalar* z, const std::int32_t* ids, const Scalar* g, Scalar* w, Scalar* dz) const {
-    using std::exp;
-    const int k = topk();
-    const int num_e = num_experts();
-    switch (config_.score_function) {
-      case ScoreFunction::softmax: {
-        if (config_.pre_softmax && !config_.normalizes()) {
-          // w_j = p[ids_j]:  dz_e = sum_j g_j p_ids_j (delta(ids_j, e) - p_e).
-          const auto [mx, sum] = softmax_normalizer(z, num_e);
-          Scalar s = 0;
-          for (int j = 0; j < k; ++j) s += g[j] * exp(z[ids[j]] - mx) / sum;
-          for (int e = 0; e < num_e; ++e) dz[e] -= exp(z[e] - mx) / sum * s;
-          for (int j = 0; j < k; ++j) dz[ids[j]] += g[j] * exp(z[ids[j]] - mx) / sum;
-        } else {
-          // w = softmax(z[ids]):  dz_ids_j = w_j (g_j - sum_i g_i w_i).
-          softmax_gathered(z, ids, k, w);
-          Scalar s = 0;
-          for (int j = 0; j < k; ++j) s += g[j] * w[j];
-          for (int j = 0; j < k; ++j) dz[ids[j]] += w[j] * (g[j] - s);
-        }
-        break;
-      }
-      case ScoreFunction::sigmoid:
-      case ScoreFunction::sqrt_softplus: {
-        // s_j = f(z_ids_j); w_j = s_j / (sum s + eps) when normalised, else s_j.
-        Scalar sum = 0;
-        for (int j = 0; j < k; ++j) sum += (w[j] = score(z[ids[j]]));
-        const bool normalized = config_.normalizes();
-        const Scalar denom = sum + Scalar(1e-20);
-        Scalar c = 0;
-        if (normalized)
-          for (int j = 0; j < k; ++j) c += g[j] * w[j] / denom;
-        for (int j = 0; j < k; ++j) {
-          const Scalar ds = normalized ? (g[j] - c) / denom : g[j];
-          const Scalar x = z[ids[j]];
-          const Scalar dsdz = config_.score_function == ScoreFunction::sigmoid ? detail::sigmoid_grad_from_value(w[j])
-                                                                               : detail::sqrt_softplus_grad(x, w[j]);
-          dz[ids[j]] += ds * dsdz;
-        }
-        break;
-      }
-    }
-  }
+  Scalar score(Scalar x) const { return kernels::score_of(params_.score, x); }
 
   RouterConfig config_;
+  kernels::RouterParams params_;
   Vector<Scalar> expert_bias_;
 };
 

@@ -6,7 +6,10 @@
 //   - ResidentRouter (Thrust vectors in and out): RoutingReplay::route_resident routes logits that
 //     already live on the backend, and only ids cross to the host route store and back.
 // RouterFor<ThrustBackend<S>, T> names it, as RouterFor<CpuBackend, T> names TopKRouter.
-// On CUDA, host <-> device copies go through pinned (page-locked) host staging buffers.
+// On CUDA, host <-> device copies go through pinned (page-locked) host staging buffers. On the
+// OpenMP and host systems the backend's memory is host memory: the mrr::Router face hands the
+// caller's Eigen buffers to the view API as they are (no copy), unless capacity dropping needs
+// the owning path.
 #pragma once
 
 #include <mrr/concepts.hpp>
@@ -69,13 +72,19 @@ class BackendRouter {
   }
 
   // mrr::Router: host logits [tokens, E] (any outer stride) -> host routing.
-  mrr::Routing<T> route(MatrixRef<T> logits) const { return to_host(router_.route(upload(logits))); }
+  mrr::Routing<T> route(MatrixRef<T> logits) const {
+    if (in_place()) return route_in_place(logits, nullptr, {});
+    return to_host(router_.route(upload(logits)));
+  }
   mrr::Routing<T> replay(MatrixRef<T> logits, ExpertIdsRef ids, std::span<const std::uint8_t> replay_mask = {}) const {
+    if (!replay_mask.empty())
+      mrr::detail::require(replay_mask.size() == static_cast<std::size_t>(logits.rows()),
+                           "device::BackendRouter::replay", "'replay_mask' has ", replay_mask.size(), " entries for ",
+                           logits.rows(), " rows of logits");
+    if (in_place()) return route_in_place(logits, &ids, replay_mask);
     const auto z = upload(logits);
     const auto dids = upload_ids(ids);
     if (replay_mask.empty()) return to_host(router_.replay(z, dids));
-    mrr::detail::require(replay_mask.size() == static_cast<std::size_t>(logits.rows()), "device::BackendRouter::replay",
-                         "'replay_mask' has ", replay_mask.size(), " entries for ", logits.rows(), " rows of logits");
     return to_host(router_.replay(z, dids, vector<std::uint8_t>(replay_mask.begin(), replay_mask.end())));
   }
   RowMatrix<T> backward(MatrixRef<T> logits, const mrr::Routing<T>& routing, MatrixRef<T> grad_weights) const {
@@ -106,6 +115,39 @@ class BackendRouter {
   }
 
  private:
+  // Host memory is the backend's memory, and no capacity pass needs the owning Routing.
+  bool in_place() const { return !Backend::is_device && !config().capacity_factor; }
+
+  template <class U>
+  static MatrixView<const U> view_of(const MatrixRef<U>& m) {
+    return MatrixView<const U>(m.data(), m.rows(), m.cols(), m.outerStride());
+  }
+
+  // The view API on the caller's Eigen buffers (OpenMP / host systems), with the CPU router's
+  // error for a bad row.
+  mrr::Routing<T> route_in_place(const MatrixRef<T>& logits, const ExpertIdsRef* ids,
+                                 std::span<const std::uint8_t> replay_mask) const {
+    const long rows = logits.rows();
+    mrr::Routing<T> out{ExpertIds(rows, topk()), RowMatrix<T>(rows, topk()), {}};
+    std::vector<std::uint8_t> status(static_cast<std::size_t>(rows));
+    std::vector<char> scratch(TopKRouter<T, Backend>::workspace_bytes(rows));
+    const Workspace ws{scratch.data(), scratch.size()};
+    const Execution exec{};
+    const MatrixView<std::int32_t> out_ids(out.ids.data(), rows, topk());
+    const MatrixView<T> out_w(out.weights.data(), rows, topk());
+    if (ids == nullptr) {
+      router_.route(exec, view_of(logits), out_ids, out_w, status.data(), ws);
+      router_.check_route(exec, view_of(logits), out_ids, out_w, status.data(), ws);
+    } else {
+      mrr::detail::require(ids->rows() == rows && ids->cols() == topk(), "device::BackendRouter::replay",
+                           "'ids' has shape ", mrr::detail::shape_of(*ids), ", expected [", rows, ", ", topk(), "]");
+      const std::uint8_t* mask = replay_mask.empty() ? nullptr : replay_mask.data();
+      router_.replay(exec, view_of(logits), view_of(*ids), mask, out_ids, out_w, status.data(), ws);
+      router_.check_replay(exec, view_of(logits), view_of(*ids), mask, out_ids, out_w, status.data(), ws);
+    }
+    return out;
+  }
+
   // Through the staging buffer: one contiguous copy each way.
   template <class U>
   static void download(const vector<U>& v, U* dst) {

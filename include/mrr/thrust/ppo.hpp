@@ -17,6 +17,7 @@
 
 #include <thrust/for_each.h>
 #include <thrust/functional.h>
+#include <thrust/host_vector.h>
 #include <thrust/iterator/constant_iterator.h>
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
@@ -24,12 +25,9 @@
 #include <thrust/reduce.h>
 #include <thrust/scan.h>
 #include <thrust/sequence.h>
-#include <thrust/host_vector.h>
 #include <thrust/sort.h>
-#include <thrust/transform.h>
 #include <thrust/transform_reduce.h>
 
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -46,12 +44,12 @@ struct AdvantageResult {
 
 namespace kernels {
 
-namespace k = mrr::kernels::ppo;
+namespace ppo_kernels = mrr::kernels::ppo;
 
 template <class T>
 struct ComposeAffine {
-  MRR_HOST_DEVICE k::Affine<T> operator()(const k::Affine<T>& first, const k::Affine<T>& then) const {
-    return k::compose(first, then);
+  MRR_HOST_DEVICE ppo_kernels::Affine<T> operator()(const ppo_kernels::Affine<T>& first, const ppo_kernels::Affine<T>& then) const {
+    return ppo_kernels::compose(first, then);
   }
 };
 
@@ -65,9 +63,9 @@ template <class T>
 struct NextValueStep {
   const T *values, *mask;
   long n;
-  MRR_HOST_DEVICE k::Affine<T> operator()(long j) const {
+  MRR_HOST_DEVICE ppo_kernels::Affine<T> operator()(long j) const {
     const long i = n - 1 - j;
-    return k::gae_next_value_map(values[i], mask[i]);
+    return ppo_kernels::gae_next_value_map(values[i], mask[i]);
   }
 };
 
@@ -75,19 +73,19 @@ struct NextValueStep {
 template <class T>
 struct AdvantageStep {
   const T *rewards, *values, *mask;
-  const k::Affine<T>* next_value;  // scan results of NextValueStep
+  const ppo_kernels::Affine<T>* next_value;  // scan results of NextValueStep
   long n, cols;
   T gamma, gamma_lambda;
-  MRR_HOST_DEVICE k::Affine<T> operator()(long j) const {
+  MRR_HOST_DEVICE ppo_kernels::Affine<T> operator()(long j) const {
     const long i = n - 1 - j;
     const T nv = (i % cols == cols - 1) ? T(0) : next_value[j - 1].b;
-    return k::gae_advantage_map(rewards[i], values[i], mask[i], nv, gamma, gamma_lambda);
+    return ppo_kernels::gae_advantage_map(rewards[i], values[i], mask[i], nv, gamma, gamma_lambda);
   }
 };
 
 template <class T>
 struct WriteAdvantage {
-  const k::Affine<T>* scanned;
+  const ppo_kernels::Affine<T>* scanned;
   const T* values;
   T *advantages, *returns;
   long n;
@@ -108,16 +106,16 @@ template <class T>
 struct GaeRowBlock {
   const T *rewards, *values, *mask;
   T *advantages, *returns;
-  k::Moments* moments;  // [blocks]
+  ppo_kernels::Moments* moments;  // [blocks]
   long rows, cols;
   T gamma, gamma_lambda;
   MRR_HOST_DEVICE void operator()(long block) const {
     const long r0 = block * kGaeRows, r1 = r0 + kGaeRows < rows ? r0 + kGaeRows : rows;
     for (long r = r0; r < r1; ++r) {
       const long at = r * cols;
-      k::gae_row(rewards + at, values + at, mask + at, advantages + at, returns + at, cols, gamma, gamma_lambda);
+      ppo_kernels::gae_row(rewards + at, values + at, mask + at, advantages + at, returns + at, cols, gamma, gamma_lambda);
     }
-    moments[block] = k::masked_moments(advantages + r0 * cols, cols, mask + r0 * cols, cols, r1 - r0, cols);
+    moments[block] = ppo_kernels::masked_moments(advantages + r0 * cols, cols, mask + r0 * cols, cols, r1 - r0, cols);
   }
 };
 
@@ -125,7 +123,7 @@ template <class T>
 struct MaskedTerm {  // (m, v m) in double
   const T *values, *mask;
   MRR_HOST_DEVICE thrust::pair<double, double> operator()(long i) const {
-    return {static_cast<double>(mask[i]), k::masked_value<double>(values[i], mask[i])};
+    return {static_cast<double>(mask[i]), ppo_kernels::masked_value<double>(values[i], mask[i])};
   }
 };
 
@@ -140,14 +138,14 @@ template <class T>
 struct CenteredSquare {  // m (v - mean)^2 in double
   const T *values, *mask;
   double mean;
-  MRR_HOST_DEVICE double operator()(long i) const { return k::masked_centered_square<double>(values[i], mask[i], mean); }
+  MRR_HOST_DEVICE double operator()(long i) const { return ppo_kernels::masked_centered_square<double>(values[i], mask[i], mean); }
 };
 
 template <class T>
 struct Whiten {
   T* values;
   T mean, scale, add_back;
-  MRR_HOST_DEVICE void operator()(long i) const { values[i] = k::whiten(values[i], mean, scale) + add_back; }
+  MRR_HOST_DEVICE void operator()(long i) const { values[i] = ppo_kernels::whiten(values[i], mean, scale) + add_back; }
 };
 
 template <class T>
@@ -156,7 +154,7 @@ struct MaskedRowMean {  // verl masked_mean(axis=-1) of one row, in double
   T* out;
   long cols;
   MRR_HOST_DEVICE void operator()(long r) const {
-    out[r] = static_cast<T>(k::masked_mean<double>(values + r * cols, mask + r * cols, cols));
+    out[r] = static_cast<T>(ppo_kernels::masked_mean<double>(values + r * cols, mask + r * cols, cols));
   }
 };
 
@@ -174,10 +172,10 @@ struct GroupOutcome {
   const std::int32_t *order, *count;
   const long* start;
   T* scalars;
-  k::OutcomeEstimator estimator;
+  ppo_kernels::OutcomeEstimator estimator;
   T epsilon, singleton_divisor;
   MRR_HOST_DEVICE void operator()(long g) const {
-    k::group_outcome(scores, order + start[g], static_cast<long>(count[g]), estimator, epsilon, singleton_divisor,
+    ppo_kernels::group_outcome(scores, order + start[g], static_cast<long>(count[g]), estimator, epsilon, singleton_divisor,
                      scalars);
   }
 };
@@ -187,7 +185,7 @@ struct Broadcast {
   const T *scalar, *mask;
   T *advantages, *returns;
   long cols;
-  MRR_HOST_DEVICE void operator()(long i) const { advantages[i] = returns[i] = k::outcome_token(scalar[i / cols], mask[i]); }
+  MRR_HOST_DEVICE void operator()(long i) const { advantages[i] = returns[i] = ppo_kernels::outcome_token(scalar[i / cols], mask[i]); }
 };
 
 // verl kl_penalty per element (kernels/ppo/kl.hpp).

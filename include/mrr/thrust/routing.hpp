@@ -1,19 +1,21 @@
 // mrr-requires: mrr_thrust_omp
 // Top-k routing, replay and the router backward on a Thrust system (DESIGN.md sections 3 and 4):
-// the same selection code as the CPU TopKRouter (detail/topk.hpp, lower index wins ties), one
+// the router kernels the CPU TopKRouter runs (mrr/kernels/router.hpp, lower index wins ties), one
 // token per functor call, so ids equal the CPU's wherever both compare the same values (every
 // selection on logits; sqrt-softplus). Weights are recomputed from the logits and may differ from
 // the CPU's in the last bits (exp rounding, summation order).
 #pragma once
 
 #include <mrr/detail/config.hpp>
-#include <mrr/detail/score.hpp>
 #include <mrr/detail/softmax_tile.hpp>
-#include <mrr/detail/topk.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/router.hpp>
 #include <mrr/router/config.hpp>
+#include <mrr/router/params.hpp>
+#include <mrr/router/row_error.hpp>
 #include <mrr/thrust/backend.hpp>
 #include <mrr/thrust/bf16.hpp>
+#include <mrr/thrust/execution.hpp>
 #include <mrr/thrust/permute.hpp>
 
 #include <cuda/std/limits>
@@ -32,276 +34,26 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 MRR_NAMESPACE_BEGIN
 namespace device {
 
-// Per-token scratch lives in registers / the thread's stack, so shapes are bounded.
-inline constexpr int kMaxExperts = 1024;
-inline constexpr int kMaxTopK = 32;
-inline constexpr int kMaxGroups = 64;
-
-// A RouterConfig resolved to plain values: what the functors see.
-struct RouterParams {
-  int num_experts = 0, topk = 0;
-  int score = 0;  // 0 softmax, 1 sigmoid, 2 sqrt-softplus
-  bool pre_softmax = false, normalize = false, selects_on_logits = true, grouped = false, zero_masking = false;
-  int num_groups = 0, group_topk = 0, group_score_topk = 0, experts_per_group = 0;
-  bool has_bias = false, has_scale = false;
-  double scale = 1.0;
-  bool drops_over_capacity = false;  // applied after the per-token pass (TopKRouter::drop_over_capacity)
-};
-
-inline RouterParams resolve(const RouterConfig& c) {
-  RouterParams p;
-  p.num_experts = c.num_experts;
-  p.topk = c.topk;
-  p.score = c.score_function == ScoreFunction::softmax ? 0 : (c.score_function == ScoreFunction::sigmoid ? 1 : 2);
-  p.pre_softmax = c.pre_softmax;
-  p.normalize = c.normalizes();
-  p.grouped = c.grouped();
-  p.selects_on_logits = !c.grouped() && !c.use_expert_bias;
-  p.zero_masking = c.group_masking == GroupMasking::zero;
-  p.num_groups = c.num_groups;
-  p.group_topk = c.group_topk;
-  p.group_score_topk = c.effective_group_score_topk();
-  p.experts_per_group = c.experts_per_group();
-  p.has_bias = c.use_expert_bias;
-  p.has_scale = c.scaling_factor.has_value();
-  p.scale = c.scaling_factor.value_or(1.0);
-  p.drops_over_capacity = c.capacity_factor.has_value();
-  return p;
-}
+// The router kernels (mrr/kernels/router.hpp) under the names this backend has always used.
+using RouterParams = mrr::kernels::RouterParams;
+using mrr::kernels::kMaxExperts;
+using mrr::kernels::kMaxGroups;
+using mrr::kernels::kMaxTopK;
+inline RouterParams resolve(const RouterConfig& c) { return resolve_router_params(c); }
 
 namespace kernels {
 
-template <class T>
-MRR_HOST_DEVICE inline T score_of(int score, T x) {
-  return score == 1 ? mrr::detail::sigmoid(x) : mrr::detail::sqrt_softplus(x);
-}
-
-// Sum of the m largest of v[0, n), in the CPU router's order (the group score).
-template <class T>
-MRR_HOST_DEVICE inline T sum_of_top(const T* v, int n, int m) {
-  if (m == 1) {
-    T a = v[0];
-    for (int e = 1; e < n; ++e) a = v[e] > a ? v[e] : a;
-    return a;
-  }
-  if (m == 2) {  // two running maxima, started from the first pair (n >= 2 by validation)
-    T a = v[1] > v[0] ? v[1] : v[0], b = v[1] > v[0] ? v[0] : v[1];
-    for (int e = 2; e < n; ++e) {
-      const T x = v[e];
-      b = x > a ? a : (x > b ? x : b);
-      a = x > a ? x : a;
-    }
-    return a + b;
-  }
-  int idx[kMaxTopK];
-  T val[kMaxTopK];
-  mrr::detail::topk_desc(v, n, m, idx, val);
-  T sum = 0;
-  for (int i = 0; i < m; ++i) sum += val[i];
-  return sum;
-}
-
-// Top k of v[0, n) (lower index wins ties). On the host (the OpenMP system) the block-bounded
-// selection the CPU router uses, about twice as fast for long rows; on a GPU the plain insertion,
-// which needs no n-sized scratch. Both return the same ids.
-template <class T, class Index>
-MRR_HOST_DEVICE MRR_FORCEINLINE void topk_row(const T* v, int n, int k, Index* ids, T* vals) {
-#if defined(__CUDA_ARCH__)
-  mrr::detail::topk_desc(v, n, k, ids, vals);
-#else
-  int scratch[kMaxExperts];
-  mrr::detail::topk_desc_bounded(v, n, k, ids, vals, scratch);
-#endif
-}
-
-// The expert of candidate c of a group-limited selection. Candidates are, in index order, every
-// expert of a kept group (gid: the kept groups, ascending) and, with 0.0 masking, the k
-// lowest-indexed experts of the other groups (as the CPU router lists them).
-MRR_HOST_DEVICE inline int expert_of_candidate(const RouterParams& p, const int* gid, int k, int c) {
-  const int per = p.experts_per_group;
-  int masked_left = p.zero_masking ? k : 0, next_group = 0;
-  for (int g = 0; g < p.num_groups; ++g) {
-    const bool kept = next_group < p.group_topk && gid[next_group] == g;
-    if (kept) ++next_group;
-    const int take = kept ? per : (masked_left < per ? masked_left : per);
-    if (!kept) masked_left -= take;
-    if (c < take) return g * per + c;
-    c -= take;
-  }
-  return -1;  // unreachable: c < the number of candidates
-}
-
-template <class T>
-MRR_HOST_DEVICE inline void select_row(const RouterParams& p, const T* z, const T* bias, std::int32_t* ids) {
-  const int k = p.topk, n = p.num_experts;
-  T vals[kMaxTopK];
-  if (p.selects_on_logits) {
-    topk_row(z, n, k, ids, vals);
-    return;
-  }
-  T s[kMaxExperts];
-  if (p.score == 0) {
-    if (p.pre_softmax) {
-      T mx = z[0];
-      for (int e = 1; e < n; ++e) mx = z[e] > mx ? z[e] : mx;
-      T sum = 0;
-      for (int e = 0; e < n; ++e) {
-        using std::exp;
-        s[e] = exp(z[e] - mx);
-        sum += s[e];
-      }
-      for (int e = 0; e < n; ++e) s[e] /= sum;
-    } else {
-      for (int e = 0; e < n; ++e) s[e] = z[e];
-    }
-  } else {
-    for (int e = 0; e < n; ++e) s[e] = score_of(p.score, z[e]);
-  }
-  if (p.has_bias)
-    for (int e = 0; e < n; ++e) s[e] += bias[e];
-  if (!p.grouped) {
-    topk_row(s, n, k, ids, vals);
-    return;
-  }
-  const int groups = p.num_groups, per = p.experts_per_group, gk = p.group_topk;
-  T gs[kMaxGroups], gv[kMaxGroups];
-  int gid[kMaxGroups];
-  for (int g = 0; g < groups; ++g) gs[g] = sum_of_top(s + g * per, per, p.group_score_topk);
-  mrr::detail::topk_desc(gs, groups, gk, gid, gv);
-  for (int i = 1; i < gk; ++i)  // kept groups in index order
-    for (int j = i; j > 0 && gid[j - 1] > gid[j]; --j) {
-      const int t = gid[j];
-      gid[j] = gid[j - 1];
-      gid[j - 1] = t;
-    }
-  // Candidates in index order, as the CPU router builds them: the kept groups' experts and, with
-  // 0.0 masking, the k lowest-indexed masked experts (scoring 0). They are compacted into the front
-  // of s (candidate `count` comes from an expert e >= count, read before anything overwrites it),
-  // and a chosen candidate's expert is found again from the group list: no candidate arrays,
-  // which on a GPU would take 8 KB more local memory per thread.
-  int count = 0, masked_taken = 0, next_group = 0;
-  for (int g = 0; g < groups; ++g) {
-    const bool kept = next_group < gk && gid[next_group] == g;
-    if (kept) ++next_group;
-    if (!kept && !p.zero_masking) continue;
-    for (int e = g * per; e < (g + 1) * per; ++e) {
-      if (!kept && masked_taken++ >= k) break;
-      s[count++] = kept ? s[e] : T(0);
-    }
-  }
-  topk_row(s, count, k, ids, vals);
-  for (int j = 0; j < k; ++j) ids[j] = expert_of_candidate(p, gid, k, ids[j]);
-}
-
-// softmax over the k gathered logits z[ids].
-template <class T>
-MRR_HOST_DEVICE inline void softmax_gathered(const T* z, const std::int32_t* ids, int k, T* w) {
-  using std::exp;
-  T mx = z[ids[0]];
-  for (int j = 1; j < k; ++j) mx = z[ids[j]] > mx ? z[ids[j]] : mx;
-  T sum = 0;
-  for (int j = 0; j < k; ++j) sum += (w[j] = exp(z[ids[j]] - mx));
-  for (int j = 0; j < k; ++j) w[j] /= sum;
-}
-
-// The routing weights of a gathered softmax, scale included. On CPU threads in float: the CPU
-// router's operations (its polynomial exp_nonpositive, the slot-order sum, e * (scale / sum)), so
-// the OpenMP system gives the CPU backend's very bits, about 1.4 x faster than expf here; elsewhere
-// (a GPU, double) exp, / sum, * scale.
-template <class T>
-MRR_HOST_DEVICE inline void softmax_gathered_scaled(const T* z, const std::int32_t* ids, int k, T scale,
-                                                    bool has_scale, T* w) {
-#if !defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<T, float>) {
-    float mx = z[ids[0]];
-    for (int j = 1; j < k; ++j) mx = z[ids[j]] > mx ? z[ids[j]] : mx;
-    float sum = 0.0f;
-    for (int j = 0; j < k; ++j) sum += (w[j] = mrr::detail::exp_nonpositive(z[ids[j]] - mx));
-    const float factor = (has_scale ? scale : 1.0f) / sum;
-    for (int j = 0; j < k; ++j) w[j] *= factor;
-    return;
-  }
-#endif
-  softmax_gathered(z, ids, k, w);
-  if (has_scale)
-    for (int j = 0; j < k; ++j) w[j] *= scale;
-}
-
-template <class T>
-MRR_HOST_DEVICE inline void softmax_normalizer(const T* z, int n, T& mx, T& sum) {
-  using std::exp;
-  mx = z[0];
-  for (int e = 1; e < n; ++e) mx = z[e] > mx ? z[e] : mx;
-  sum = 0;
-  for (int e = 0; e < n; ++e) sum += exp(z[e] - mx);
-}
-
-// Weights of the k experts ids[0, k) of one token (DESIGN.md section 3).
-template <class T>
-MRR_HOST_DEVICE inline void weights_row(const RouterParams& p, const T* z, const std::int32_t* ids, T* w) {
-  using std::exp;
-  const int k = p.topk;
-  if (p.score == 0) {
-    if (p.pre_softmax && !p.normalize) {
-      T mx, sum;
-      softmax_normalizer(z, p.num_experts, mx, sum);
-      for (int j = 0; j < k; ++j) w[j] = exp(z[ids[j]] - mx) / sum;
-    } else {
-      softmax_gathered_scaled(z, ids, k, static_cast<T>(p.scale), p.has_scale, w);
-      return;
-    }
-  } else {
-    for (int j = 0; j < k; ++j) w[j] = score_of(p.score, z[ids[j]]);
-    if (p.normalize) {
-      T sum = 0;
-      for (int j = 0; j < k; ++j) sum += w[j];
-      const T denom = sum + T(1e-20);
-      for (int j = 0; j < k; ++j) w[j] /= denom;
-    }
-  }
-  if (p.has_scale)
-    for (int j = 0; j < k; ++j) w[j] *= static_cast<T>(p.scale);
-}
-
-// Why a row could not be routed (0: it was). Checked in the same pass that routes, so valid
-// inputs cost no extra read; the host turns the first nonzero code into the CPU router's error.
-// row_nan_weight: a weight came out NaN, which happens when every logit it is normalised over is
-// -inf (a replayed row whose chosen experts are all masked); the CPU router rejects that too.
-enum RowStatus : std::uint8_t {
-  row_ok = 0,
-  row_invalid_logit = 1,
-  row_invalid_replay = 2,
-  row_too_few_finite = 3,
-  row_nan_weight = 4
-};
-
-// Scans a row once: NaN or +inf makes it invalid (-inf is a valid mask); counts finite logits.
-// Two compares per value and no branch, so the host compiler vectorises the scan.
-template <class T>
-MRR_HOST_DEVICE inline bool valid_logits(const T* z, int n, int& finite) {
-  constexpr T largest = ::cuda::std::numeric_limits<T>::max();
-  int bad = 0, count = 0;
-  for (int e = 0; e < n; ++e) {
-    const T x = z[e];
-    bad |= x <= largest ? 0 : 1;      // NaN or +inf
-    count += x >= -largest ? 1 : 0;  // finite (not -inf, not NaN)
-  }
-  finite = count;
-  return bad == 0;
-}
-
-MRR_HOST_DEVICE inline bool valid_replay_row(const std::int32_t* id, int k, int num_experts) {
-  for (int j = 0; j < k; ++j) {
-    if (id[j] < 0 || id[j] >= num_experts) return false;
-    for (int i = 0; i < j; ++i)
-      if (id[i] == id[j]) return false;
-  }
-  return true;
-}
+using mrr::kernels::RowStatus;
+using mrr::kernels::row_invalid_logit;
+using mrr::kernels::row_invalid_replay;
+using mrr::kernels::row_nan_weight;
+using mrr::kernels::row_ok;
+using mrr::kernels::row_too_few_finite;
 
 template <class T, class In>
 MRR_HOST_DEVICE MRR_FORCEINLINE T widen(In x) {
@@ -327,74 +79,66 @@ struct RowOfLogits {
   }
 };
 
+// A thread's selection scratch, on its stack (the bounds are checked by TopKRouter). On CPU
+// threads `candidates` lets the block-bounded top-k run (mrr::kernels::topk_row); a GPU thread
+// takes the plain insertion, and the unused array costs it no local memory.
+template <class T>
+struct ThreadSelectScratch {
+  static_assert(kMaxGroups >= kMaxTopK, "values holds k selected values or a group score's top m");
+  T scores[kMaxExperts];
+  T values[kMaxGroups];
+  T group_scores[kMaxGroups];
+  int indices[kMaxGroups];
+  int candidates[kMaxExperts];
+  MRR_HOST_DEVICE mrr::kernels::SelectScratch<T> view(bool needs_scores) {
+#if defined(__CUDA_ARCH__)
+    int* cand = nullptr;
+#else
+    int* cand = candidates;
+#endif
+    return {needs_scores ? scores : nullptr, values, group_scores, indices, cand};
+  }
+};
+
 inline constexpr long kReplayPrefetchRows = 4;
 
-// One token of route / replay: replayed rows copy their ids, the others select natively.
-template <class T, class In = T>
+// One row of route / replay over row-strided buffers: replayed rows copy their ids, the others
+// select natively (mrr::kernels::route_row). IdIn / IdOut: int32 or int64 ids.
+template <class T, class In = T, class IdIn = std::int32_t, class IdOut = std::int32_t>
 struct RouteRows {
   RouterParams p;
   const In* logits;
-  const T* bias;                    // null without expert bias
-  const std::int32_t* replay_ids;   // null for native routing
+  long logits_stride;
+  const T* bias;              // null without expert bias
+  const IdIn* replay_ids;     // null for native routing
+  long replay_stride;
   const std::uint8_t* replay_mask;  // null: every row replays (when replay_ids is set)
-  std::int32_t* ids;
+  IdOut* ids;
+  long ids_stride;
   T* weights;
+  long weights_stride;
   std::uint8_t* status;  // [tokens] RowStatus
   long tokens;
 
   MRR_HOST_DEVICE void operator()(long t) const {
-    const int k = p.topk, n = p.num_experts;
+    const int n = p.num_experts;
     RowOfLogits<T, In> row;
-    const T* z = row.load(logits + t * n, n);
-    std::int32_t* id = ids + t * k;
-    T* w = weights + t * k;
-    int finite = 0;
-    if (replay_ids != nullptr && (replay_mask == nullptr || replay_mask[t] != 0)) {
-      // A replayed row reads only its k logits (as the CPU router's replay), unless the weights
-      // are unrenormalised pre-softmax probabilities over all E.
-      const std::int32_t* given = replay_ids + t * k;
+    const T* z = row.load(logits + t * logits_stride, n);
+    const bool replayed = replay_ids != nullptr && (replay_mask == nullptr || replay_mask[t] != 0);
 #if !defined(__CUDA_ARCH__) && (defined(__GNUC__) || defined(__clang__))
-      // A replayed row reads k scattered logits: on CPU threads the loads of a row a few ahead
-      // overlap this row's arithmetic (rows of one thread are consecutive): about 2 x measured.
-      if (t + kReplayPrefetchRows < tokens && std::is_same_v<T, In>)
-        for (int j = 0; j < k; ++j) {
-          const long ahead = t + kReplayPrefetchRows;
-          const std::int32_t e = replay_ids[ahead * k + j];
-          if (e >= 0 && e < n) __builtin_prefetch(logits + ahead * n + e);
-        }
+    // A replayed row reads k scattered logits: on CPU threads the loads of a row a few ahead
+    // overlap this row's arithmetic (rows of one thread are consecutive): about 2 x measured.
+    if (replayed && t + kReplayPrefetchRows < tokens && std::is_same_v<T, In>)
+      for (int j = 0; j < p.topk; ++j) {
+        const long ahead = t + kReplayPrefetchRows;
+        const IdIn e = replay_ids[ahead * replay_stride + j];
+        if (e >= 0 && e < n) __builtin_prefetch(logits + ahead * logits_stride + e);
+      }
 #endif
-      if (!valid_replay_row(given, k, n)) {
-        status[t] = row_invalid_replay;
-        return;
-      }
-      const bool whole_row = p.score == 0 && p.pre_softmax && !p.normalize;
-      bool valid = true;
-      if (whole_row) {
-        valid = valid_logits(z, n, finite);
-      } else {
-        constexpr T largest = ::cuda::std::numeric_limits<T>::max();
-        for (int j = 0; j < k; ++j) valid = valid && z[given[j]] <= largest;
-      }
-      if (!valid) {
-        status[t] = row_invalid_logit;
-        return;
-      }
-      for (int j = 0; j < k; ++j) id[j] = given[j];
-    } else {
-      if (!valid_logits(z, n, finite)) {
-        status[t] = row_invalid_logit;
-        return;
-      }
-      if (finite < k) {  // a top-k that must take a masked (-inf) expert is no routing decision
-        status[t] = row_too_few_finite;
-        return;
-      }
-      select_row(p, z, bias, id);
-    }
-    weights_row(p, z, id, w);
-    bool nan_weight = false;
-    for (int j = 0; j < k; ++j) nan_weight |= !(w[j] == w[j]);
-    status[t] = nan_weight ? row_nan_weight : row_ok;
+    ThreadSelectScratch<T> scratch;
+    status[t] = mrr::kernels::route_row(p, z, bias, replayed ? replay_ids + t * replay_stride : nullptr,
+                                        ids + t * ids_stride, weights + t * weights_stride,
+                                        scratch.view(!replayed && !p.selects_on_logits));
   }
 };
 
@@ -402,10 +146,11 @@ struct RouteRows {
 // Replay of every row with k = 8 and a softmax over the chosen logits, on CPU threads (host code,
 // never compiled by nvcc): a tile of kReplayTileRows rows per work item, done 8 rows at a time by
 // the CPU router's AVX2 kernel (mrr::detail::replay_softmax_fused: hardware gathers, a transposed
-// softmax, the same operations as softmax_gathered_scaled, so the same bits). Whatever that kernel
-// does not finish (no AVX2, rows past the last multiple of 8) or flags (an id out of range or
-// repeated, a NaN / +inf logit, an all-masked row) goes through RouteRows row by row, which
-// computes the exact status: a flagged tile is redone whole.
+// softmax, the same operations as mrr::kernels::softmax_gathered_scaled, so the same bits). Whatever
+// that kernel does not finish (no AVX2, rows past the last multiple of 8) or flags (an id out of
+// range or repeated, a NaN / +inf logit, an all-masked row) goes through RouteRows row by row,
+// which computes the exact status: a flagged tile is redone whole. Needs int32 ids in and out and
+// contiguous [tokens, 8] outputs.
 inline constexpr long kReplayTileRows = 256;
 
 struct ReplayTilesK8 {
@@ -417,8 +162,9 @@ struct ReplayTilesK8 {
     const int n = rows.p.num_experts;
     unsigned flags = 0;
     const long readable = rows.tokens - first < end - first + 8 ? rows.tokens - first : end - first + 8;
-    long done = mrr::detail::replay_softmax_fused(rows.logits + first * n, n, rows.replay_ids + first * 8, 8, 8, n,
-                                                  static_cast<int>(end - first), static_cast<int>(readable), scale,
+    long done = mrr::detail::replay_softmax_fused(rows.logits + first * rows.logits_stride, rows.logits_stride,
+                                                  rows.replay_ids + first * rows.replay_stride, rows.replay_stride, 8,
+                                                  n, static_cast<int>(end - first), static_cast<int>(readable), scale,
                                                   rows.ids + first * 8, rows.weights + first * 8, flags);
     if (flags != 0) [[unlikely]]
       done = 0;
@@ -428,61 +174,29 @@ struct ReplayTilesK8 {
 };
 #endif
 
-// d sum(g * w) / d z for one token; writes the whole row of grad (zeros off the selected ids).
-template <class T>
+// One row of the router backward (mrr::kernels::backward_row) over row-strided buffers: writes the
+// whole row of grad (zeros off the row's ids).
+template <class T, class In = T, class Id = std::int32_t>
 struct BackwardRows {
   RouterParams p;
-  const T* logits;
-  const std::int32_t* ids_all;
+  const In* logits;
+  long logits_stride;
+  const Id* ids;
+  long ids_stride;
   const T* grad_weights;
-  const std::uint8_t* kept;  // null: every slot dispatched; else dropped slots pass no gradient
+  long grad_weights_stride;
+  const std::uint8_t* kept;  // null: every slot dispatched; else [tokens, k], dropped slots pass no gradient
   T* grad;
+  long grad_stride;
   std::uint8_t* status;  // [tokens] RowStatus
 
   MRR_HOST_DEVICE void operator()(long t) const {
-    using std::exp;
-    const int k = p.topk, n = p.num_experts;
-    const T* z = logits + t * n;
-    const std::int32_t* ids = ids_all + t * k;
-    T* dz = grad + t * n;
-    for (int e = 0; e < n; ++e) dz[e] = T(0);
-    if (!valid_replay_row(ids, k, n)) {
-      status[t] = row_invalid_replay;
-      return;
-    }
-    status[t] = row_ok;
-    const T scale = p.has_scale ? static_cast<T>(p.scale) : T(1);
+    const int k = p.topk;
+    RowOfLogits<T, In> row;
     T g[kMaxTopK], w[kMaxTopK];
-    for (int j = 0; j < k; ++j)
-      g[j] = (kept == nullptr || kept[t * k + j] != 0) ? grad_weights[t * k + j] * scale : T(0);
-    if (p.score == 0) {
-      if (p.pre_softmax && !p.normalize) {
-        T mx, sum;
-        softmax_normalizer(z, n, mx, sum);
-        T s = 0;
-        for (int j = 0; j < k; ++j) s += g[j] * exp(z[ids[j]] - mx) / sum;
-        for (int e = 0; e < n; ++e) dz[e] -= exp(z[e] - mx) / sum * s;
-        for (int j = 0; j < k; ++j) dz[ids[j]] += g[j] * exp(z[ids[j]] - mx) / sum;
-      } else {
-        softmax_gathered(z, ids, k, w);
-        T s = 0;
-        for (int j = 0; j < k; ++j) s += g[j] * w[j];
-        for (int j = 0; j < k; ++j) dz[ids[j]] += w[j] * (g[j] - s);
-      }
-      return;
-    }
-    T sum = 0;
-    for (int j = 0; j < k; ++j) sum += (w[j] = score_of(p.score, z[ids[j]]));
-    const T denom = sum + T(1e-20);
-    T c = 0;
-    if (p.normalize)
-      for (int j = 0; j < k; ++j) c += g[j] * w[j] / denom;
-    for (int j = 0; j < k; ++j) {
-      const T ds = p.normalize ? (g[j] - c) / denom : g[j];
-      const T dsdz = p.score == 1 ? mrr::detail::sigmoid_grad_from_value(w[j])
-                                  : mrr::detail::sqrt_softplus_grad(z[ids[j]], w[j]);
-      dz[ids[j]] += ds * dsdz;
-    }
+    status[t] = mrr::kernels::backward_row(p, row.load(logits + t * logits_stride, p.num_experts), ids + t * ids_stride,
+                                           grad_weights + t * grad_weights_stride,
+                                           kept != nullptr ? kept + t * k : nullptr, grad + t * grad_stride, g, w);
   }
 };
 
@@ -535,6 +249,12 @@ struct ExpertAndWeightOfSlot {
 
 struct IsBadRow {
   MRR_HOST_DEVICE bool operator()(std::uint8_t code) const { return code != row_ok; }
+};
+
+// Whether row t of a status buffer is bad (a find over row indices, for the view checks).
+struct RowIsBad {
+  const std::uint8_t* status;
+  MRR_HOST_DEVICE bool operator()(long t) const { return status[t] != row_ok; }
 };
 
 }  // namespace kernels
@@ -592,6 +312,96 @@ class TopKRouter {
     check_finite(bias_, "device::TopKRouter::set_expert_bias", "expert bias");
   }
 
+  // ---- The view API (DESIGN.md section 11): caller memory, stream and workspace -------------
+  // Inputs and outputs are MatrixViews of backend memory (device memory on CUDA): logits [rows, E]
+  // as float, double or bf16 with any row stride; ids int32 or int64 (replayed ids are range-checked
+  // in their own type: an int64 2^32 + e is out of range, never e); weights [rows, k]; status [rows]
+  // gets each row's kernels::RowStatus (0: routed). Work is queued on exec.stream and nothing is
+  // allocated; row errors go to `status` only: check_route / check_replay / check_backward, called
+  // with the same arguments, synchronise and throw the CPU router's message for the first bad row.
+  // Capacity dropping is a pass over the whole batch: a config with capacity_factor is refused
+  // here (route without it, then drop with mrr/thrust/capacity.hpp).
+
+  // Workspace the view calls and their checks need for `rows` rows: the row kernels need none;
+  // a check's search for the first bad row takes Thrust temporaries (a reduction's partials).
+  static std::size_t workspace_bytes(long rows) {
+    (void)rows;  // the reduction's partials depend on the launch, not on the row count
+    return kCheckWorkspaceBytes;
+  }
+
+  template <class In, class IdOut>
+  void route(const Execution& exec, MatrixView<const In> logits, MatrixView<IdOut> ids, MatrixView<T> weights,
+             std::uint8_t* status, Workspace workspace) const {
+    constexpr const char* fn = "device::TopKRouter::route";
+    require_no_capacity(fn);
+    launch_rows(exec, logits, MatrixView<const std::int32_t>{}, nullptr, ids, weights, status, workspace, fn);
+  }
+
+  // Replays replay_ids [rows, k]; with a replay_mask [rows] (may be null), rows whose mask is 0
+  // route natively.
+  template <class In, class IdIn, class IdOut>
+  void replay(const Execution& exec, MatrixView<const In> logits, MatrixView<const IdIn> replay_ids,
+              const std::uint8_t* replay_mask, MatrixView<IdOut> ids, MatrixView<T> weights, std::uint8_t* status,
+              Workspace workspace) const {
+    constexpr const char* fn = "device::TopKRouter::replay";
+    require_no_capacity(fn);
+    mrr::detail::require(!replay_ids.empty() || logits.rows == 0, fn, "'replay_ids' is a null pointer");
+    launch_rows(exec, logits, replay_ids, replay_mask, ids, weights, status, workspace, fn);
+  }
+
+  // The router backward for the ids [rows, k] (native or replayed alike): grad_logits [rows, E] =
+  // d sum(grad_weights * weights) / d logits; slots whose kept [rows, k] (may be null) is 0 pass
+  // no gradient. A row with an id out of range or repeated gets zeros and row_invalid_replay.
+  template <class In, class Id>
+  void backward(const Execution& exec, MatrixView<const In> logits, MatrixView<const Id> ids,
+                MatrixView<const T> grad_weights, const std::uint8_t* kept, MatrixView<T> grad_logits,
+                std::uint8_t* status, Workspace workspace) const {
+    constexpr const char* fn = "device::TopKRouter::backward";
+    const long rows = logits.rows;
+    require_view(logits, rows, num_experts(), fn, "logits");
+    require_view(ids, rows, topk(), fn, "ids");
+    require_view(grad_weights, rows, topk(), fn, "grad_weights");
+    require_view(grad_logits, rows, num_experts(), fn, "grad_logits");
+    mrr::detail::require(status != nullptr || rows == 0, fn, "'status' is a null pointer");
+    WorkspaceAllocator alloc(workspace, fn);
+    thrust::for_each(execution_policy<Backend>(exec, alloc), thrust::counting_iterator<long>(0),
+                     thrust::counting_iterator<long>(rows),
+                     kernels::BackwardRows<T, In, Id>{params_, logits.data, logits.row_stride, ids.data, ids.row_stride,
+                                                      grad_weights.data, grad_weights.row_stride, kept,
+                                                      grad_logits.data, grad_logits.row_stride, status});
+  }
+
+  // The checking conveniences: synchronise, then throw the CPU router's error for the first row
+  // whose status is not row_ok (copying that one row to the host); return when every row is.
+  template <class In, class IdOut>
+  void check_route(const Execution& exec, MatrixView<const In> logits, MatrixView<IdOut> ids, MatrixView<T> weights,
+                   const std::uint8_t* status, Workspace workspace) const {
+    check_rows(exec, logits, MatrixView<const std::int32_t>{}, nullptr, ids, weights, status, workspace,
+               "device::TopKRouter::route");
+  }
+  template <class In, class IdIn, class IdOut>
+  void check_replay(const Execution& exec, MatrixView<const In> logits, MatrixView<const IdIn> replay_ids,
+                    const std::uint8_t* replay_mask, MatrixView<IdOut> ids, MatrixView<T> weights,
+                    const std::uint8_t* status, Workspace workspace) const {
+    check_rows(exec, logits, replay_ids, replay_mask, ids, weights, status, workspace, "device::TopKRouter::replay");
+  }
+  template <class In, class Id>
+  void check_backward(const Execution& exec, MatrixView<const In> logits, MatrixView<const Id> ids,
+                      MatrixView<const T> grad_weights, const std::uint8_t* kept, MatrixView<T> grad_logits,
+                      const std::uint8_t* status, Workspace workspace) const {
+    (void)grad_weights, (void)kept, (void)grad_logits;
+    constexpr const char* fn = "device::TopKRouter::backward";
+    const long row = first_bad_row(exec, status, logits.rows, workspace, fn);
+    if (row < 0) return;
+    std::vector<Id> given(static_cast<std::size_t>(topk()));
+    copy_to_host<Backend>(exec, ids.data + row * ids.row_stride, given.size(), given.data());
+    mrr::detail::reject_invalid_ids(given.data(), topk(), num_experts(), row, fn);
+    mrr::detail::throw_invalid_argument(fn, "row ", row, " was rejected (status ", int(row_status(exec, status, row)),
+                                        ")");
+  }
+
+  // ---- Owning conveniences: Thrust vectors of the backend, a thin layer over the views --------
+
   Routing<T, Backend> route(const vector<T>& logits) const { return run(logits, nullptr, nullptr); }
 
   // Replays `ids` [tokens, k]; with a replay_mask [tokens], rows whose mask is 0 route natively.
@@ -627,6 +437,110 @@ class TopKRouter {
   }
 
  private:
+  // A find over `rows` status bytes: Thrust's reduction partials, per launch block on CUDA (bounded
+  // by the grid it picks) and per thread on OpenMP; 64 KiB covers both with room to spare.
+  static constexpr std::size_t kCheckWorkspaceBytes = std::size_t{64} << 10;
+
+  void require_no_capacity(const char* fn) const {
+    mrr::detail::require(!config_.capacity_factor, fn, "the config has capacity_factor = ", *config_.capacity_factor,
+                         ": dropping over capacity is a pass over the whole batch, not part of the view call; route "
+                         "with a config without it, then drop with mrr/thrust/capacity.hpp (or use the owning "
+                         "route(), which does both)");
+  }
+
+  // The row kernels over the views (replay_ids empty: native routing), no checks of the rows.
+  template <class In, class IdIn, class IdOut>
+  void launch_rows(const Execution& exec, MatrixView<const In> logits, MatrixView<const IdIn> replay_ids,
+                   const std::uint8_t* replay_mask, MatrixView<IdOut> ids, MatrixView<T> weights,
+                   std::uint8_t* status, Workspace workspace, const char* fn) const {
+    static_assert(std::is_same_v<In, T> || std::is_same_v<In, bf16>,
+                  "device::TopKRouter: logits are T (float or double) or bf16");
+    static_assert(std::is_same_v<IdIn, std::int32_t> || std::is_same_v<IdIn, std::int64_t>,
+                  "device::TopKRouter: ids are int32 or int64");
+    static_assert(std::is_same_v<IdOut, std::int32_t> || std::is_same_v<IdOut, std::int64_t>,
+                  "device::TopKRouter: ids are int32 or int64");
+    const long rows = logits.rows;
+    const bool replays = !replay_ids.empty();
+    require_view(logits, rows, num_experts(), fn, "logits");
+    if (replays) require_view(replay_ids, rows, topk(), fn, "replay_ids");
+    require_view(ids, rows, topk(), fn, "ids");
+    require_view(weights, rows, topk(), fn, "weights");
+    mrr::detail::require(status != nullptr || rows == 0, fn, "'status' is a null pointer");
+    const kernels::RouteRows<T, In, IdIn, IdOut> kernel{params_,
+                                                         logits.data,
+                                                         logits.row_stride,
+                                                         config_.use_expert_bias ? raw(bias_) : nullptr,
+                                                         replays ? replay_ids.data : nullptr,
+                                                         replay_ids.row_stride,
+                                                         replays ? replay_mask : nullptr,
+                                                         ids.data,
+                                                         ids.row_stride,
+                                                         weights.data,
+                                                         weights.row_stride,
+                                                         status,
+                                                         rows};
+    WorkspaceAllocator alloc(workspace, fn);
+    const auto policy = execution_policy<Backend>(exec, alloc);
+#if !defined(__CUDACC__)
+    if constexpr (!Backend::is_device && std::is_same_v<T, float> && std::is_same_v<In, float> &&
+                  std::is_same_v<IdIn, std::int32_t> && std::is_same_v<IdOut, std::int32_t>) {
+      const bool gathered_softmax = params_.score == mrr::kernels::score_softmax && !params_.replay_reads_whole_row();
+      if (replays && replay_mask == nullptr && topk() == 8 && gathered_softmax && ids.row_stride == 8 &&
+          weights.row_stride == 8) {
+        const long tiles = (rows + kernels::kReplayTileRows - 1) / kernels::kReplayTileRows;
+        const float scale = params_.has_scale ? static_cast<float>(params_.scale) : 1.0f;
+        thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tiles),
+                         kernels::ReplayTilesK8{kernel, scale});
+        return;
+      }
+    }
+#endif
+    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(rows), kernel);
+  }
+
+  // The first row whose status is not row_ok, or -1; synchronises (the answer goes to the host).
+  long first_bad_row(const Execution& exec, const std::uint8_t* status, long rows, Workspace workspace,
+                     const char* fn) const {
+    if (rows == 0) return -1;
+    WorkspaceAllocator alloc(workspace, fn);
+    const auto policy = execution_policy<Backend>(exec, alloc);
+    const auto begin = thrust::counting_iterator<long>(0);
+    const auto found = thrust::find_if(policy, begin, begin + rows, kernels::RowIsBad{status});
+    return found == begin + rows ? -1 : *found;
+  }
+
+  std::uint8_t row_status(const Execution& exec, const std::uint8_t* status, long row) const {
+    std::uint8_t code = 0;
+    copy_to_host<Backend>(exec, status + row, 1, &code);
+    return code;
+  }
+
+  template <class In, class IdIn, class IdOut>
+  void check_rows(const Execution& exec, MatrixView<const In> logits, MatrixView<const IdIn> replay_ids,
+                  const std::uint8_t* replay_mask, MatrixView<IdOut> ids, MatrixView<T> weights,
+                  const std::uint8_t* status, Workspace workspace, const char* fn) const {
+    const long row = first_bad_row(exec, status, logits.rows, workspace, fn);
+    if (row < 0) return;
+    // The row on the host, widened to T as the kernels read it.
+    const auto n = static_cast<std::size_t>(num_experts()), k = static_cast<std::size_t>(topk());
+    std::vector<In> stored(n);
+    copy_to_host<Backend>(exec, logits.data + row * logits.row_stride, n, stored.data());
+    std::vector<T> z(n);
+    for (std::size_t e = 0; e < n; ++e) z[e] = kernels::widen<T>(stored[e]);
+    std::uint8_t replayed = replay_ids.empty() ? 0 : 1;
+    if (replayed && replay_mask != nullptr) copy_to_host<Backend>(exec, replay_mask + row, 1, &replayed);
+    std::vector<IdIn> given(k);
+    if (replayed) copy_to_host<Backend>(exec, replay_ids.data + row * replay_ids.row_stride, k, given.data());
+    mrr::detail::reject_bad_row(params_, z.data(), replayed ? given.data() : nullptr, row, fn);
+    std::vector<IdOut> chosen(k);
+    std::vector<T> w(k);
+    copy_to_host<Backend>(exec, ids.data + row * ids.row_stride, k, chosen.data());
+    copy_to_host<Backend>(exec, weights.data + row * weights.row_stride, k, w.data());
+    mrr::detail::reject_nan_weights(chosen.data(), w.data(), topk(), row, replayed != 0, fn);
+    mrr::detail::throw_invalid_argument(fn, "row ", row, " was rejected (status ", int(row_status(exec, status, row)),
+                                        ")");
+  }
+
   vector<T> backward_impl(const vector<T>& logits, const vector<std::int32_t>& ids, const vector<T>& grad_weights,
                           const vector<std::uint8_t>* kept) const {
     constexpr const char* fn = "device::TopKRouter::backward";
@@ -636,9 +550,10 @@ class TopKRouter {
                          "ids and grad_weights must be [", tokens, ", ", k, "]");
     vector<T> grad(logits.size());
     vector<std::uint8_t> status(static_cast<std::size_t>(tokens));
-    thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tokens),
-                     kernels::BackwardRows<T>{params_, raw(logits), raw(ids), raw(grad_weights),
-                                              kept ? raw(*kept) : nullptr, raw(grad), raw(status)});
+    backward(Execution{}, MatrixView<const T>(raw(logits), tokens, num_experts()),
+             MatrixView<const std::int32_t>(raw(ids), tokens, topk()),
+             MatrixView<const T>(raw(grad_weights), tokens, topk()), kept ? raw(*kept) : nullptr,
+             MatrixView<T>(raw(grad), tokens, num_experts()), raw(status), Workspace{});
     throw_on_bad_row(status, fn);
     return grad;
   }
@@ -702,31 +617,12 @@ class TopKRouter {
     Routing<T, Backend> out{vector<std::int32_t>(static_cast<std::size_t>(tokens) * k),
                             vector<T>(static_cast<std::size_t>(tokens) * k), tokens, topk(), {}};
     vector<std::uint8_t> status(static_cast<std::size_t>(tokens));
-    const kernels::RouteRows<T, In> rows{params_,
-                                         raw(logits),
-                                         config_.use_expert_bias ? raw(bias_) : nullptr,
-                                         replay_ids ? raw(*replay_ids) : nullptr,
-                                         mask ? raw(*mask) : nullptr,
-                                         raw(out.ids),
-                                         raw(out.weights),
-                                         raw(status),
-                                         tokens};
-#if !defined(__CUDACC__)
-    if constexpr (!Backend::is_device && std::is_same_v<T, float> && std::is_same_v<In, float>) {
-      const bool gathered_softmax = params_.score == 0 && !(params_.pre_softmax && !params_.normalize);
-      if (replay_ids != nullptr && mask == nullptr && topk() == 8 && gathered_softmax) {
-        const long tiles = (tokens + kernels::kReplayTileRows - 1) / kernels::kReplayTileRows;
-        const float scale = params_.has_scale ? static_cast<float>(params_.scale) : 1.0f;
-        thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tiles),
-                         kernels::ReplayTilesK8{rows, scale});
-        throw_on_bad_row(status, fn);
-        if (config_.capacity_factor) drop_over_capacity(out);
-        return out;
-      }
-    }
-#endif
-    thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tokens),
-                     rows);
+    const long n = num_experts(), kk = topk();
+    launch_rows(Execution{}, MatrixView<const In>(raw(logits), tokens, n),
+                replay_ids ? MatrixView<const std::int32_t>(raw(*replay_ids), tokens, kk)
+                           : MatrixView<const std::int32_t>{},
+                mask ? raw(*mask) : nullptr, MatrixView<std::int32_t>(raw(out.ids), tokens, kk),
+                MatrixView<T>(raw(out.weights), tokens, kk), raw(status), Workspace{}, fn);
     throw_on_bad_row(status, fn);
     if (config_.capacity_factor) drop_over_capacity(out);
     return out;

@@ -29,8 +29,8 @@ MRR_HOST_DEVICE inline void gae_step(const V& reward, const V& value, const V& m
 
 // GAE over one sequence of n tokens: advantages (before whitening) and returns = advantages + values.
 template <class T>
-MRR_HOST_DEVICE inline void gae_row(const T* rewards, const T* values, const T* mask, T* advantages, T* returns,
-                                    long n, T gamma, T gamma_lambda) {
+MRR_HOST_DEVICE inline void gae_row(const T* rewards, const T* values, const T* mask, T* advantages, T* returns, long n,
+                                    T gamma, T gamma_lambda) {
   T next_value = 0, last_gae = 0;
   for (long j = n - 1; j >= 0; --j) {
     gae_step<T, T>(rewards[j], values[j], mask[j], T(1), gamma, gamma_lambda, next_value, last_gae);
@@ -70,7 +70,8 @@ MRR_HOST_DEVICE inline Affine<T> gae_advantage_map(T reward, T value, T mask, T 
 template <class T, class Index>
 MRR_HOST_DEVICE inline T group_mean(const T* scores, const Index* members, long count) {
   T sum = 0;
-  for (long k = 0; k < count; ++k) sum += scores[members[k]];
+  for (long k = 0; k < count; ++k)
+    sum += scores[members[k]];
   return sum / T(static_cast<double>(count));
 }
 
@@ -101,8 +102,8 @@ enum class OutcomeEstimator {
 // The per-response scalars of one group (members in sample order): writes scalars[members[k]].
 // singleton_divisor is singleton_std_plus_epsilon(epsilon).
 template <class T, class Index>
-MRR_HOST_DEVICE inline void group_outcome(const T* scores, const Index* members, long count,
-                                          OutcomeEstimator estimator, T epsilon, T singleton_divisor, T* scalars) {
+MRR_HOST_DEVICE inline void group_outcome(const T* scores, const Index* members, long count, OutcomeEstimator estimator,
+                                          T epsilon, T singleton_divisor, T* scalars) {
   const T n = T(static_cast<double>(count));
   switch (estimator) {
     case OutcomeEstimator::grpo:
@@ -128,7 +129,8 @@ MRR_HOST_DEVICE inline void group_outcome(const T* scores, const Index* members,
     }
     case OutcomeEstimator::rloo_vectorized: {
       T sum = 0;
-      for (long k = 0; k < count; ++k) sum += scores[members[k]];
+      for (long k = 0; k < count; ++k)
+        sum += scores[members[k]];
       for (long k = 0; k < count; ++k)
         scalars[members[k]] = count < 2 ? T(0) : (n * scores[members[k]] - sum) / (n - T(1));
       return;

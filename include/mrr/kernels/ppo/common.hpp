@@ -15,9 +15,9 @@ inline constexpr double kLogRatioBound = 20.0;          // verl clamps log(pi / 
 // What a kernel reports instead of throwing; the host side turns it into the error message.
 enum class Status : int {
   ok = 0,
-  empty_mask,       // the mask selects no element
-  single_element,   // the mask selects one element: the unbiased variance divides by zero
-  invalid_input,    // a mask value other than 0 / 1, or a non-finite input on a valid token
+  empty_mask,      // the mask selects no element
+  single_element,  // the mask selects one element: the unbiased variance divides by zero
+  invalid_input,   // a mask value other than 0 / 1, or a non-finite input on a valid token
 };
 
 // A value and its derivative with respect to the current log-probability.

@@ -49,7 +49,8 @@ MRR_HOST_DEVICE inline Acc masked_centered_sum(const T* values, const T* mask, l
 template <class Acc, class T>
 MRR_HOST_DEVICE inline Acc masked_mean(const T* values, const T* mask, long n) {
   Acc count = 0;
-  for (long j = 0; j < n; ++j) count += static_cast<Acc>(mask[j]);
+  for (long j = 0; j < n; ++j)
+    count += static_cast<Acc>(mask[j]);
   return masked_sum<Acc>(values, mask, n, Acc(0)) / (count + Acc(kMaskCountEpsilon));
 }
 
@@ -77,7 +78,8 @@ MRR_HOST_DEVICE inline Moments masked_moments(const T* values, long value_stride
   double weight = 0, sum = 0;
   for (long i = 0; i < rows; ++i) {
     const T* m = mask + i * mask_stride;
-    for (long j = 0; j < cols; ++j) weight += static_cast<double>(m[j]);
+    for (long j = 0; j < cols; ++j)
+      weight += static_cast<double>(m[j]);
     sum = masked_sum<double>(values + i * value_stride, m, cols, sum);
   }
   if (weight == 0) return {};

@@ -159,17 +159,16 @@ enum VanillaRowSum : int { kRowLoss, kRowTokens, kRowClipfrac, kRowClipfracLower
 // Status::invalid_input for a mask value other than 0 / 1, or a valid token with a non-finite
 // input or a negative rollout weight.
 template <class T>
-MRR_HOST_DEVICE inline Status vanilla_row(const T* log_prob, const T* old_log_prob, const T* advantages,
-                                          const T* mask, const T* is_weights, T* token_grad, long cols, T lo, T hi,
-                                          T dual_clip, T* sums) {
+MRR_HOST_DEVICE inline Status vanilla_row(const T* log_prob, const T* old_log_prob, const T* advantages, const T* mask,
+                                          const T* is_weights, T* token_grad, long cols, T lo, T hi, T dual_clip,
+                                          T* sums) {
   T loss = 0, tokens = 0, clip = 0, lower = 0, neg_kl = 0;
   bool invalid = false;
   for (long j = 0; j < cols; ++j) {
     const T lp = log_prob[j], old = old_log_prob[j], a = advantages[j], m = mask[j];
     const T weight = is_weights != nullptr ? is_weights[j] : T(1);
     invalid |= m != T(0) && m != T(1);
-    if (m != T(0))
-      invalid |= !is_finite(lp) || !is_finite(old) || !is_finite(a) || !is_finite(weight) || weight < T(0);
+    if (m != T(0)) invalid |= !is_finite(lp) || !is_finite(old) || !is_finite(a) || !is_finite(weight) || weight < T(0);
     const TokenTerms<T> t = vanilla_token(lp, old, a, lo, hi, dual_clip);
     token_grad[j] = t.grad * weight;
     if (m != T(0)) {
