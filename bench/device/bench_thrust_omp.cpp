@@ -111,6 +111,44 @@ int main(int argc, char** argv) {
     const double cp = best_ms([&] { (void)mrr::make_expert_permutation(routing, 256); });
     row("  permutation only (count, scan, place)", dp, cp, static_cast<double>(T) * 8 * 4 * 4, gbps);
   }
+  {  // combine T=16384 H=2048 k=8 (fp32), and capacity dropping of a top-8 routing (T=65536, E=256)
+    const long Tc = T / 4, H = 2048;
+    const auto z = logits(Tc, 256, 5);
+    mrr::TopKRouter<float> cpu(mrr::presets::qwen3_moe(256, 8, true));
+    const auto routing = cpu.route(z);
+    const auto perm = mrr::make_expert_permutation(routing, 256);
+    const mrr::RowMatrix<float> y = logits(perm.rows(), static_cast<int>(H), 6);
+    const thrust::device_vector<std::int32_t> did(routing.ids.data(), routing.ids.data() + routing.ids.size());
+    const auto dp = mrr::device::make_expert_permutation(did, Tc, 8, 256);
+    const thrust::device_vector<float> dy(y.data(), y.data() + y.size());
+    const thrust::device_vector<float> dw(routing.weights.data(), routing.weights.data() + routing.weights.size());
+    const double d = best_ms([&] { (void)mrr::device::combine<float>(dy, H, dw, dp); });
+    const double c = best_ms([&] { (void)mrr::combine<float>(y, routing, perm); });
+    row("combine T=16384 H=2048 k=8 (fp32)", d, c, static_cast<double>(Tc) * 9 * H * 4, gbps);
+
+    auto cfg = mrr::presets::qwen3_moe(256, 8, true);
+    cfg.capacity_factor = 1.0;
+    const auto zc = logits(T, 256, 7);
+    const auto base = mrr::TopKRouter<float>(mrr::presets::qwen3_moe(256, 8, true)).route(zc);
+    const thrust::device_vector<float> dzc(zc.data(), zc.data() + zc.size());
+    const thrust::device_vector<std::int32_t> dids(base.ids.data(), base.ids.data() + base.ids.size());
+    for (const auto policy : {mrr::DropPolicy::probs, mrr::DropPolicy::position}) {
+      cfg.drop_policy = policy;
+      mrr::device::TopKRouter<float> dev(cfg);
+      const double with = best_ms([&] { (void)dev.replay(dzc, dids); });
+      cfg.capacity_factor.reset();
+      mrr::device::TopKRouter<float> plain(cfg);
+      const double without = best_ms([&] { (void)plain.replay(dzc, dids); });
+      cfg.capacity_factor = 1.0;
+      const double host = best_ms([&] {
+        auto r = base;
+        mrr::drop_over_capacity(r, 256, 1.0, policy);
+      });
+      row(policy == mrr::DropPolicy::probs ? "capacity drop (probs) T=65536 E=256 k=8" :
+                                              "capacity drop (position) T=65536 E=256 k=8",
+          with - without, host, static_cast<double>(T) * 8 * (4 + 4 + 1) * 2, gbps);
+    }
+  }
   {  // GAE B=512 L=4096 (double)
     const long B = 512 / scale, L = 4096;
     mrr::RowMatrix<double> r(B, L), v(B, L), m = mrr::RowMatrix<double>::Ones(B, L);

@@ -4,11 +4,15 @@
 //   probs    - higher routing probability first, then the lower token index;
 //   position - routed tokens before others, then the lower token index (earliest tokens kept).
 // torch.topk leaves equal keys in an implementation-defined order; see docs/routing.md.
+// The per-expert keep decision is kernels/capacity.hpp's, which the device runs too; the CPU
+// executor selects each segment's threshold with std::nth_element.
 #pragma once
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/capacity.hpp>
 #include <mrr/router/config.hpp>
+#include <mrr/router/permute.hpp>
 #include <mrr/router/routing.hpp>
 #include <mrr/tensor.hpp>
 
@@ -25,29 +29,19 @@ inline std::int64_t expert_capacity(std::int64_t num_tokens, int topk, int num_e
                   "needs num_tokens >= 0, topk > 0 and num_experts > 0");
   detail::require(std::isfinite(capacity_factor) && capacity_factor > 0, "expert_capacity",
                   "capacity_factor must be finite and positive, got ", capacity_factor);
-  const double per_expert = static_cast<double>(num_tokens * topk) / static_cast<double>(num_experts);
-  return static_cast<std::int64_t>(std::ceil(per_expert * capacity_factor));
+  return kernels::expert_capacity(num_tokens * topk, num_experts, capacity_factor);
 }
 
 namespace detail {
 
-// A token competing for a place in one expert; `key` is larger-is-better.
-template <class T>
-struct CapacityCandidate {
-  T key;
-  std::int64_t token;
-  std::int64_t slot;
+// The selection of a CPU thread for kernels/capacity.hpp: std::nth_element on a scratch copy.
+struct NthElementSelect {
+  std::uint64_t operator()(const std::uint64_t* key, long n, long rank, std::uint64_t* scratch) const {
+    std::copy(key, key + n, scratch);
+    std::nth_element(scratch, scratch + rank, scratch + n);
+    return scratch[rank];
+  }
 };
-
-// Moves the `capacity` best candidates (key descending, then token ascending) to the front.
-template <class T>
-void keep_best(std::vector<CapacityCandidate<T>>& candidates, std::int64_t capacity) {
-  if (static_cast<std::int64_t>(candidates.size()) <= capacity) return;
-  auto better = [](const CapacityCandidate<T>& a, const CapacityCandidate<T>& b) {
-    return a.key > b.key || (a.key == b.key && a.token < b.token);
-  };
-  std::nth_element(candidates.begin(), candidates.begin() + capacity, candidates.end(), better);
-}
 
 }  // namespace detail
 
@@ -63,56 +57,35 @@ DenseRouting<T> apply_token_dropping(MatrixRef<T> probs, MaskRef map, int topk, 
   const auto tokens = probs.rows();
   const auto experts = static_cast<int>(probs.cols());
   const std::int64_t capacity = expert_capacity(tokens, topk, experts, capacity_factor);
-
   DenseRouting<T> out{RowMatrix<T>::Zero(tokens, experts), Mask::Zero(tokens, experts)};
-  std::vector<detail::CapacityCandidate<T>> column;
-  column.reserve(static_cast<std::size_t>(tokens));
-  for (int e = 0; e < experts; ++e) {
-    column.clear();
-    for (Eigen::Index t = 0; t < tokens; ++t) {
-      const T key = policy == DropPolicy::probs ? probs(t, e) : static_cast<T>(map(t, e) != 0);
-      column.push_back({key, t, e});
-    }
-    const std::int64_t keep = capacity > tokens ? tokens : capacity;
-    detail::keep_best(column, keep);
-    for (std::int64_t i = 0; i < keep; ++i) {
-      const auto t = column[static_cast<std::size_t>(i)].token;
-      if (pad_to_capacity || map(t, e) != 0) {
-        out.map(t, e) = 1;
-        out.probs(t, e) = probs(t, e);
-      }
-    }
-  }
+  std::vector<std::uint64_t> scratch(static_cast<std::size_t>(2 * tokens));
+  for (int e = 0; e < experts; ++e)
+    kernels::keep_column(probs.data(), probs.outerStride(), map.data(), map.outerStride(), tokens, experts, e,
+                         capacity, policy == DropPolicy::probs, pad_to_capacity, scratch.data(), out.probs.data(),
+                         out.map.data(), detail::NthElementSelect{});
   return out;
 }
 
 // Drops the slots of a top-k Routing over capacity: fills routing.kept and zeroes their weights.
-// Equivalent to apply_token_dropping without padding (routed slots only compete).
+// Equivalent to apply_token_dropping without padding (routed slots only compete): each expert's
+// slots, in token order from the expert-major permutation, form its segment.
 template <class T>
 void drop_over_capacity(Routing<T>& routing, int num_experts, double capacity_factor, DropPolicy policy) {
-  constexpr const char* fn = "drop_over_capacity";
   const auto tokens = routing.tokens();
   const int k = routing.topk();
   const std::int64_t capacity = expert_capacity(tokens, k, num_experts, capacity_factor);
-
-  std::vector<std::vector<detail::CapacityCandidate<T>>> per_expert(static_cast<std::size_t>(num_experts));
-  for (Eigen::Index t = 0; t < tokens; ++t)
-    for (int j = 0; j < k; ++j) {
-      const auto e = routing.ids(t, j);
-      detail::require(e >= 0 && e < num_experts, fn, "token ", t, " slot ", j, " has expert id ", e, " outside [0, ",
-                      num_experts, ")");
-      const T key = policy == DropPolicy::probs ? routing.weights(t, j) : T(1);
-      per_expert[static_cast<std::size_t>(e)].push_back({key, t, j});
-    }
+  // Every slot competes, a dropped one of an earlier call included.
+  const ExpertPermutation p =
+      detail::expert_permutation(routing.ids.data(), nullptr, tokens, k, num_experts, "drop_over_capacity");
+  std::vector<std::int64_t> slot_of_row(static_cast<std::size_t>(p.rows()));
+  for (Eigen::Index s = 0; s < p.row_of_slot.size(); ++s)
+    slot_of_row[static_cast<std::size_t>(p.row_of_slot.data()[s])] = s;
   routing.kept = Mask::Ones(tokens, k);
-  for (auto& candidates : per_expert) {
-    if (static_cast<std::int64_t>(candidates.size()) <= capacity) continue;
-    detail::keep_best(candidates, capacity);
-    for (auto it = candidates.begin() + capacity; it != candidates.end(); ++it) {
-      routing.kept(it->token, it->slot) = 0;
-      routing.weights(it->token, it->slot) = T(0);
-    }
-  }
+  std::vector<std::uint64_t> scratch(static_cast<std::size_t>(2 * p.rows()));
+  for (int e = 0; e < num_experts; ++e)
+    kernels::drop_segment(slot_of_row.data(), p.first_row(e), p.first_row(e + 1), capacity,
+                          policy == DropPolicy::probs, routing.weights.data(), routing.kept.data(), scratch.data(),
+                          detail::NthElementSelect{});
 }
 
 MRR_NAMESPACE_END

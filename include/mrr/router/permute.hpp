@@ -7,14 +7,30 @@
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/permute.hpp>
 #include <mrr/router/routing.hpp>
 #include <mrr/tensor.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
+
+namespace detail {
+
+// out.row(r) = in.row(index[r]) for every row of out, in parallel.
+template <class T, class Index>
+void gather_rows(MatrixRef<T> in, const Index* index, RowMatrix<T>& out) {
+  const long rows = out.rows(), cols = in.cols();
+  parallel_tiles(rows, 64, rows * cols, [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    for (std::int64_t r = first; r < end; ++r)
+      kernels::copy_row(out.row(r).data(), row_ptr(in, static_cast<Eigen::Index>(index[r])), 0, cols);
+  });
+}
+
+}  // namespace detail
 
 template <class T>
 struct Permuted {
@@ -74,11 +90,7 @@ void permute_into(Permuted<T>& out, MatrixRef<T> tokens, MaskRef routing_map,
       }
     }
   });
-  const Eigen::Index hidden = tokens.cols();
-  detail::parallel_tiles(rows, 64, rows * hidden, [&](std::int64_t, std::int64_t first, std::int64_t end) {
-    for (std::int64_t r = first; r < end; ++r)
-      out.tokens.row(r) = tokens.row(out.sorted_indices[static_cast<std::size_t>(r)]);
-  });
+  detail::gather_rows(tokens, out.sorted_indices.data(), out.tokens);
 }
 
 template <class T>
@@ -131,18 +143,20 @@ RowMatrix<T> unpermute(MatrixRef<T> permuted_tokens, const std::vector<std::int6
     for (std::int64_t r = 0; r < rows; ++r)
       order[static_cast<std::size_t>(next[static_cast<std::size_t>(sorted_indices[static_cast<std::size_t>(r)])]++)] = r;
   }
+  // Token t's rows are order[first_row[t] .. first_row[t + 1]), each weighted by its prob.
+  Vector<T> entry_probs;
+  if (probs) {
+    entry_probs.resize(rows);
+    for (std::int64_t i = 0; i < rows; ++i) entry_probs[i] = row_probs[order[static_cast<std::size_t>(i)]];
+  }
   RowMatrix<T> out(num_tokens, permuted_tokens.cols());
-  detail::parallel_tiles(num_tokens, 64, rows * permuted_tokens.cols(),
-                         [&](std::int64_t, std::int64_t first, std::int64_t end) {
+  const long cols = permuted_tokens.cols();
+  detail::parallel_tiles(num_tokens, 64, rows * cols, [&](std::int64_t, std::int64_t first, std::int64_t end) {
     for (std::int64_t t = first; t < end; ++t) {
-      out.row(t).setZero();
-      for (std::int64_t i = first_row[static_cast<std::size_t>(t)]; i < first_row[static_cast<std::size_t>(t) + 1]; ++i) {
-        const std::int64_t r = order[static_cast<std::size_t>(i)];
-        if (probs)
-          out.row(t) += permuted_tokens.row(r) * row_probs[r];
-        else
-          out.row(t) += permuted_tokens.row(r);
-      }
+      const std::int64_t lo = first_row[static_cast<std::size_t>(t)], n = first_row[static_cast<std::size_t>(t) + 1] - lo;
+      kernels::combine_row(permuted_tokens.data(), permuted_tokens.outerStride(), order.data() + lo,
+                           probs ? entry_probs.data() + lo : static_cast<const T*>(nullptr), static_cast<int>(n),
+                           static_cast<const T*>(nullptr), out.row(t).data(), 0, cols);
     }
   });
   return out;
@@ -151,74 +165,150 @@ RowMatrix<T> unpermute(MatrixRef<T> permuted_tokens, const std::vector<std::int6
 // Where every (token, slot) of a top-k Routing goes in the expert-major order. Dropped slots get
 // no row (-1).
 struct ExpertPermutation {
-  std::vector<std::int64_t> source_token;      // [rows]
+  std::vector<std::int64_t> source_token;       // [rows]
   std::vector<std::int64_t> tokens_per_expert;  // [experts]
+  std::vector<std::int64_t> expert_offsets;     // [experts + 1]: expert e's rows are [offsets[e], offsets[e + 1])
   RowMatrix<std::int64_t> row_of_slot;          // [tokens, k]
   std::int64_t rows() const { return static_cast<std::int64_t>(source_token.size()); }
+  std::int64_t first_row(int e) const { return expert_offsets[static_cast<std::size_t>(e)]; }
 };
+
+namespace detail {
+
+// The counting sort of kernels/permute.hpp on CPU threads, over fixed chunks of slots, so the bits
+// depend on neither the thread count nor the chunking. The histogram is chunk-major here (each
+// thread counts into its own contiguous counters) and scanned expert-major. kept may be null.
+template <class Id>
+ExpertPermutation expert_permutation(const Id* ids, const std::uint8_t* kept, std::int64_t tokens, int k,
+                                     int num_experts, const char* fn) {
+  detail::require(num_experts > 0 && k > 0, fn, "needs num_experts > 0 and k > 0, got ", num_experts, " and ", k);
+  const std::int64_t slots = tokens * k;
+  constexpr std::int64_t chunk = std::int64_t{1} << 14;
+  const std::int64_t chunks = std::max<std::int64_t>(1, tile_count(slots, chunk));
+  // No slots, no tiles: the histogram stays zero and nothing is bad.
+  std::vector<std::int64_t> histogram(static_cast<std::size_t>(chunks * num_experts), 0);
+  std::vector<std::int64_t> bad(static_cast<std::size_t>(chunks), -1);
+  parallel_tiles(slots, chunk, slots, [&](std::int64_t c, std::int64_t lo, std::int64_t hi) {
+    bad[static_cast<std::size_t>(c)] =
+        kernels::count_experts(ids, kept, lo, hi, num_experts, histogram.data() + c * num_experts, 1);
+  });
+  for (const std::int64_t s : bad)
+    if (s >= 0)
+      detail::throw_invalid_argument(fn, "token ", s / k, " slot ", s % k, " has expert id ",
+                                     static_cast<std::int64_t>(ids[s]), " outside [0, ", num_experts, ")");
+  ExpertPermutation p;
+  p.expert_offsets.resize(static_cast<std::size_t>(num_experts) + 1);
+  const long rows =
+      kernels::scan_histogram(histogram.data(), num_experts, chunks, 1, num_experts, p.expert_offsets.data());
+  p.tokens_per_expert.resize(static_cast<std::size_t>(num_experts));
+  for (int e = 0; e < num_experts; ++e)
+    p.tokens_per_expert[static_cast<std::size_t>(e)] = p.first_row(e + 1) - p.first_row(e);
+  p.source_token.resize(static_cast<std::size_t>(rows));
+  p.row_of_slot.resize(tokens, k);
+  parallel_tiles(slots, chunk, slots, [&](std::int64_t c, std::int64_t lo, std::int64_t hi) {
+    kernels::place_slots(ids, kept, lo, hi, k, histogram.data() + c * num_experts, 1, p.source_token.data(),
+                         p.row_of_slot.data());
+  });
+  return p;
+}
+
+}  // namespace detail
 
 template <class T>
 ExpertPermutation make_expert_permutation(const Routing<T>& routing, int num_experts) {
-  constexpr const char* fn = "make_expert_permutation";
-  ExpertPermutation p;
-  p.tokens_per_expert.assign(static_cast<std::size_t>(num_experts), 0);
-  for (Eigen::Index t = 0; t < routing.tokens(); ++t)
-    for (int j = 0; j < routing.topk(); ++j) {
-      const auto e = routing.ids(t, j);
-      detail::require(e >= 0 && e < num_experts, fn, "token ", t, " slot ", j, " has expert id ", e, " outside [0, ",
-                      num_experts, ")");
-      if (routing.is_kept(t, j)) ++p.tokens_per_expert[static_cast<std::size_t>(e)];
-    }
-  // Counting sort by expert; scanning tokens in order keeps each expert's rows in token order.
-  std::vector<std::int64_t> next(static_cast<std::size_t>(num_experts), 0);
-  std::int64_t offset = 0;
-  for (int e = 0; e < num_experts; ++e) {
-    next[static_cast<std::size_t>(e)] = offset;
-    offset += p.tokens_per_expert[static_cast<std::size_t>(e)];
-  }
-  p.source_token.assign(static_cast<std::size_t>(offset), -1);
-  p.row_of_slot = RowMatrix<std::int64_t>::Constant(routing.tokens(), routing.topk(), -1);
-  for (Eigen::Index t = 0; t < routing.tokens(); ++t)
-    for (int j = 0; j < routing.topk(); ++j) {
-      if (!routing.is_kept(t, j)) continue;
-      const auto row = next[static_cast<std::size_t>(routing.ids(t, j))]++;
-      p.source_token[static_cast<std::size_t>(row)] = t;
-      p.row_of_slot(t, j) = row;
-    }
-  return p;
+  return detail::expert_permutation(routing.ids.data(), routing.has_capacity_mask() ? routing.kept.data() : nullptr,
+                                    routing.tokens(), routing.topk(), num_experts, "make_expert_permutation");
+}
+
+// tokens [tokens, hidden] -> out [rows, hidden], expert-major, reusing out's storage.
+template <class T>
+void permute_tokens_into(RowMatrix<T>& out, MatrixRef<T> tokens, const ExpertPermutation& p) {
+  out.resize(p.rows(), tokens.cols());
+  detail::gather_rows(tokens, p.source_token.data(), out);
 }
 
 template <class T>
 RowMatrix<T> permute_tokens(MatrixRef<T> tokens, const ExpertPermutation& p) {
-  RowMatrix<T> out(p.rows(), tokens.cols());
-  detail::parallel_tiles(p.rows(), 64, p.rows() * tokens.cols(), [&](std::int64_t, std::int64_t first, std::int64_t end) {
-    for (std::int64_t r = first; r < end; ++r) out.row(r) = tokens.row(p.source_token[static_cast<std::size_t>(r)]);
-  });
+  RowMatrix<T> out;
+  permute_tokens_into<T>(out, tokens, p);
   return out;
 }
 
+namespace detail {
+
+inline void require_permuted_rows(std::int64_t rows, const ExpertPermutation& p, const char* fn, const char* what) {
+  detail::require(rows == p.rows(), fn, "'", what, "' has ", rows, " rows, the permutation ", p.rows());
+}
+
+}  // namespace detail
+
 // out[t] = sum_j weights[t, j] * expert_out[row_of_slot[t, j]], summed in slot order in
 // Accum precision (float32 at least), so the result is independent of how rows arrived.
-template <class T, class Accum = std::conditional_t<(sizeof(T) < sizeof(float)), float, T>>
-RowMatrix<T> combine(MatrixRef<T> expert_out, const Routing<T>& routing, const ExpertPermutation& p) {
-  detail::require(expert_out.rows() == p.rows(), "combine", "'expert_out' has ", expert_out.rows(), " rows, the permutation ",
-                  p.rows());
-  RowMatrix<T> out(routing.tokens(), expert_out.cols());
+template <class T, class Accum = kernels::accum_t<T>>
+void combine_into(RowMatrix<T>& out, MatrixRef<T> expert_out, const Routing<T>& routing, const ExpertPermutation& p) {
+  detail::require_permuted_rows(expert_out.rows(), p, "combine", "expert_out");
   const std::int64_t tokens = routing.tokens();
-  detail::parallel_tiles(tokens, 64, tokens * routing.topk() * expert_out.cols(),
-                         [&](std::int64_t, std::int64_t first, std::int64_t end) {
-    Eigen::Matrix<Accum, 1, Eigen::Dynamic> acc(expert_out.cols());
-    for (std::int64_t t = first; t < end; ++t) {
-      acc.setZero();
-      for (int j = 0; j < routing.topk(); ++j) {
-        const auto row = p.row_of_slot(t, j);
-        if (row < 0) continue;
-        acc += expert_out.row(row).template cast<Accum>() * static_cast<Accum>(routing.weights(t, j));
-      }
-      out.row(t) = acc.template cast<T>();
-    }
+  const int k = routing.topk();
+  const long cols = expert_out.cols();
+  out.resize(tokens, cols);
+  detail::parallel_tiles(tokens, 64, tokens * k * cols, [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    for (std::int64_t t = first; t < end; ++t)
+      kernels::combine_row<T, T, std::int64_t, Accum>(expert_out.data(), expert_out.outerStride(),
+                                                      p.row_of_slot.data() + t * k, routing.weights.data() + t * k, k,
+                                                      nullptr, out.row(t).data(), 0, cols);
   });
+}
+
+template <class T, class Accum = kernels::accum_t<T>>
+RowMatrix<T> combine(MatrixRef<T> expert_out, const Routing<T>& routing, const ExpertPermutation& p) {
+  RowMatrix<T> out;
+  combine_into<T, Accum>(out, expert_out, routing, p);
   return out;
+}
+
+// Backward of permute_tokens: grad_tokens[t] = sum over t's kept slots, in slot order, of
+// grad_permuted[row_of_slot[t, j]] (in Accum); a token with every slot dropped gets zeros.
+template <class T, class Accum = kernels::accum_t<T>>
+RowMatrix<T> permute_tokens_backward(MatrixRef<T> grad_permuted, const ExpertPermutation& p) {
+  detail::require_permuted_rows(grad_permuted.rows(), p, "permute_tokens_backward", "grad_permuted");
+  const std::int64_t tokens = p.row_of_slot.rows();
+  const int k = static_cast<int>(p.row_of_slot.cols());
+  const long cols = grad_permuted.cols();
+  RowMatrix<T> grad(tokens, cols);
+  detail::parallel_tiles(tokens, 64, tokens * k * cols, [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    for (std::int64_t t = first; t < end; ++t)
+      kernels::combine_row<T, T, std::int64_t, Accum>(grad_permuted.data(), grad_permuted.outerStride(),
+                                                      p.row_of_slot.data() + t * k, nullptr, k, nullptr,
+                                                      grad.row(t).data(), 0, cols);
+  });
+  return grad;
+}
+
+// Gradients of combine's out w.r.t. its inputs, for the upstream gradient grad_out [tokens, hidden].
+template <class T>
+struct CombineGradients {
+  RowMatrix<T> expert_out;  // [rows, hidden]: weights[t, j] * grad_out[t] at row_of_slot[t, j]
+  RowMatrix<T> weights;     // [tokens, k]: <grad_out[t], expert_out[row_of_slot[t, j]]>, 0 where dropped
+};
+
+template <class T, class Accum = kernels::accum_t<T>>
+CombineGradients<T> combine_backward(MatrixRef<T> grad_out, MatrixRef<T> expert_out, const Routing<T>& routing,
+                                     const ExpertPermutation& p) {
+  constexpr const char* fn = "combine_backward";
+  detail::require_permuted_rows(expert_out.rows(), p, fn, "expert_out");
+  detail::require(grad_out.rows() == routing.tokens() && grad_out.cols() == expert_out.cols(), fn, "'grad_out' has shape ",
+                  detail::shape_of(grad_out), ", expected [", routing.tokens(), ", ", expert_out.cols(), "]");
+  const std::int64_t tokens = routing.tokens();
+  const int k = routing.topk();
+  const long cols = expert_out.cols();
+  CombineGradients<T> g{RowMatrix<T>(p.rows(), cols), RowMatrix<T>(tokens, k)};
+  detail::parallel_tiles(tokens, 64, tokens * k * cols, [&](std::int64_t, std::int64_t first, std::int64_t end) {
+    for (std::int64_t t = first; t < end; ++t)
+      kernels::combine_backward_row<T, T, std::int64_t, Accum>(
+          detail::row_ptr(grad_out, t), cols, expert_out.data(), expert_out.outerStride(), p.row_of_slot.data() + t * k,
+          routing.weights.data() + t * k, k, g.expert_out.data(), cols, g.weights.data() + t * k);
+  });
+  return g;
 }
 
 MRR_NAMESPACE_END

@@ -23,6 +23,9 @@
 // item, done as the CPU does it (gather the column, nth_element under the same strict order;
 // position: one pass in token order), O(T E) in all and E-way parallel. The kept set of a column
 // is unique under a strict total order, so both algorithms give the same bits; the tests run both.
+// The keys, the strict order and the keep decisions are kernels/capacity.hpp's (the CPU's too).
+// Below the dense form: drop_over_capacity on a top-k routing in caller memory (a view) and its
+// Thrust-vector layer, which device::TopKRouter's capacity step calls.
 // Inputs are checked on the host side of one reduction pass: shapes, capacity_factor (finite,
 // > 0, as expert_capacity), map values 0/1, and (probs policy) no NaN probability, which would
 // leave the order undefined (the CPU's nth_element has no answer for it either).
@@ -32,9 +35,10 @@
 #include <mrr/error.hpp>
 #include <mrr/router/capacity.hpp>
 #include <mrr/router/config.hpp>
+#include <mrr/kernels/capacity.hpp>
 #include <mrr/thrust/backend.hpp>
-
-#include <cuda/std/bit>
+#include <mrr/thrust/execution.hpp>
+#include <mrr/thrust/permute.hpp>
 
 #include <thrust/for_each.h>
 #include <thrust/functional.h>
@@ -82,19 +86,11 @@ struct DenseInputFlags {
   }
 };
 
-// A 64-bit key whose ascending order is the probabilities' descending order: the value widened to
-// double (exact for float), -0 made +0 (the CPU compares them equal), the IEEE bits made
-// monotone (negatives: all bits flipped; others: the sign bit set), then complemented.
+// The probs policy's order key (kernels/capacity.hpp) of cell j.
 template <class T>
 struct DescendingKey {
   const T* probs;
-  MRR_HOST_DEVICE std::uint64_t operator()(long j) const {
-    double x = static_cast<double>(probs[j]);
-    if (x == 0.0) x = 0.0;
-    const std::uint64_t u = ::cuda::std::bit_cast<std::uint64_t>(x);
-    const std::uint64_t ascending = (u >> 63) != 0 ? ~u : (u | (std::uint64_t(1) << 63));
-    return ~ascending;
-  }
+  MRR_HOST_DEVICE std::uint64_t operator()(long j) const { return mrr::kernels::probs_key(probs[j]); }
 };
 
 struct ExpertOfCell {
@@ -114,7 +110,7 @@ struct MarkSortedKept {
   long tokens, keep;
   bool pad;
   MRR_HOST_DEVICE void operator()(long p) const {
-    if (p % tokens >= keep) return;
+    if (!mrr::kernels::kept_at_rank(p % tokens, keep)) return;
     const std::int32_t j = order[p];
     if (pad || map[j] != 0) {
       out_map[j] = 1;
@@ -157,15 +153,14 @@ struct MarkPositionKept {
     const long routed_total = routed_before[e * tokens + tokens - 1] + (map[last] != 0 ? 1 : 0);
     const long before = routed_before[i];
     const long rank = routed ? before : routed_total + (t - before);
-    if (rank < keep && (pad || routed)) {
+    if (mrr::kernels::kept_at_rank(rank, keep) && (pad || routed)) {
       out_map[j] = 1;
       out_probs[j] = probs[j];
     }
   }
 };
 
-// One expert column per work item, on CPU threads only (host code: a scratch column and
-// std::nth_element): the CPU's algorithm, with the DescendingKey order (equal keys by token).
+// One expert column per work item, on CPU threads only: the CPU's keep_column and selection.
 template <class T>
 struct KeepColumn {
   const T* probs;
@@ -176,36 +171,46 @@ struct KeepColumn {
   int num_experts;
   bool by_probs, pad;
   void operator()(int e) const {
-    const std::uint8_t* column = map + e;  // column[t * num_experts]
-    if (!by_probs) {
-      // Routed tokens in token order, then (only marked when padding) the others.
-      long left = keep;
-      for (long t = 0; t < tokens && left > 0; ++t)
-        if (column[t * num_experts] != 0) {
-          mark_at(t, e);
-          --left;
-        }
-      if (pad)
-        for (long t = 0; t < tokens && left > 0; ++t)
-          if (column[t * num_experts] == 0) {
-            mark_at(t, e);
-            --left;
-          }
-      return;
-    }
-    const DescendingKey<T> key{probs + e};
-    std::vector<std::pair<std::uint64_t, long>> candidates(static_cast<std::size_t>(tokens));
-    for (long t = 0; t < tokens; ++t) candidates[static_cast<std::size_t>(t)] = {key(t * num_experts), t};
-    if (keep < tokens) std::nth_element(candidates.begin(), candidates.begin() + keep, candidates.end());
-    for (long i = 0; i < keep; ++i) {
-      const long t = candidates[static_cast<std::size_t>(i)].second;
-      if (pad || column[t * num_experts] != 0) mark_at(t, e);
-    }
+    std::vector<std::uint64_t> scratch(static_cast<std::size_t>(2 * tokens));
+    mrr::kernels::keep_column(probs, num_experts, map, num_experts, tokens, num_experts, e, keep, by_probs, pad,
+                              scratch.data(), out_probs, out_map, mrr::detail::NthElementSelect{});
   }
-  void mark_at(long t, int e) const {
-    const long j = t * num_experts + e;
-    out_map[j] = 1;
-    out_probs[j] = probs[j];
+};
+
+// Top-k dropping: slot_of_row inverts the permutation (every slot starts kept); then each expert's
+// rows are one segment (kernels::drop_segment).
+struct SlotOfRow {
+  const std::int32_t* row_of_slot;
+  std::int32_t* slot_of_row;
+  std::uint8_t* kept;
+  const DeviceStatus* status;
+  MRR_HOST_DEVICE void operator()(long s) const {
+    if (status->code != status_ok) return;
+    slot_of_row[row_of_slot[s]] = static_cast<std::int32_t>(s);
+    kept[s] = 1;
+  }
+};
+
+template <class T>
+struct DropSegment {
+  const std::int32_t* offsets;
+  const std::int32_t* slot_of_row;
+  std::uint64_t* scratch;  // 2 keys per row: segment e uses [2 offsets[e], 2 offsets[e + 1])
+  T* weights;
+  std::uint8_t* kept;
+  const DeviceStatus* status;
+  long capacity;
+  bool by_probs;
+  MRR_HOST_DEVICE void operator()(int e) const {
+    if (status->code != status_ok) return;
+    const long first = offsets[e], last = offsets[e + 1];
+#if MRR_COMPILING_WITH_NVCC
+    const mrr::kernels::RadixSelect select{};
+#else
+    const mrr::detail::NthElementSelect select{};
+#endif
+    mrr::kernels::drop_segment(slot_of_row, first, last, capacity, by_probs, weights, kept, scratch + 2 * first,
+                               select);
   }
 };
 
@@ -298,6 +303,99 @@ DenseRouting<T, Backend> apply_token_dropping(const typename Backend::template v
                                                   tokens, keep, num_experts, pad_to_capacity});
   }
   return out;
+}
+
+// ---- Top-k dropping on the caller's memory (the view the router's capacity path runs) ----
+
+// Workspace of drop_over_capacity for [tokens, topk] slots over num_experts experts.
+inline std::size_t drop_over_capacity_workspace_bytes(long tokens, int topk, int num_experts) {
+  const auto slots = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk);
+  return 3 * detail::workspace_array_bytes<std::int32_t>(slots) +
+         detail::workspace_array_bytes<std::int32_t>(static_cast<std::size_t>(num_experts) + 1) +
+         permutation_workspace_bytes(tokens, topk, num_experts) + detail::workspace_array_bytes<std::uint64_t>(2 * slots);
+}
+
+namespace detail {
+
+// Megatron's top-k token dropping on any Thrust policy, in the order of kernels/capacity.hpp.
+template <class Policy, class Id, class T>
+void drop_over_capacity(const Policy& policy, const Id* ids, T* weights, std::uint8_t* kept, long tokens, int topk,
+                        int num_experts, long capacity, DropPolicy drop, WorkspaceArena& arena, DeviceStatus* status) {
+  const auto slots = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk);
+  const PermutationView p{arena.take<std::int32_t>(slots), arena.take<std::int32_t>(slots),
+                          arena.take<std::int32_t>(static_cast<std::size_t>(num_experts) + 1), tokens, topk,
+                          num_experts};
+  auto* slot_of_row = arena.take<std::int32_t>(slots);
+  auto* scratch = arena.take<std::uint64_t>(2 * slots);
+  expert_permutation(policy, ids, static_cast<const std::uint8_t*>(nullptr), p, arena, status);
+  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(static_cast<long>(slots)),
+                   kernels::SlotOfRow{p.row_of_slot, slot_of_row, kept, status});
+  thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(num_experts),
+                   kernels::DropSegment<T>{p.expert_offsets, slot_of_row, scratch, weights, kept, status, capacity,
+                                           drop == DropPolicy::probs});
+}
+
+}  // namespace detail
+
+// Drops the slots over each expert's capacity (Megatron get_capacity(tokens * k, E,
+// capacity_factor)) of a top-k routing in caller memory: ids [tokens, k] (int32 or int64) and
+// weights [tokens, k] (float or double), both with contiguous rows. kept[t * k + j] (caller
+// memory) becomes 1 for a dispatched slot, 0 for a dropped one, whose weight is zeroed in place.
+// Which slots an expert keeps follows the strict order of kernels/capacity.hpp (probs: highest
+// weight, then lower token; position: earliest tokens), as the CPU's drop_over_capacity. An id
+// outside [0, num_experts) sets *status (check_permutation reads it) and leaves weights and kept
+// unwritten. Given its workspace (drop_over_capacity_workspace_bytes), nothing allocates.
+template <class Id, class T>
+void drop_over_capacity(MatrixView<const Id> ids, MatrixView<T> weights, std::uint8_t* kept, int num_experts,
+                        double capacity_factor, DropPolicy policy, Workspace workspace, DeviceStatus* status,
+                        Execution x = {}) {
+  static_assert(std::is_same_v<Id, std::int32_t> || std::is_same_v<Id, std::int64_t>,
+                "device::drop_over_capacity takes int32 or int64 expert ids");
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "device::drop_over_capacity takes float or double weights");
+  constexpr const char* fn = "device::drop_over_capacity";
+  const long tokens = ids.rows;
+  const int topk = static_cast<int>(ids.cols);
+  mrr::detail::require(num_experts > 0 && num_experts <= kMaxPermuteExperts, fn, "num_experts=", num_experts,
+                       " outside the device limit [1, ", kMaxPermuteExperts, "]");
+  mrr::detail::require(topk > 0 && static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk) < (std::size_t(1) << 31),
+                       fn, "needs k > 0 and tokens * k < 2^31, got [", tokens, ", ", topk, "]");
+  detail::require_view(ids, tokens, topk, fn, "ids");
+  detail::require_view(weights, tokens, topk, fn, "weights");
+  mrr::detail::require(ids.row_stride == topk && weights.row_stride == topk, fn,
+                       "'ids' and 'weights' rows must be contiguous (row strides ", ids.row_stride, " and ",
+                       weights.row_stride, " for k=", topk, "); copy them first");
+  mrr::detail::require(status != nullptr && (kept != nullptr || tokens == 0), fn, "'kept' or the status is null");
+  const long capacity = static_cast<long>(expert_capacity(tokens, topk, num_experts, capacity_factor));
+  detail::WorkspaceArena arena(workspace, drop_over_capacity_workspace_bytes(tokens, topk, num_experts), fn);
+  auto alloc = arena.temporary_allocator();
+  detail::reset_status(status, x);
+  detail::drop_over_capacity(detail::execution_policy(x, alloc), ids.data, weights.data, kept, tokens, topk,
+                             num_experts, capacity, policy, arena, status);
+}
+
+// The owning layer: ids and weights [tokens, k] in Thrust vectors of the backend's system (ids
+// from a router, or checked here on the device); kept is resized to [tokens, k].
+template <class T, class Backend = ThrustDeviceBackend>
+void drop_over_capacity(const typename Backend::template vector<std::int32_t>& ids,
+                        typename Backend::template vector<T>& weights,
+                        typename Backend::template vector<std::uint8_t>& kept, long tokens, int topk, int num_experts,
+                        double capacity_factor, DropPolicy policy) {
+  constexpr const char* fn = "device::drop_over_capacity";
+  const auto slots = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk);
+  mrr::detail::require(ids.size() == slots && weights.size() == slots, fn, "'ids' and 'weights' have ", ids.size(),
+                       " and ", weights.size(), " values, expected [", tokens, ", ", topk, "]");
+  mrr::detail::require(num_experts > 0 && num_experts <= kMaxPermuteExperts, fn, "num_experts=", num_experts,
+                       " outside the device limit [1, ", kMaxPermuteExperts, "]");
+  const long capacity = static_cast<long>(expert_capacity(tokens, topk, num_experts, capacity_factor));
+  kept.resize(slots);
+  const std::size_t bytes = drop_over_capacity_workspace_bytes(tokens, topk, num_experts);
+  typename Backend::template vector<std::uint8_t> workspace(bytes);
+  typename Backend::template vector<DeviceStatus> status(1);
+  detail::WorkspaceArena arena({raw(workspace), bytes}, bytes, fn);
+  detail::drop_over_capacity(Backend::policy(), raw(ids), raw(weights), raw(kept), tokens, topk, num_experts,
+                             capacity, policy, arena, raw(status));
+  detail::throw_on_status(status[0], PermutationView{nullptr, nullptr, nullptr, tokens, topk, num_experts});
 }
 
 }  // namespace device

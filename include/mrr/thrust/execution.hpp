@@ -4,8 +4,11 @@
 //     column-strided input is an error, never a silent copy);
 //   - Execution: the CUDA stream work is queued on (ignored on the OpenMP and host systems);
 //   - Workspace: caller memory (torch's caching allocator, say) for whatever temporary storage an
-//     operation needs, sized by the operation's workspace_bytes(...); Thrust's temporaries come
-//     from it through WorkspaceAllocator, so nothing is allocated once it is given.
+//     operation needs, sized by the operation's workspace_bytes(...); WorkspaceArena carves it into
+//     the operation's arrays and serves Thrust's temporaries, so nothing is allocated once it is
+//     given;
+//   - DeviceStatus: an error found on the device, in caller memory, read when the caller chooses
+//     (read_status; the check_* conveniences synchronise and throw).
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -36,9 +39,10 @@ using stream_t = cudaStream_t;
 using stream_t = void*;  // no streams: work runs on the calling thread's OpenMP team
 #endif
 
-// Where an operation runs: the stream (nullptr: the default stream). Device-side results are
-// ready once the stream reaches them; the view functions never synchronise except the check_*
-// conveniences, which must read a result on the host.
+// Where an operation runs: the caller's stream (torch.cuda.current_stream(), Megatron's, vLLM's;
+// nullptr: the default stream). Device-side results are ready once the stream reaches them; the
+// view functions never synchronise except the check_* conveniences, which must read a result on
+// the host.
 struct Execution {
   stream_t stream = nullptr;
 };
@@ -60,17 +64,23 @@ struct MatrixView {
   bool empty() const { return data == nullptr; }
 };
 
-// Checks that `m` is a usable [rows, cols] view (rows < 0 takes its own row count).
+// A [rows, cols] view with the given row stride (default: contiguous rows).
+template <class T>
+MatrixView<T> matrix_view(T* data, long rows, long cols, long row_stride = -1) {
+  return {data, rows, cols, row_stride < 0 ? cols : row_stride};
+}
+
+// Checks that `m` is a usable [rows, cols] view.
 template <class T>
 void require_view(const MatrixView<T>& m, long rows, long cols, const char* fn, const char* name) {
-  detail::require(m.data != nullptr || m.rows == 0, fn, "'", name, "' is a null pointer");
-  detail::require(m.col_stride == 1, fn, "'", name, "' has column stride ", m.col_stride,
-                  ": rows must be contiguous (column stride 1); copy a column-major or strided tensor first "
-                  "(torch: .contiguous())");
-  detail::require(m.rows == rows && m.cols == cols, fn, "'", name, "' has shape [", m.rows, ", ", m.cols,
-                  "], expected [", rows, ", ", cols, "]");
-  detail::require(m.row_stride >= m.cols, fn, "'", name, "' has row stride ", m.row_stride, " for ", m.cols,
-                  " columns: rows would overlap");
+  mrr::detail::require(m.data != nullptr || m.rows * m.cols == 0, fn, "'", name, "' is a null pointer");
+  mrr::detail::require(m.col_stride == 1, fn, "'", name, "' has column stride ", m.col_stride,
+                       ": rows must be contiguous (column stride 1); copy a column-major or strided tensor first "
+                       "(torch: .contiguous())");
+  mrr::detail::require(m.rows == rows && m.cols == cols, fn, "'", name, "' has shape [", m.rows, ", ", m.cols,
+                       "], expected [", rows, ", ", cols, "]");
+  mrr::detail::require(m.row_stride >= m.cols, fn, "'", name, "' has row stride ", m.row_stride, " for ", m.cols,
+                       " columns: rows would overlap");
 }
 
 // Caller memory for temporaries, `bytes` long, suitably aligned (any cudaMalloc or torch buffer
@@ -80,37 +90,85 @@ struct Workspace {
   std::size_t bytes = 0;
 };
 
-// Thrust's allocator interface over a Workspace: a bump allocation that never frees (a call's
-// temporaries live until it returns) and fails with a clear error when the workspace is short.
-class WorkspaceAllocator {
+// An error found on the device, in caller memory: code 0 is success; `index` says where (a slot,
+// a row). Written by the kernels, read by the caller when it chooses (read_status).
+struct DeviceStatus {
+  std::int32_t code = 0;
+  std::int64_t index = -1;
+};
+inline constexpr std::int32_t status_ok = 0;
+inline constexpr std::int32_t status_expert_out_of_range = 1;  // index: the slot t * k + j
+
+inline constexpr std::size_t kWorkspaceAlignment = 256;  // cudaMalloc's, enough for every type
+
+namespace detail {
+
+inline std::size_t align_up(std::size_t bytes) {
+  return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+}
+
+// Bytes of n T's in a workspace, aligned as WorkspaceArena::take places them.
+template <class T>
+std::size_t workspace_array_bytes(std::size_t n) {
+  return align_up(n * sizeof(T));
+}
+
+}  // namespace detail
+
+// A bump allocator over a Workspace: take<T>(n) carves the operation's arrays, and it is Thrust's
+// allocator (value_type, allocate, deallocate) for the temporaries of algorithms run with
+// execution_policy(...). Nothing is freed before the call returns; running out is an error naming
+// the call (the workspace was smaller than its workspace_bytes query).
+class WorkspaceArena {
  public:
   using value_type = char;
-  static constexpr std::size_t kAlignment = 256;  // cudaMalloc's, enough for every type
 
-  WorkspaceAllocator(Workspace ws, const char* fn) : ws_(ws), fn_(fn) {}
-
-  char* allocate(std::ptrdiff_t n) {
-    const std::size_t offset = (used_ + kAlignment - 1) / kAlignment * kAlignment;
-    const auto bytes = static_cast<std::size_t>(n);
-    if (ws_.data == nullptr || offset + bytes > ws_.bytes) [[unlikely]]
-      detail::throw_invalid_argument(fn_, "the workspace of ", ws_.bytes, " bytes is too small: ", offset + bytes,
-                                     " bytes are needed (size it with workspace_bytes(...))");
-    used_ = offset + bytes;
-    return static_cast<char*>(ws_.data) + offset;
+  // `required`: the operation's workspace_bytes(...), checked up front.
+  WorkspaceArena(Workspace w, std::size_t required, const char* fn)
+      : base_(static_cast<char*>(w.data)), bytes_(w.bytes), fn_(fn) {
+    mrr::detail::require(w.bytes >= required, fn, "the workspace has ", w.bytes, " bytes; workspace_bytes asks for ",
+                         required);
+    mrr::detail::require(required == 0 || w.data != nullptr, fn, "the workspace pointer is null");
   }
-  void deallocate(char*, std::size_t) {}
+  WorkspaceArena(Workspace w, const char* fn) : WorkspaceArena(w, 0, fn) {}
+
+  template <class T>
+  T* take(std::size_t n) {
+    return reinterpret_cast<T*>(carve(detail::workspace_array_bytes<T>(n)));
+  }
+
+  char* allocate(std::ptrdiff_t n) { return carve(detail::align_up(static_cast<std::size_t>(n))); }
+  void deallocate(char*, std::size_t) noexcept {}  // the caller's memory: released with the call
+
+  // A copyable handle for policies that take their allocator by value.
+  struct TemporaryAllocator {
+    using value_type = char;
+    WorkspaceArena* arena;
+    char* allocate(std::ptrdiff_t n) { return arena->allocate(n); }
+    void deallocate(char*, std::size_t) noexcept {}
+  };
+  TemporaryAllocator temporary_allocator() { return {this}; }
 
  private:
-  Workspace ws_;
+  char* carve(std::size_t bytes) {
+    if (base_ == nullptr || used_ + bytes > bytes_) [[unlikely]]
+      mrr::detail::throw_invalid_argument(fn_, "the workspace of ", bytes_, " bytes is too small: ", used_ + bytes,
+                                          " bytes are needed (size it with workspace_bytes(...))");
+    char* p = base_ + used_;
+    used_ += bytes;
+    return p;
+  }
+  char* base_;
+  std::size_t bytes_, used_ = 0;
   const char* fn_;
-  std::size_t used_ = 0;
 };
+using WorkspaceAllocator = WorkspaceArena;
 
 // The execution policy of a view call on Backend: Thrust's system for it, the caller's stream and
-// temporaries from `alloc`. On CUDA par_nosync: algorithms that need not return a value to the
-// host do not synchronise.
-template <class Backend>
-auto execution_policy(const Execution& exec, WorkspaceAllocator& alloc) {
+// temporaries from `alloc` (a WorkspaceArena or its TemporaryAllocator). On CUDA par_nosync:
+// algorithms that need not return a value to the host do not synchronise.
+template <class Backend = ThrustDeviceBackend, class Alloc>
+auto execution_policy(const Execution& exec, Alloc& alloc) {
   if constexpr (std::is_same_v<Backend, ThrustBackend<ThrustHostSystem>>) {
     (void)exec;
     return thrust::cpp::par(alloc);
@@ -135,13 +193,47 @@ void copy_to_host(const Execution& exec, const U* src, std::size_t n, U* dst) {
   if constexpr (Backend::is_device) {
     cudaError_t e = cudaMemcpyAsync(dst, src, n * sizeof(U), cudaMemcpyDeviceToHost, exec.stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(exec.stream);
-    if (e != cudaSuccess) throw std::runtime_error(detail::str("mrr::device::copy_to_host: ", cudaGetErrorString(e)));
+    if (e != cudaSuccess)
+      throw std::runtime_error(mrr::detail::str("mrr::device::copy_to_host: ", cudaGetErrorString(e)));
     return;
   }
 #endif
   (void)exec;
-  for (std::size_t i = 0; i < n; ++i)
-    dst[i] = src[i];
+  for (std::size_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+namespace detail {
+
+using device::execution_policy;
+using device::require_view;
+using device::WorkspaceArena;
+
+// Sets the status once per call (the host side writes it before any kernel runs).
+inline void reset_status(DeviceStatus* status, const Execution& x) {
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
+  static const DeviceStatus ok{};  // static: the asynchronous copy may read it after we return
+  const cudaError_t err = cudaMemcpyAsync(status, &ok, sizeof ok, cudaMemcpyHostToDevice, x.stream);
+  if (err != cudaSuccess) throw std::runtime_error(mrr::detail::str("mrr::device status: ", cudaGetErrorString(err)));
+#else
+  (void)x;
+  *status = DeviceStatus{};
+#endif
+}
+
+}  // namespace detail
+
+// Waits for the stream and returns the status the kernels left (the checking convenience's half).
+inline DeviceStatus read_status(const DeviceStatus* status, const Execution& x) {
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
+  DeviceStatus s;
+  cudaError_t err = cudaMemcpyAsync(&s, status, sizeof s, cudaMemcpyDeviceToHost, x.stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(x.stream);
+  if (err != cudaSuccess) throw std::runtime_error(mrr::detail::str("mrr::device status: ", cudaGetErrorString(err)));
+  return s;
+#else
+  (void)x;
+  return *status;
+#endif
 }
 
 }  // namespace device

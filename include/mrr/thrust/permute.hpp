@@ -1,167 +1,198 @@
 // mrr-requires: mrr_thrust_omp
-// Expert-major permutation of a top-k routing on a Thrust system (the device mirror of
-// make_expert_permutation / permute_tokens / combine in router/permute.hpp): rows for expert 0
-// first, each expert's tokens in ascending token order (a counting sort of the slots by expert:
-// count, scan, place; stable by construction), and a combine that accumulates each token's k
-// expert outputs in slot order, in Accum precision, so the result never depends on how rows were
-// produced or arrived.
+// Expert-major permutation of a top-k routing, permute, combine and their backward on a Thrust
+// system (CUDA on a GPU, OpenMP in CI): the kernels of mrr/kernels/permute.hpp (the CPU's too)
+// run as Thrust work items. Rows for expert 0 first, each expert's tokens in ascending token order
+// (a counting sort of the slots by expert: count, scan, place; stable by construction); combine
+// accumulates each token's k expert outputs in slot order, in Accum, so the result never depends
+// on how rows were produced or arrived.
+//
+// Two faces. The views (DESIGN.md section 11) take the caller's memory: MatrixView pointers with
+// extents and row strides, int32 or int64 ids (range-checked on the device: an int64 id of
+// 2^32 + e is out of range, never e), outputs written into caller buffers, the caller's stream
+// (Execution), workspace sized by permutation_workspace_bytes, and errors into a DeviceStatus the
+// caller checks when it chooses (check_permutation synchronises and throws). Given its workspace,
+// no call allocates. The Thrust-vector functions are a thin owning layer over the views.
 #pragma once
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/permute.hpp>
 #include <mrr/thrust/backend.hpp>
+#include <mrr/thrust/execution.hpp>
 
 #include <thrust/adjacent_difference.h>
 #include <thrust/for_each.h>
-#include <thrust/functional.h>
 #include <thrust/iterator/counting_iterator.h>
-#include <thrust/reduce.h>
-#include <thrust/scan.h>
 
 #if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_OMP
 #include <omp.h>
 #endif
 
+#include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 MRR_NAMESPACE_BEGIN
 namespace device {
 
-// Where every (token, slot) goes in the expert-major order (int32 indices: tokens * k < 2^31).
-template <class Backend = ThrustDeviceBackend>
-struct ExpertPermutation {
-  typename Backend::template vector<std::int32_t> source_token;   // [rows]
-  typename Backend::template vector<std::int32_t> expert_offsets;  // [experts + 1]; tokens_per_expert = diff
-  typename Backend::template vector<std::int32_t> row_of_slot;     // [tokens, k]
+// The permutation in the caller's memory, for [tokens, k] slots (int32 indices: tokens * k < 2^31).
+struct PermutationView {
+  std::int32_t* source_token = nullptr;    // [tokens * k]: rows [0, expert_offsets[E]) are written
+  std::int32_t* row_of_slot = nullptr;     // [tokens * k]: -1 for a dropped slot
+  std::int32_t* expert_offsets = nullptr;  // [E + 1]: expert e's rows are [offsets[e], offsets[e + 1])
   long tokens = 0;
-  int topk = 0;
-  long rows() const { return static_cast<long>(source_token.size()); }
+  int topk = 0, num_experts = 0;
 };
+
+// Per-work-item scratch of the counting sort lives on the thread's stack, so experts are bounded.
+inline constexpr int kMaxPermuteExperts = 1024;
 
 namespace kernels {
 
-// The permutation is a counting sort of the slots by expert, stable by construction: the slots
-// are cut into chunks; each chunk counts its experts (histogram [experts, chunks], expert-major);
-// one exclusive scan of that histogram gives every (expert, chunk) its first row; each chunk then
-// places its slots in slot order. Three passes over the ids and no comparison sort.
+// Count, scan, place (kernels/permute.hpp) over chunks of slots; the histogram is expert-major
+// [experts, chunks], so a chunk's first rows are a column of it.
+template <class Id>
 struct CountChunk {
-  const std::int32_t* ids;
-  std::int32_t* histogram;  // [experts, chunks]
-  std::uint8_t* bad;        // [chunks] 1 where an id is outside [0, experts)
+  const Id* ids;
+  const std::uint8_t* kept;
+  std::int32_t* histogram;
+  long* bad;  // [chunks] first out-of-range slot of the chunk, or -1
   long slots, chunk;
   int num_experts, chunks;
   MRR_HOST_DEVICE void operator()(int c) const {
     const long lo = c * chunk, hi = lo + chunk < slots ? lo + chunk : slots;
-    bool out_of_range = false;
 #if defined(__CUDA_ARCH__)
-    for (int e = 0; e < num_experts; ++e) histogram[static_cast<long>(e) * chunks + c] = 0;
-    for (long s = lo; s < hi; ++s) {
-      const std::int32_t e = ids[s];
-      if (e < 0 || e >= num_experts) {
-        out_of_range = true;
-        continue;
-      }
-      ++histogram[static_cast<long>(e) * chunks + c];
-    }
+    bad[c] = mrr::kernels::count_experts(ids, kept, lo, hi, num_experts, histogram + c, chunks);
 #else
     // CPU threads count in a private array: the expert-major histogram puts the counters of
     // neighbouring chunks in one cache line, and incrementing them in place from several threads
     // made 2 threads 2-3 x slower than 1 (measured: 4.5-6.7 ms against 1.9 ms).
-    std::int32_t count[1024] = {};  // kMaxExperts of the router
-    for (long s = lo; s < hi; ++s) {
-      const std::int32_t e = ids[s];
-      const bool in_range = static_cast<std::uint32_t>(e) < static_cast<std::uint32_t>(num_experts);
-      out_of_range |= !in_range;
-      count[in_range ? e : 0] += in_range ? 1 : 0;
-    }
+    std::int32_t count[kMaxPermuteExperts];
+    bad[c] = mrr::kernels::count_experts(ids, kept, lo, hi, num_experts, count, 1);
     for (int e = 0; e < num_experts; ++e) histogram[static_cast<long>(e) * chunks + c] = count[e];
 #endif
-    bad[c] = out_of_range ? 1 : 0;
   }
 };
 
+// Expert e's chunks, scanned in place; totals[e] = its rows.
+struct ScanExpert {
+  std::int32_t* histogram;
+  std::int32_t* totals;
+  long chunks;
+  MRR_HOST_DEVICE void operator()(int e) const {
+    totals[e] = static_cast<std::int32_t>(mrr::kernels::scan_histogram<std::int32_t, std::int32_t>(
+        histogram + static_cast<long>(e) * chunks, 1, chunks, 0, 1, nullptr));
+  }
+};
+
+// One work item: the experts' offsets from their totals, and the first bad slot into the status.
+struct FinishScan {
+  std::int32_t* totals;
+  std::int32_t* offsets;
+  const long* bad;
+  DeviceStatus* status;
+  long chunks;
+  int num_experts;
+  MRR_HOST_DEVICE void operator()(int) const {
+    mrr::kernels::scan_histogram(totals, num_experts, 1, 1, 1, offsets);
+    for (long c = 0; c < chunks; ++c)
+      if (bad[c] >= 0) {
+        status->code = status_expert_out_of_range;
+        status->index = bad[c];
+        return;
+      }
+  }
+};
+
+template <class Id>
 struct PlaceChunk {
-  const std::int32_t* ids;
-  const std::int32_t* first_row;  // [experts, chunks] exclusive scan of the histogram
+  const Id* ids;
+  const std::uint8_t* kept;
+  const std::int32_t* histogram;  // scanned per expert
+  const std::int32_t* offsets;
   std::int32_t* source_token;
   std::int32_t* row_of_slot;
+  const DeviceStatus* status;
   long slots, chunk;
   int num_experts, chunks, k;
   MRR_HOST_DEVICE void operator()(int c) const {
-    std::int32_t next[1024];  // kMaxExperts of the router
-    for (int e = 0; e < num_experts; ++e) next[e] = first_row[static_cast<long>(e) * chunks + c];
+    if (status->code != status_ok) return;  // a bad id has no row to go to
+    std::int32_t next[kMaxPermuteExperts];
+    for (int e = 0; e < num_experts; ++e) next[e] = offsets[e] + histogram[static_cast<long>(e) * chunks + c];
     const long lo = c * chunk, hi = lo + chunk < slots ? lo + chunk : slots;
-    for (long s = lo; s < hi; ++s) {
-      const std::int32_t r = next[ids[s]]++;
-      source_token[r] = static_cast<std::int32_t>(s / k);
-      row_of_slot[s] = r;
-    }
+    mrr::kernels::place_slots(ids, kept, lo, hi, k, next, 1, source_token, row_of_slot);
   }
 };
 
-// expert_offsets[e] = first_row[e, 0]; expert_offsets[experts] = slots.
-struct ExpertOffsets {
-  const std::int32_t* first_row;
-  std::int32_t* offsets;
-  int chunks, num_experts;
-  std::int32_t slots;
-  MRR_HOST_DEVICE void operator()(int e) const {
-    offsets[e] = e == num_experts ? slots : first_row[static_cast<long>(e) * chunks];
-  }
-};
+// Rows are cut into pieces of kCombineColumns columns on a GPU (many independent work items); on
+// CPU threads a row is one work item.
+inline long pieces_per_row(long cols, bool host_system) {
+  return host_system || cols == 0 ? 1 : (cols + mrr::kernels::kCombineColumns - 1) / mrr::kernels::kCombineColumns;
+}
 
-// Rows are copied in chunks of kChunk contiguous elements: many independent work items on a GPU;
-// on CPU threads a gathered row is one work item and one memcpy.
-inline constexpr long kChunk = 256;
+MRR_HOST_DEVICE inline void piece_bounds(long item, long pieces, long cols, long& row, long& lo, long& hi) {
+  const long length = (cols + pieces - 1) / pieces;
+  row = item / pieces;
+  lo = (item % pieces) * length;
+  hi = lo + length < cols ? lo + length : cols;
+}
 
+// out[r] = tokens[source_token[r]] for the permutation's rows (r < offsets[E], read on the device).
 template <class T>
 struct GatherRows {
   const T* tokens;
+  long tokens_stride;
   const std::int32_t* source_token;
+  const std::int32_t* rows;  // &expert_offsets[E]
   T* out;
-  long hidden, chunks_per_row;
+  long out_stride, cols, pieces;
   MRR_HOST_DEVICE void operator()(long item) const {
-    const long length = (hidden + chunks_per_row - 1) / chunks_per_row;
-    const long r = item / chunks_per_row, lo = (item % chunks_per_row) * length;
-    const long hi = lo + length < hidden ? lo + length : hidden;
-    const T* src = tokens + static_cast<long>(source_token[r]) * hidden;
-    T* dst = out + r * hidden;
-#if defined(__CUDA_ARCH__)
-    for (long h = lo; h < hi; ++h) dst[h] = src[h];
-#else
-    std::memcpy(dst + lo, src + lo, static_cast<std::size_t>(hi - lo) * sizeof(T));
-#endif
+    long r, lo, hi;
+    piece_bounds(item, pieces, cols, r, lo, hi);
+    if (r >= *rows) return;
+    mrr::kernels::copy_row(out + r * out_stride, tokens + static_cast<long>(source_token[r]) * tokens_stride, lo, hi);
   }
 };
 
-// Chunks per row for GatherRows: one on the OpenMP and host systems (rows are work items enough).
-inline long gather_chunks_per_row(long hidden, bool host_system) {
-  return host_system ? 1 : (hidden + kChunk - 1) / kChunk;
-}
-
-template <class T, class Accum>
+// out[t] = sum_j weights[t, j] * rows[row_of_slot[t, j]] (weight 1 when weights is null).
+template <class T, class W, class Accum>
 struct CombineRows {
-  const T* expert_out;
-  const T* weights;
+  const T* rows;
+  long rows_stride;
   const std::int32_t* row_of_slot;
+  const W* weights;
+  long weights_stride;
   T* out;
-  long hidden, chunks_per_row;
+  long out_stride, cols, pieces;
   int k;
   MRR_HOST_DEVICE void operator()(long item) const {
-    const long t = item / chunks_per_row, lo = (item % chunks_per_row) * kChunk;
-    const long hi = lo + kChunk < hidden ? lo + kChunk : hidden;
-    Accum acc[kChunk];
-    for (long h = lo; h < hi; ++h) acc[h - lo] = Accum(0);
-    for (int j = 0; j < k; ++j) {  // slot order: the sum never depends on arrival order
-      const std::int32_t r = row_of_slot[t * k + j];
-      if (r < 0) continue;
-      const Accum w = static_cast<Accum>(weights[t * k + j]);
-      const T* src = expert_out + static_cast<long>(r) * hidden;
-      for (long h = lo; h < hi; ++h) acc[h - lo] += static_cast<Accum>(src[h]) * w;
-    }
-    for (long h = lo; h < hi; ++h) out[t * hidden + h] = static_cast<T>(acc[h - lo]);
+    long t, lo, hi;
+    piece_bounds(item, pieces, cols, t, lo, hi);
+    mrr::kernels::combine_row<T, W, std::int32_t, Accum>(rows, rows_stride, row_of_slot + t * k,
+                                                         weights != nullptr ? weights + t * weights_stride : nullptr,
+                                                         k, nullptr, out + t * out_stride, lo, hi);
+  }
+};
+
+template <class T, class W, class Accum>
+struct CombineBackwardRows {
+  const T* grad_out;
+  long grad_out_stride;
+  const T* rows;
+  long rows_stride;
+  const std::int32_t* row_of_slot;
+  const W* weights;
+  long weights_stride;
+  T* grad_rows;
+  long grad_rows_stride;
+  W* grad_weights;
+  long grad_weights_stride;
+  long cols;
+  int k;
+  MRR_HOST_DEVICE void operator()(long t) const {
+    mrr::kernels::combine_backward_row<T, W, std::int32_t, Accum>(
+        grad_out + t * grad_out_stride, cols, rows, rows_stride, row_of_slot + t * k, weights + t * weights_stride, k,
+        grad_rows, grad_rows_stride, grad_weights != nullptr ? grad_weights + t * grad_weights_stride : nullptr);
   }
 };
 
@@ -180,6 +211,194 @@ inline int permutation_chunks(long slots) {
   return static_cast<int>(chunks < 1 ? 1 : chunks);
 }
 
+// Workspace of make_expert_permutation for [tokens, topk] slots over num_experts experts.
+inline std::size_t permutation_workspace_bytes(long tokens, int topk, int num_experts) {
+  const auto chunks = static_cast<std::size_t>(permutation_chunks(tokens * topk));
+  const auto experts = static_cast<std::size_t>(num_experts);
+  return detail::workspace_array_bytes<std::int32_t>(experts * chunks) + detail::workspace_array_bytes<long>(chunks) +
+         detail::workspace_array_bytes<std::int32_t>(experts);
+}
+
+namespace detail {
+
+inline void require_permutation(const PermutationView& p, const char* fn) {
+  mrr::detail::require(p.tokens >= 0 && p.topk > 0, fn, "the permutation needs tokens >= 0 and topk > 0, got ",
+                       p.tokens, " and ", p.topk);
+  mrr::detail::require(p.num_experts > 0 && p.num_experts <= kMaxPermuteExperts, fn, "num_experts=", p.num_experts,
+                       " outside the device limit [1, ", kMaxPermuteExperts, "]");
+  mrr::detail::require(static_cast<std::size_t>(p.tokens) * static_cast<std::size_t>(p.topk) < (std::size_t(1) << 31),
+                       fn, "tokens * k = ", p.tokens * p.topk, " exceeds the int32 row index");
+  mrr::detail::require(p.expert_offsets != nullptr && (p.tokens == 0 || (p.source_token && p.row_of_slot)), fn,
+                       "the permutation's arrays are null");
+}
+
+// The counting sort on any Thrust policy; ids [tokens, k] contiguous, kept null or [tokens * k].
+template <class Policy, class Id>
+void expert_permutation(const Policy& policy, const Id* ids, const std::uint8_t* kept, const PermutationView& p,
+                        WorkspaceArena& arena, DeviceStatus* status) {
+  const long slots = p.tokens * p.topk;
+  const int chunks = permutation_chunks(slots);
+  const long chunk = (slots + chunks - 1) / chunks;
+  auto* histogram = arena.take<std::int32_t>(static_cast<std::size_t>(p.num_experts) * chunks);
+  auto* bad = arena.take<long>(static_cast<std::size_t>(chunks));
+  auto* totals = arena.take<std::int32_t>(static_cast<std::size_t>(p.num_experts));
+  using thrust::counting_iterator;
+  thrust::for_each(policy, counting_iterator<int>(0), counting_iterator<int>(chunks),
+                   device::kernels::CountChunk<Id>{ids, kept, histogram, bad, slots, chunk, p.num_experts, chunks});
+  thrust::for_each(policy, counting_iterator<int>(0), counting_iterator<int>(p.num_experts),
+                   device::kernels::ScanExpert{histogram, totals, chunks});
+  thrust::for_each(policy, counting_iterator<int>(0), counting_iterator<int>(1),
+                   device::kernels::FinishScan{totals, p.expert_offsets, bad, status, chunks, p.num_experts});
+  thrust::for_each(policy, counting_iterator<int>(0), counting_iterator<int>(chunks),
+                   device::kernels::PlaceChunk<Id>{ids, kept, histogram, p.expert_offsets, p.source_token,
+                                                   p.row_of_slot, status, slots, chunk, p.num_experts, chunks,
+                                                   p.topk});
+}
+
+template <class Policy, class T, class W, class Accum>
+void combine_rows(const Policy& policy, MatrixView<const T> rows, MatrixView<const W> weights,
+                  const PermutationView& p, MatrixView<T> out, bool host_system) {
+  const long pieces = device::kernels::pieces_per_row(out.cols, host_system);
+  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(p.tokens * pieces),
+                   device::kernels::CombineRows<T, W, Accum>{rows.data, rows.row_stride, p.row_of_slot, weights.data,
+                                                             weights.row_stride, out.data, out.row_stride, out.cols, pieces,
+                                                             p.topk});
+}
+
+inline constexpr bool host_system = THRUST_DEVICE_SYSTEM != THRUST_DEVICE_SYSTEM_CUDA;
+
+}  // namespace detail
+
+// ---- Views: the caller's memory, stream and workspace ----
+
+// The permutation of ids [tokens, k] (int32 or int64, contiguous rows: a strided id matrix is an
+// error) into p; kept (null, or [tokens * k] 0/1) leaves dropped slots out. An id outside
+// [0, num_experts) sets *status (status_expert_out_of_range, index = the first such slot) and
+// leaves p's rows unwritten. Enqueued on x.stream; nothing waits.
+template <class Id>
+void make_expert_permutation(MatrixView<const Id> ids, const std::uint8_t* kept, const PermutationView& p,
+                             Workspace workspace, DeviceStatus* status, Execution x = {}) {
+  static_assert(std::is_same_v<Id, std::int32_t> || std::is_same_v<Id, std::int64_t>,
+                "device::make_expert_permutation takes int32 or int64 expert ids");
+  constexpr const char* fn = "device::make_expert_permutation";
+  detail::require_permutation(p, fn);
+  detail::require_view(ids, p.tokens, p.topk, fn, "ids");
+  mrr::detail::require(ids.row_stride == ids.cols, fn, "'ids' rows must be contiguous (row stride ", ids.row_stride,
+                       " for ", ids.cols, " ids); copy them first");
+  mrr::detail::require(status != nullptr, fn, "the status pointer is null");
+  detail::WorkspaceArena arena(workspace, permutation_workspace_bytes(p.tokens, p.topk, p.num_experts), fn);
+  auto alloc = arena.temporary_allocator();
+  detail::reset_status(status, x);
+  detail::expert_permutation(detail::execution_policy(x, alloc), ids.data, kept, p, arena, status);
+}
+
+namespace detail {
+
+inline void throw_on_status(const DeviceStatus& s, const PermutationView& p) {
+  if (s.code == status_expert_out_of_range)
+    mrr::detail::throw_invalid_argument("device::make_expert_permutation", "token ", s.index / p.topk, " slot ",
+                                        s.index % p.topk, " has an expert id outside [0, ", p.num_experts, ")");
+  mrr::detail::require(s.code == status_ok, "device::make_expert_permutation", "unknown device status ", s.code);
+}
+
+}  // namespace detail
+
+// Synchronises x.stream and throws if the permutation met a bad id (the checking convenience).
+inline void check_permutation(const DeviceStatus* status, const PermutationView& p, Execution x = {}) {
+  detail::throw_on_status(read_status(status, x), p);
+}
+
+// out[r] = tokens[source_token[r]] for the permutation's rows; out has room for tokens * k rows
+// (rows past the permutation's count are left as they are).
+template <class T>
+void permute_tokens(MatrixView<const T> tokens, const PermutationView& p, MatrixView<T> out, Execution x = {}) {
+  constexpr const char* fn = "device::permute_tokens";
+  detail::require_permutation(p, fn);
+  detail::require_view(tokens, p.tokens, tokens.cols, fn, "tokens");
+  detail::require_view(out, p.tokens * p.topk, tokens.cols, fn, "out");
+  const long pieces = kernels::pieces_per_row(tokens.cols, detail::host_system);
+  detail::WorkspaceArena arena({}, 0, fn);
+  auto alloc = arena.temporary_allocator();
+  thrust::for_each(detail::execution_policy(x, alloc), thrust::counting_iterator<long>(0),
+                   thrust::counting_iterator<long>(p.tokens * p.topk * pieces),
+                   kernels::GatherRows<T>{tokens.data, tokens.row_stride, p.source_token, p.expert_offsets + p.num_experts,
+                                          out.data, out.row_stride, tokens.cols, pieces});
+}
+
+// out[t] = sum_j weights[t, j] * expert_out[row_of_slot[t, j]], in slot order, in Accum.
+template <class T, class W, class Accum = mrr::kernels::accum_t<T>>
+void combine(MatrixView<const T> expert_out, MatrixView<const W> weights, const PermutationView& p,
+             MatrixView<T> out, Execution x = {}) {
+  constexpr const char* fn = "device::combine";
+  detail::require_permutation(p, fn);
+  detail::require_view(expert_out, p.tokens * p.topk, expert_out.cols, fn, "expert_out");
+  detail::require_view(weights, p.tokens, p.topk, fn, "weights");
+  detail::require_view(out, p.tokens, expert_out.cols, fn, "out");
+  detail::WorkspaceArena arena({}, 0, fn);
+  auto alloc = arena.temporary_allocator();
+  detail::combine_rows<decltype(detail::execution_policy(x, alloc)), T, W, Accum>(
+      detail::execution_policy(x, alloc), expert_out, weights, p, out, detail::host_system);
+}
+
+// Backward of permute_tokens: grad_tokens[t] = sum over t's kept slots, in slot order, of
+// grad_permuted[row_of_slot[t, j]] (in Accum); a token with every slot dropped gets zeros.
+template <class T, class Accum = mrr::kernels::accum_t<T>>
+void permute_tokens_backward(MatrixView<const T> grad_permuted, const PermutationView& p, MatrixView<T> grad_tokens,
+                             Execution x = {}) {
+  constexpr const char* fn = "device::permute_tokens_backward";
+  detail::require_permutation(p, fn);
+  detail::require_view(grad_permuted, p.tokens * p.topk, grad_permuted.cols, fn, "grad_permuted");
+  detail::require_view(grad_tokens, p.tokens, grad_permuted.cols, fn, "grad_tokens");
+  detail::WorkspaceArena arena({}, 0, fn);
+  auto alloc = arena.temporary_allocator();
+  const MatrixView<const T> no_weights{nullptr, p.tokens, p.topk, p.topk};
+  detail::combine_rows<decltype(detail::execution_policy(x, alloc)), T, T, Accum>(
+      detail::execution_policy(x, alloc), grad_permuted, no_weights, p, grad_tokens, detail::host_system);
+}
+
+// Backward of combine for the upstream gradient grad_out [tokens, hidden]: grad_expert_out[r] =
+// weights[t, j] * grad_out[t] at r = row_of_slot[t, j], and grad_weights[t, j] =
+// <grad_out[t], expert_out[r]> (0 for a dropped slot; grad_weights.data may be null).
+template <class T, class W, class Accum = mrr::kernels::accum_t<T>>
+void combine_backward(MatrixView<const T> grad_out, MatrixView<const T> expert_out, MatrixView<const W> weights,
+                      const PermutationView& p, MatrixView<T> grad_expert_out, MatrixView<W> grad_weights,
+                      Execution x = {}) {
+  constexpr const char* fn = "device::combine_backward";
+  detail::require_permutation(p, fn);
+  detail::require_view(expert_out, p.tokens * p.topk, expert_out.cols, fn, "expert_out");
+  detail::require_view(grad_out, p.tokens, expert_out.cols, fn, "grad_out");
+  detail::require_view(weights, p.tokens, p.topk, fn, "weights");
+  detail::require_view(grad_expert_out, p.tokens * p.topk, expert_out.cols, fn, "grad_expert_out");
+  if (grad_weights.data != nullptr) detail::require_view(grad_weights, p.tokens, p.topk, fn, "grad_weights");
+  detail::WorkspaceArena arena({}, 0, fn);
+  auto alloc = arena.temporary_allocator();
+  thrust::for_each(detail::execution_policy(x, alloc), thrust::counting_iterator<long>(0),
+                   thrust::counting_iterator<long>(p.tokens),
+                   kernels::CombineBackwardRows<T, W, Accum>{grad_out.data, grad_out.row_stride, expert_out.data,
+                                                             expert_out.row_stride, p.row_of_slot, weights.data,
+                                                             weights.row_stride, grad_expert_out.data,
+                                                             grad_expert_out.row_stride, grad_weights.data,
+                                                             grad_weights.row_stride, expert_out.cols, p.topk});
+}
+
+// ---- The owning layer: Thrust vectors of the backend's system, over the same kernels ----
+
+// Where every (token, slot) goes in the expert-major order (int32 indices: tokens * k < 2^31).
+template <class Backend = ThrustDeviceBackend>
+struct ExpertPermutation {
+  typename Backend::template vector<std::int32_t> source_token;   // [rows]
+  typename Backend::template vector<std::int32_t> expert_offsets;  // [experts + 1]; tokens_per_expert = diff
+  typename Backend::template vector<std::int32_t> row_of_slot;     // [tokens, k]
+  long tokens = 0;
+  int topk = 0;
+  long rows() const { return static_cast<long>(source_token.size()); }
+  PermutationView view() const {
+    auto* self = const_cast<ExpertPermutation*>(this);  // views carry mutable pointers; nothing is written
+    return {raw(self->source_token), raw(self->row_of_slot), raw(self->expert_offsets), tokens, topk,
+            static_cast<int>(expert_offsets.size()) - 1};
+  }
+};
+
 // The permutation of ids [tokens, k] (int32, every slot dispatched). Experts <= 1024.
 template <class Backend = ThrustDeviceBackend>
 ExpertPermutation<Backend> make_expert_permutation(const typename Backend::template vector<std::int32_t>& ids,
@@ -188,37 +407,22 @@ ExpertPermutation<Backend> make_expert_permutation(const typename Backend::templ
   const auto slots = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk);
   mrr::detail::require(ids.size() == slots, fn, "'ids' has ", ids.size(), " values, expected [", tokens, ", ", topk,
                        "]");
-  mrr::detail::require(slots < (std::size_t(1) << 31), fn, "tokens * k = ", slots, " exceeds the int32 row index");
-  mrr::detail::require(num_experts > 0 && num_experts <= 1024, fn, "num_experts=", num_experts,
-                       " outside the device limit [1, 1024]");
-  const auto policy = Backend::policy();
   ExpertPermutation<Backend> p;
   p.tokens = tokens;
   p.topk = topk;
-  const int chunks = permutation_chunks(static_cast<long>(slots));
-  const long chunk = (static_cast<long>(slots) + chunks - 1) / chunks;
-  typename Backend::template vector<std::int32_t> histogram(static_cast<std::size_t>(num_experts) * chunks);
-  typename Backend::template vector<std::uint8_t> bad(static_cast<std::size_t>(chunks));
-  const auto* id = thrust::raw_pointer_cast(ids.data());
-  thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(chunks),
-                   kernels::CountChunk{id, thrust::raw_pointer_cast(histogram.data()),
-                                       thrust::raw_pointer_cast(bad.data()), static_cast<long>(slots), chunk,
-                                       num_experts, chunks});
-  mrr::detail::require(thrust::reduce(policy, bad.begin(), bad.end(), 0, thrust::maximum<int>()) == 0, fn,
-                       "an expert id is outside [0, ", num_experts, ")");
-  thrust::exclusive_scan(policy, histogram.begin(), histogram.end(), histogram.begin());
-  p.expert_offsets.resize(static_cast<std::size_t>(num_experts) + 1);
-  thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(num_experts + 1),
-                   kernels::ExpertOffsets{thrust::raw_pointer_cast(histogram.data()),
-                                          thrust::raw_pointer_cast(p.expert_offsets.data()), chunks, num_experts,
-                                          static_cast<std::int32_t>(slots)});
   p.source_token.resize(slots);
   p.row_of_slot.resize(slots);
-  thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(chunks),
-                   kernels::PlaceChunk{id, thrust::raw_pointer_cast(histogram.data()),
-                                       thrust::raw_pointer_cast(p.source_token.data()),
-                                       thrust::raw_pointer_cast(p.row_of_slot.data()), static_cast<long>(slots), chunk,
-                                       num_experts, chunks, topk});
+  p.expert_offsets.resize(static_cast<std::size_t>(num_experts > 0 ? num_experts : 0) + 1);
+  PermutationView v = p.view();
+  v.num_experts = num_experts;
+  detail::require_permutation(v, fn);
+  const std::size_t bytes = permutation_workspace_bytes(tokens, topk, num_experts);
+  typename Backend::template vector<std::uint8_t> workspace(bytes);
+  typename Backend::template vector<DeviceStatus> status(1);
+  detail::WorkspaceArena arena({raw(workspace), bytes}, bytes, fn);
+  detail::expert_permutation(Backend::policy(), raw(ids), static_cast<const std::uint8_t*>(nullptr), v, arena,
+                             raw(status));
+  detail::throw_on_status(status[0], v);
   return p;
 }
 
@@ -239,11 +443,11 @@ void permute_tokens(const typename Backend::template vector<T>& tokens, long hid
   mrr::detail::require(tokens.size() == static_cast<std::size_t>(p.tokens * hidden), "device::permute_tokens",
                        "'tokens' has ", tokens.size(), " values, expected [", p.tokens, ", ", hidden, "]");
   if (out.size() != static_cast<std::size_t>(p.rows() * hidden)) out.resize(static_cast<std::size_t>(p.rows() * hidden));
-  const long chunks = kernels::gather_chunks_per_row(hidden, !Backend::is_device);
-  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(p.rows() * chunks),
-                   kernels::GatherRows<T>{thrust::raw_pointer_cast(tokens.data()),
-                                          thrust::raw_pointer_cast(p.source_token.data()),
-                                          thrust::raw_pointer_cast(out.data()), hidden, chunks});
+  const PermutationView v = p.view();
+  const long pieces = kernels::pieces_per_row(hidden, !Backend::is_device);
+  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(p.rows() * pieces),
+                   kernels::GatherRows<T>{raw(tokens), hidden, v.source_token, v.expert_offsets + v.num_experts,
+                                          raw(out), hidden, hidden, pieces});
 }
 
 // tokens [tokens, hidden] -> [rows, hidden], expert-major.
@@ -256,8 +460,7 @@ typename Backend::template vector<T> permute_tokens(const typename Backend::temp
 }
 
 // out[t] = sum_j weights[t, j] * expert_out[row_of_slot[t, j]] in slot order, accumulated in Accum.
-template <class T, class Backend = ThrustDeviceBackend,
-          class Accum = std::conditional_t<(sizeof(T) < sizeof(float)), float, T>>
+template <class T, class Backend = ThrustDeviceBackend, class Accum = mrr::kernels::accum_t<T>>
 typename Backend::template vector<T> combine(const typename Backend::template vector<T>& expert_out, long hidden,
                                              const typename Backend::template vector<T>& weights,
                                              const ExpertPermutation<Backend>& p) {
@@ -266,12 +469,10 @@ typename Backend::template vector<T> combine(const typename Backend::template ve
   mrr::detail::require(weights.size() == p.row_of_slot.size(), "device::combine", "'weights' has ", weights.size(),
                        " values, expected [", p.tokens, ", ", p.topk, "]");
   typename Backend::template vector<T> out(static_cast<std::size_t>(p.tokens * hidden));
-  const long chunks = (hidden + kernels::kChunk - 1) / kernels::kChunk;
-  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(p.tokens * chunks),
-                   kernels::CombineRows<T, Accum>{thrust::raw_pointer_cast(expert_out.data()),
-                                                  thrust::raw_pointer_cast(weights.data()),
-                                                  thrust::raw_pointer_cast(p.row_of_slot.data()),
-                                                  thrust::raw_pointer_cast(out.data()), hidden, chunks, p.topk});
+  detail::combine_rows<decltype(Backend::policy()), T, T, Accum>(
+      Backend::policy(), MatrixView<const T>{raw(expert_out), p.rows(), hidden, hidden},
+      MatrixView<const T>{raw(weights), p.tokens, p.topk, p.topk}, p.view(),
+      MatrixView<T>{raw(out), p.tokens, hidden, hidden}, !Backend::is_device);
   return out;
 }
 

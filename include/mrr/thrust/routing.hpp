@@ -15,6 +15,7 @@
 #include <mrr/router/row_error.hpp>
 #include <mrr/thrust/backend.hpp>
 #include <mrr/thrust/bf16.hpp>
+#include <mrr/thrust/capacity.hpp>
 #include <mrr/thrust/execution.hpp>
 #include <mrr/thrust/permute.hpp>
 
@@ -204,47 +205,6 @@ struct BackwardRows {
 template <class T>
 struct InvalidLogit {
   MRR_HOST_DEVICE bool operator()(T x) const { return !(x == x) || (x > T(0) && !(x * T(0) == T(0))); }
-};
-
-// Capacity: position i of the expert-major order (within an expert: best first) holds slot
-// order[i]; the expert's first `capacity` positions are kept, the others dropped (weight 0).
-template <class T>
-struct MarkKept {
-  const std::int32_t* order;
-  const std::int32_t* ids;
-  const std::int32_t* expert_offsets;
-  std::uint8_t* kept;
-  T* weights;
-  long capacity;
-  MRR_HOST_DEVICE void operator()(long i) const {
-    const std::int32_t s = order[i];
-    const bool keep = i - expert_offsets[ids[s]] < capacity;
-    kept[s] = keep ? 1 : 0;
-    if (!keep) weights[s] = T(0);
-  }
-};
-
-struct SlotOfRow {
-  const std::int32_t* row_of_slot;
-  std::int32_t* slot_of_row;
-  MRR_HOST_DEVICE void operator()(long s) const { slot_of_row[row_of_slot[s]] = static_cast<std::int32_t>(s); }
-};
-
-// Within an expert (rows are grouped by expert already), higher weight first; the sort is
-// stable, so equal weights keep ascending token order: the CPU's (key desc, token asc).
-template <class T>
-struct ExpertThenWeightDesc {
-  MRR_HOST_DEVICE bool operator()(const thrust::tuple<std::int32_t, T>& a, const thrust::tuple<std::int32_t, T>& b) const {
-    const std::int32_t ea = thrust::get<0>(a), eb = thrust::get<0>(b);
-    return ea < eb || (ea == eb && thrust::get<1>(a) > thrust::get<1>(b));
-  }
-};
-
-template <class T>
-struct ExpertAndWeightOfSlot {
-  const std::int32_t* ids;
-  const T* weights;
-  MRR_HOST_DEVICE thrust::tuple<std::int32_t, T> operator()(std::int32_t s) const { return {ids[s], weights[s]}; }
 };
 
 struct IsBadRow {
@@ -628,32 +588,13 @@ class TopKRouter {
     return out;
   }
 
-  // Megatron's token dropping on the top-k routing, in the CPU router's order (capacity.hpp):
-  // `position` keeps each expert's earliest tokens (the counting-sort permutation's order as is);
-  // `probs` its highest weights, ties to the lower token (a stable sort of each expert's rows by
-  // weight). Position decisions equal the CPU's exactly; probs decisions compare weights that may
-  // differ from the CPU's in the last bits, so a near-tie at the capacity edge can differ.
+  // Megatron's token dropping on the top-k routing, in the CPU router's order: the capacity view
+  // (thrust/capacity.hpp) over the routing's own vectors. Position decisions equal the CPU's
+  // exactly; probs decisions compare weights that may differ from the CPU's in the last bits, so a
+  // near-tie at the capacity edge can differ.
   void drop_over_capacity(Routing<T, Backend>& r) const {
-    const auto policy = Backend::policy();
-    const long slots = r.tokens * r.topk;
-    // Megatron get_capacity: ceil(tokens * k / E * capacity_factor) (router/capacity.hpp).
-    using std::ceil;
-    const double per_expert = static_cast<double>(slots) / static_cast<double>(num_experts());
-    const long capacity = static_cast<long>(ceil(per_expert * *config_.capacity_factor));
-    const auto p = make_expert_permutation<Backend>(r.ids, r.tokens, r.topk, num_experts());
-    vector<std::int32_t> order(static_cast<std::size_t>(slots));
-    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(slots),
-                     kernels::SlotOfRow{raw(p.row_of_slot), raw(order)});
-    if (config_.drop_policy == DropPolicy::probs) {
-      vector<thrust::tuple<std::int32_t, T>> keys(static_cast<std::size_t>(slots));
-      thrust::transform(policy, order.begin(), order.end(), keys.begin(),
-                        kernels::ExpertAndWeightOfSlot<T>{raw(r.ids), raw(r.weights)});
-      thrust::stable_sort_by_key(policy, keys.begin(), keys.end(), order.begin(), kernels::ExpertThenWeightDesc<T>{});
-    }
-    r.kept.resize(static_cast<std::size_t>(slots));
-    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(slots),
-                     kernels::MarkKept<T>{raw(order), raw(r.ids), raw(p.expert_offsets), raw(r.kept), raw(r.weights),
-                                          capacity});
+    device::drop_over_capacity<T, Backend>(r.ids, r.weights, r.kept, r.tokens, r.topk, num_experts(),
+                                           *config_.capacity_factor, config_.drop_policy);
   }
 
   RouterConfig config_;

@@ -1,0 +1,165 @@
+// The expert-major permutation of a top-k routing, the row copies that apply it, and combine
+// (DESIGN.md section 6), written once for every executor (the CPU's thread tiles, Thrust on any
+// system, CUDA kernels). Plain MRR_HOST_DEVICE code over raw pointers, extents and row strides;
+// failures come back as values, never exceptions.
+//
+// The permutation is a counting sort of the slots (t * k + j) by expert, stable by construction:
+// the slots are cut into chunks, each chunk counts its experts (count_experts), one exclusive scan
+// of the expert-major histogram [experts, chunks] gives every (expert, chunk) its first row, and
+// each chunk places its slots in slot order (place_slots). So each expert's rows are its tokens
+// in ascending order (Megatron's permute), whatever the chunking: executors choose chunks for
+// their hardware and every choice gives the same bits.
+//
+// Combine accumulates a token's k expert outputs in slot order in Accum (fp32 at least), so the
+// output and every gradient are independent of how rows were produced or arrived.
+#pragma once
+
+#include <mrr/detail/config.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+MRR_NAMESPACE_BEGIN
+namespace kernels {
+
+// fp32 accumulation for narrower types (bf16, fp16), the type itself otherwise.
+template <class T>
+using accum_t = std::conditional_t<(sizeof(T) < sizeof(float)), float, T>;
+
+// An id in [0, n): one unsigned compare, which also rejects negative ids of any signed type.
+template <class Id>
+MRR_HOST_DEVICE MRR_FORCEINLINE bool expert_in_range(Id e, int n) {
+  return static_cast<std::uint64_t>(static_cast<std::int64_t>(e)) < static_cast<std::uint64_t>(n);
+}
+
+// Counts the dispatched slots (kept[s] != 0, or all when kept is null) of [lo, hi) per expert into
+// count[e * stride], zeroed first. Returns the first slot whose id is outside [0, num_experts)
+// (kept or not: a bad id is an error wherever it is), or -1.
+template <class Id, class Index>
+MRR_HOST_DEVICE long count_experts(const Id* ids, const std::uint8_t* kept, long lo, long hi, int num_experts,
+                                   Index* count, long stride) {
+  for (int e = 0; e < num_experts; ++e) count[e * stride] = 0;
+  long bad = -1;
+  for (long s = lo; s < hi; ++s) {
+    const Id e = ids[s];
+    const bool in_range = expert_in_range(e, num_experts);
+    if (!in_range && bad < 0) bad = s;
+    // Branch-free: an out-of-range or dropped slot adds 0 to expert 0.
+    const bool take = in_range && (kept == nullptr || kept[s] != 0);
+    count[(take ? static_cast<long>(e) : 0L) * stride] += take ? 1 : 0;
+  }
+  return bad;
+}
+
+// Places the slots of [lo, hi) (ids already checked): next[e * stride] is expert e's next row and
+// advances; row_of_slot[s] = -1 for a dropped slot.
+template <class Id, class Index>
+MRR_HOST_DEVICE void place_slots(const Id* ids, const std::uint8_t* kept, long lo, long hi, int k, Index* next,
+                                 long stride, Index* source_token, Index* row_of_slot) {
+  for (long s = lo; s < hi; ++s) {
+    if (kept != nullptr && kept[s] == 0) {
+      row_of_slot[s] = Index(-1);
+      continue;
+    }
+    const Index r = next[static_cast<long>(ids[s]) * stride]++;
+    source_token[r] = static_cast<Index>(s / k);
+    row_of_slot[s] = r;
+  }
+}
+
+// Exclusive scan, in expert-major order, of the histogram whose (expert e, chunk c) count is
+// histogram[e * expert_stride + c * chunk_stride], in place; offsets[e] (experts + 1 entries, may
+// be null) = expert e's first row. Returns the number of rows. Serial: the CPU executor's scan (a
+// Thrust executor scans with its own algorithm and takes expert_offset below).
+template <class Index, class Offset>
+MRR_HOST_DEVICE long scan_histogram(Index* histogram, int num_experts, long chunks, long expert_stride,
+                                    long chunk_stride, Offset* offsets) {
+  long rows = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    if (offsets != nullptr) offsets[e] = static_cast<Offset>(rows);
+    for (long c = 0; c < chunks; ++c) {
+      Index& h = histogram[e * expert_stride + c * chunk_stride];
+      const long n = static_cast<long>(h);
+      h = static_cast<Index>(rows);
+      rows += n;
+    }
+  }
+  if (offsets != nullptr) offsets[num_experts] = static_cast<Offset>(rows);
+  return rows;
+}
+
+// offsets[e] of a histogram already scanned (exclusively) elsewhere: expert e's first row, and
+// offsets[num_experts] = rows.
+template <class Index, class Offset>
+MRR_HOST_DEVICE void expert_offset(const Index* first_row, long chunks, int num_experts, long rows, int e,
+                                   Offset* offsets) {
+  offsets[e] = static_cast<Offset>(e == num_experts ? rows : static_cast<long>(first_row[e * chunks]));
+}
+
+// dst[lo, hi) = src[lo, hi): one row (or a piece of one) of permute or of a gather.
+template <class T>
+MRR_HOST_DEVICE MRR_FORCEINLINE void copy_row(T* dst, const T* src, long lo, long hi) {
+#if defined(__CUDA_ARCH__)
+  for (long h = lo; h < hi; ++h) dst[h] = src[h];
+#else
+  std::memcpy(dst + lo, src + lo, static_cast<std::size_t>(hi - lo) * sizeof(T));
+#endif
+}
+
+// Columns a combine accumulates at a time (its Accum buffer lives in registers / on the stack).
+inline constexpr long kCombineColumns = 256;
+
+// out[lo, hi) = sum over j < n, in j order, of weight[j] * rows[row[j]][lo, hi) (weight 1 when
+// weights is null; row[j] < 0 is skipped: a dropped slot), then + addend[lo, hi) when given,
+// accumulated in Accum and rounded once. The combine of one token (row = its row_of_slot), the
+// backward of permute (no weights) and Megatron's unpermute (the token's rows, their probs).
+template <class T, class W, class Index, class Accum = accum_t<T>>
+MRR_HOST_DEVICE void combine_row(const T* rows, long row_stride, const Index* row, const W* weights, int n,
+                                 const T* addend, T* out, long lo, long hi) {
+  for (long c = lo; c < hi; c += kCombineColumns) {
+    const long end = c + kCombineColumns < hi ? c + kCombineColumns : hi;
+    Accum acc[kCombineColumns];
+    for (long h = c; h < end; ++h) acc[h - c] = Accum(0);
+    for (int j = 0; j < n; ++j) {  // slot order: the sum never depends on arrival order
+      const long r = static_cast<long>(row[j]);
+      if (r < 0) continue;
+      const Accum w = weights != nullptr ? static_cast<Accum>(weights[j]) : Accum(1);
+      const T* src = rows + r * row_stride;
+      for (long h = c; h < end; ++h) acc[h - c] += static_cast<Accum>(src[h]) * w;
+    }
+    if (addend != nullptr)
+      for (long h = c; h < end; ++h) acc[h - c] += static_cast<Accum>(addend[h]);
+    for (long h = c; h < end; ++h) out[h] = static_cast<T>(acc[h - c]);
+  }
+}
+
+// Backward of one token's combine out = sum_j w[j] * rows[row[j]]: for each kept slot j,
+// grad_rows[row[j]] = w[j] * grad_out and grad_weights[j] = <grad_out, rows[row[j]]> (columns in
+// order, in Accum); a dropped slot gets grad_weights[j] = 0. Each permuted row belongs to one slot
+// of one token, so tokens run in parallel without races. grad_weights may be null.
+template <class T, class W, class Index, class Accum = accum_t<T>>
+MRR_HOST_DEVICE void combine_backward_row(const T* grad_out, long cols, const T* rows, long row_stride,
+                                          const Index* row, const W* weights, int n, T* grad_rows,
+                                          long grad_row_stride, W* grad_weights) {
+  for (int j = 0; j < n; ++j) {
+    const long r = static_cast<long>(row[j]);
+    if (r < 0) {
+      if (grad_weights != nullptr) grad_weights[j] = W(0);
+      continue;
+    }
+    const Accum w = static_cast<Accum>(weights[j]);
+    const T* y = rows + r * row_stride;
+    T* g = grad_rows + r * grad_row_stride;
+    Accum dot = Accum(0);
+    for (long h = 0; h < cols; ++h) {
+      const Accum go = static_cast<Accum>(grad_out[h]);
+      g[h] = static_cast<T>(go * w);
+      dot += go * static_cast<Accum>(y[h]);
+    }
+    if (grad_weights != nullptr) grad_weights[j] = static_cast<W>(dot);
+  }
+}
+
+}  // namespace kernels
+MRR_NAMESPACE_END

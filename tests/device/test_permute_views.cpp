@@ -1,0 +1,366 @@
+// The device views of permute, combine, their backward and capacity dropping (DESIGN.md section
+// 11) on Thrust's OpenMP system, on buffers this test owns: int32 and int64 ids, strided rows,
+// results equal to the CPU functions bit for bit, the backward against the CPU and the explicit
+// formula, a bad int64 id (2^32 + e) rejected, and no allocation once the workspace is given
+// (operator new is replaced in this translation unit and counted).
+#include <mrr/router.hpp>
+#include <mrr/thrust/capacity.hpp>
+#include <mrr/thrust/permute.hpp>
+
+#include <doctest/doctest.h>
+
+#include "permute_views_body.hpp"
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <random>
+#include <vector>
+
+namespace {
+
+std::atomic<long> g_allocations{0};
+
+}  // namespace
+
+// Counts every allocation of this program (GCC sees malloc/free pair with new/delete here).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+void* operator new(std::size_t n) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+namespace dev = mrr::device;
+
+struct Problem {
+  long tokens = 777, hidden = 300, stride = 320;  // rows padded: the views take a row stride
+  int experts = 16, k = 4;
+  mrr::Routing<float> routing;
+  std::vector<float> x, expert_out, grad_out;  // [tokens | rows, stride]
+};
+
+Problem make_problem(double capacity_factor = 0) {
+  Problem p;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> n(0.f, 1.f);
+  mrr::RowMatrix<float> z(p.tokens, p.experts);
+  for (Eigen::Index i = 0; i < z.size(); ++i) z.data()[i] = n(rng);
+  auto cfg = mrr::presets::qwen3_moe(p.experts, p.k, true);
+  if (capacity_factor > 0) cfg.capacity_factor = capacity_factor;
+  p.routing = mrr::TopKRouter<float>(cfg).route(z);
+  auto fill = [&](std::vector<float>& v, long rows) {
+    v.assign(static_cast<std::size_t>(rows * p.stride), -99.f);  // padding must never be read into results
+    for (long r = 0; r < rows; ++r)
+      for (long h = 0; h < p.hidden; ++h) v[static_cast<std::size_t>(r * p.stride + h)] = n(rng);
+  };
+  fill(p.x, p.tokens);
+  fill(p.expert_out, p.tokens * p.k);
+  fill(p.grad_out, p.tokens);
+  return p;
+}
+
+// The [rows, hidden] block of a strided buffer as a dense Eigen matrix (for the CPU functions).
+mrr::RowMatrix<float> dense(const std::vector<float>& v, long rows, long hidden, long stride) {
+  mrr::RowMatrix<float> m(rows, hidden);
+  for (long r = 0; r < rows; ++r)
+    for (long h = 0; h < hidden; ++h) m(r, h) = v[static_cast<std::size_t>(r * stride + h)];
+  return m;
+}
+
+bool same_block(const std::vector<float>& v, long stride, const mrr::RowMatrix<float>& m) {
+  for (Eigen::Index r = 0; r < m.rows(); ++r)
+    for (Eigen::Index c = 0; c < m.cols(); ++c)
+      if (v[static_cast<std::size_t>(r * stride + c)] != m(r, c)) return false;
+  return true;
+}
+
+// Every buffer a view call needs, owned here and sized once.
+template <class Id>
+struct Buffers {
+  std::vector<Id> ids;
+  std::vector<std::int32_t> source_token, row_of_slot, offsets;
+  std::vector<std::uint8_t> workspace;
+  dev::DeviceStatus status;
+  std::vector<float> permuted, combined, grad_x, grad_expert_out, grad_weights;
+  dev::PermutationView perm;
+  explicit Buffers(const Problem& p) {
+    const long slots = p.tokens * p.k;
+    ids.assign(p.routing.ids.data(), p.routing.ids.data() + slots);
+    source_token.resize(static_cast<std::size_t>(slots));
+    row_of_slot.resize(static_cast<std::size_t>(slots));
+    offsets.resize(static_cast<std::size_t>(p.experts) + 1);
+    workspace.resize(dev::permutation_workspace_bytes(p.tokens, p.k, p.experts));
+    permuted.assign(static_cast<std::size_t>(slots * p.stride), 0.f);
+    combined.assign(static_cast<std::size_t>(p.tokens * p.stride), 0.f);
+    grad_x.assign(combined.size(), 0.f);
+    grad_expert_out.assign(permuted.size(), 0.f);
+    grad_weights.assign(static_cast<std::size_t>(slots), 0.f);
+    perm = {source_token.data(), row_of_slot.data(), offsets.data(), p.tokens, p.k, p.experts};
+  }
+};
+
+// The whole forward and backward through the views (the body the CUDA test runs too); returns
+// the allocations it made.
+template <class Id>
+long run_views(const Problem& p, Buffers<Id>& b, const std::uint8_t* kept) {
+  mrr::test::PermuteViewCall<Id> c;
+  c.tokens = p.tokens;
+  c.hidden = p.hidden;
+  c.stride = p.stride;
+  c.experts = p.experts;
+  c.k = p.k;
+  c.ids = b.ids.data();
+  c.kept = kept;
+  c.x = p.x.data();
+  c.expert_out = p.expert_out.data();
+  c.grad_out = p.grad_out.data();
+  c.weights = p.routing.weights.data();
+  c.source_token = b.source_token.data();
+  c.row_of_slot = b.row_of_slot.data();
+  c.offsets = b.offsets.data();
+  c.workspace = b.workspace.data();
+  c.workspace_bytes = b.workspace.size();
+  c.status = &b.status;
+  c.permuted = b.permuted.data();
+  c.combined = b.combined.data();
+  c.grad_x = b.grad_x.data();
+  c.grad_expert_out = b.grad_expert_out.data();
+  c.grad_weights = b.grad_weights.data();
+  const long before = g_allocations.load();
+  mrr::test::run_permute_views(c, mrr::device::Execution{});
+  return g_allocations.load() - before;
+}
+
+template <class Id>
+void check_against_cpu(const Problem& p, const Buffers<Id>& b) {
+  const auto perm = mrr::make_expert_permutation(p.routing, p.experts);
+  REQUIRE(b.offsets.back() == perm.rows());
+  CHECK(std::equal(perm.source_token.begin(), perm.source_token.end(), b.source_token.begin()));
+  CHECK(std::equal(perm.row_of_slot.data(), perm.row_of_slot.data() + perm.row_of_slot.size(), b.row_of_slot.begin()));
+  const auto x = dense(p.x, p.tokens, p.hidden, p.stride);
+  CHECK(same_block(b.permuted, p.stride, mrr::permute_tokens<float>(x, perm)));
+  const auto y = dense(p.expert_out, perm.rows(), p.hidden, p.stride);
+  CHECK(same_block(b.combined, p.stride, mrr::combine<float>(y, p.routing, perm)));
+  CHECK(same_block(b.grad_x, p.stride, mrr::permute_tokens_backward<float>(y, perm)));
+  const auto g = mrr::combine_backward<float>(dense(p.grad_out, p.tokens, p.hidden, p.stride), y, p.routing, perm);
+  CHECK(same_block(b.grad_expert_out, p.stride, g.expert_out));
+  CHECK(std::equal(g.weights.data(), g.weights.data() + g.weights.size(), b.grad_weights.begin()));
+  // The explicit formula of combine's backward: d<g, out>/dw[t, j] = <g[t], y[row]>, d/dy[row] = w g[t].
+  double worst_rows = 0, worst_weights = 0;
+  for (long t = 0; t < p.tokens; ++t)
+    for (int j = 0; j < p.k; ++j) {
+      const auto r = perm.row_of_slot(t, j);
+      const auto s = static_cast<std::size_t>(t * p.k + j);
+      if (r < 0) {
+        CHECK(b.grad_weights[s] == 0.f);
+        continue;
+      }
+      double dot = 0;
+      for (long h = 0; h < p.hidden; ++h) {
+        const auto g_th = static_cast<double>(p.grad_out[static_cast<std::size_t>(t * p.stride + h)]);
+        dot += g_th * static_cast<double>(y(r, h));
+        worst_rows = std::max(worst_rows, std::abs(static_cast<double>(b.grad_expert_out[static_cast<std::size_t>(
+                                                       r * p.stride + h)]) -
+                                                   static_cast<double>(p.routing.weights(t, j)) * g_th));
+      }
+      worst_weights = std::max(worst_weights, std::abs(dot - static_cast<double>(b.grad_weights[s])));
+    }
+  CHECK(worst_rows < 1e-5);     // one fp32 rounding of w * g (|g| < 6)
+  CHECK(worst_weights < 1e-3);  // a 300-term fp32 dot product against the double one
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("device views: permute, combine and their backward equal the CPU's bit for bit, on strided rows",
+                   Id, std::int32_t, std::int64_t) {
+  const Problem p = make_problem();
+  Buffers<Id> b(p);
+  (void)run_views(p, b, nullptr);  // the first call may start the OpenMP thread pool
+  std::fill(b.combined.begin(), b.combined.end(), 0.f);
+  CHECK(run_views(p, b, nullptr) == 0);  // the workspace is given: nothing allocates
+  check_against_cpu(p, b);
+  // The padding past `hidden` in each output row is never written.
+  for (long t = 0; t < p.tokens; ++t) CHECK(b.combined[static_cast<std::size_t>(t * p.stride + p.hidden)] == 0.f);
+}
+
+TEST_CASE_TEMPLATE("device views: dropped slots (kept = 0) get no row and pass no gradient", Id, std::int32_t,
+                   std::int64_t) {
+  Problem p = make_problem(0.5);
+  REQUIRE(p.routing.has_capacity_mask());
+  Buffers<Id> b(p);
+  CHECK(run_views(p, b, p.routing.kept.data()) == 0);
+  check_against_cpu(p, b);
+}
+
+TEST_CASE_TEMPLATE("device views: an expert id outside [0, E) is reported in the status and rejected", Id,
+                   std::int32_t, std::int64_t) {
+  const Problem p = make_problem();
+  Buffers<Id> b(p);
+  const long bad_slot = 5 * p.k + 2;
+  // 2^32 + 3 is not expert 3: an int64 id is range-checked as is, never narrowed.
+  b.ids[static_cast<std::size_t>(bad_slot)] = std::is_same_v<Id, std::int64_t> ? static_cast<Id>((1LL << 32) + 3) : Id(-1);
+  const dev::Workspace ws{b.workspace.data(), b.workspace.size()};
+  dev::make_expert_permutation(dev::matrix_view<const Id>(b.ids.data(), p.tokens, p.k), nullptr, b.perm, ws, &b.status);
+  CHECK(b.status.code == dev::status_expert_out_of_range);
+  CHECK(b.status.index == bad_slot);
+  CHECK_THROWS_WITH_AS(dev::check_permutation(&b.status, b.perm), doctest::Contains("token 5 slot 2"),
+                       std::invalid_argument);
+  // A workspace smaller than asked for, and strided ids, are errors before anything runs.
+  CHECK_THROWS_WITH_AS(dev::make_expert_permutation(dev::matrix_view<const Id>(b.ids.data(), p.tokens, p.k), nullptr,
+                                                    b.perm, dev::Workspace{b.workspace.data(), 8}, &b.status),
+                       doctest::Contains("workspace_bytes"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(dev::make_expert_permutation(dev::matrix_view<const Id>(b.ids.data(), p.tokens / 2, p.k, 2 * p.k),
+                                                    nullptr, b.perm, ws, &b.status),
+                       doctest::Contains("'ids'"), std::invalid_argument);
+}
+
+TEST_CASE_TEMPLATE("device views: capacity dropping equals the CPU router's, without allocating", Id, std::int32_t,
+                   std::int64_t) {
+  for (const auto policy : {mrr::DropPolicy::probs, mrr::DropPolicy::position}) {
+    const Problem p = make_problem();
+    mrr::Routing<float> cpu = p.routing;
+    mrr::drop_over_capacity(cpu, p.experts, 0.6, policy);
+    const long slots = p.tokens * p.k;
+    std::vector<Id> ids(p.routing.ids.data(), p.routing.ids.data() + slots);
+    std::vector<float> weights(p.routing.weights.data(), p.routing.weights.data() + slots);
+    std::vector<std::uint8_t> kept(static_cast<std::size_t>(slots), 7);
+    std::vector<std::uint8_t> workspace(dev::drop_over_capacity_workspace_bytes(p.tokens, p.k, p.experts));
+    dev::DeviceStatus status;
+    const long before = g_allocations.load();
+    dev::drop_over_capacity(dev::matrix_view<const Id>(ids.data(), p.tokens, p.k),
+                            dev::matrix_view(weights.data(), p.tokens, p.k), kept.data(), p.experts, 0.6, policy,
+                            dev::Workspace{workspace.data(), workspace.size()}, &status);
+    CHECK(g_allocations.load() - before == 0);
+    CHECK(status.code == dev::status_ok);
+    CHECK(std::equal(kept.begin(), kept.end(), cpu.kept.data()));
+    CHECK(std::equal(weights.begin(), weights.end(), cpu.weights.data()));
+    CHECK(std::count(kept.begin(), kept.end(), 0) > 0);  // the capacity binds
+  }
+}
+
+TEST_CASE("kernels: the radix select finds the n-th smallest key, as std::nth_element does") {
+  std::mt19937_64 rng(3);
+  for (const long n : {1L, 2L, 17L, 1000L}) {
+    std::vector<std::uint64_t> keys(static_cast<std::size_t>(n));
+    for (auto& k : keys) k = rng() % 5 == 0 ? 42 : (rng() >> (rng() % 60));  // ties and every magnitude
+    for (long rank = 0; rank < n; rank += 1 + n / 7) {
+      auto sorted = keys;
+      std::nth_element(sorted.begin(), sorted.begin() + rank, sorted.end());
+      CHECK(mrr::kernels::select_key(keys.data(), n, rank) == sorted[static_cast<std::size_t>(rank)]);
+    }
+  }
+}
+
+namespace {
+
+// One forward and backward by an executor, as dense matrices for the checks below.
+struct Results {
+  std::vector<std::int64_t> source_token;
+  mrr::RowMatrix<float> permuted, combined, grad_x, grad_expert_out, grad_weights;
+};
+
+struct CpuExecutor {
+  static Results run(const Problem& p) {
+    const auto perm = mrr::make_expert_permutation(p.routing, p.experts);
+    const auto y = dense(p.expert_out, perm.rows(), p.hidden, p.stride);
+    const auto g = mrr::combine_backward<float>(dense(p.grad_out, p.tokens, p.hidden, p.stride), y, p.routing, perm);
+    return {perm.source_token, mrr::permute_tokens<float>(dense(p.x, p.tokens, p.hidden, p.stride), perm),
+            mrr::combine<float>(y, p.routing, perm), mrr::permute_tokens_backward<float>(y, perm), g.expert_out,
+            g.weights};
+  }
+};
+
+struct ThrustOmpExecutor {
+  static Results run(const Problem& p) {
+    Buffers<std::int32_t> b(p);
+    (void)run_views(p, b, p.routing.has_capacity_mask() ? p.routing.kept.data() : nullptr);
+    const long rows = b.offsets.back();
+    Results r;
+    r.source_token.assign(b.source_token.begin(), b.source_token.begin() + rows);
+    r.permuted = dense(b.permuted, rows, p.hidden, p.stride);
+    r.combined = dense(b.combined, p.tokens, p.hidden, p.stride);
+    r.grad_x = dense(b.grad_x, p.tokens, p.hidden, p.stride);
+    r.grad_expert_out = dense(b.grad_expert_out, rows, p.hidden, p.stride);
+    r.grad_weights = Eigen::Map<const mrr::RowMatrix<float>>(b.grad_weights.data(), p.tokens, p.k);
+    return r;
+  }
+};
+
+}  // namespace
+
+// Written once, run by every executor: each result against its definition, computed here by the
+// plainest loops in the same (slot) order, so equality is exact.
+TEST_CASE_TEMPLATE("permute and combine by every executor equal their definitions", Exec, CpuExecutor,
+                   ThrustOmpExecutor) {
+  for (const double capacity_factor : {0.0, 0.5}) {
+    CAPTURE(capacity_factor);
+    const Problem p = make_problem(capacity_factor);
+    const Results r = Exec::run(p);
+    // Expert-major, tokens ascending within an expert (Megatron's permute), dropped slots left out.
+    std::vector<std::int64_t> source, row_of(static_cast<std::size_t>(p.tokens * p.k), -1);
+    for (int e = 0; e < p.experts; ++e)
+      for (long t = 0; t < p.tokens; ++t)
+        for (int j = 0; j < p.k; ++j)
+          if (p.routing.ids(t, j) == e && p.routing.is_kept(t, j)) {
+            row_of[static_cast<std::size_t>(t * p.k + j)] = static_cast<std::int64_t>(source.size());
+            source.push_back(t);
+          }
+    REQUIRE(r.source_token == source);
+    const long rows = static_cast<long>(source.size());
+    const auto x = dense(p.x, p.tokens, p.hidden, p.stride);
+    const auto y = dense(p.expert_out, rows, p.hidden, p.stride);
+    const auto go = dense(p.grad_out, p.tokens, p.hidden, p.stride);
+    bool permuted = true, combined = true, grad_x = true, grad_y = true;
+    for (long i = 0; i < rows; ++i) permuted = permuted && r.permuted.row(i) == x.row(source[static_cast<std::size_t>(i)]);
+    for (long t = 0; t < p.tokens; ++t)
+      for (long h = 0; h < p.hidden; ++h) {
+        float out = 0.f, gx = 0.f;
+        for (int j = 0; j < p.k; ++j) {
+          const auto row = row_of[static_cast<std::size_t>(t * p.k + j)];
+          if (row < 0) continue;
+          out += y(row, h) * p.routing.weights(t, j);
+          gx += y(row, h);
+          grad_y = grad_y && r.grad_expert_out(row, h) == p.routing.weights(t, j) * go(t, h);
+        }
+        combined = combined && r.combined(t, h) == out;
+        grad_x = grad_x && r.grad_x(t, h) == gx;
+      }
+    CHECK(permuted);
+    CHECK(combined);
+    CHECK(grad_x);
+    CHECK(grad_y);
+    for (long t = 0; t < p.tokens; ++t)
+      for (int j = 0; j < p.k; ++j) {
+        const auto row = row_of[static_cast<std::size_t>(t * p.k + j)];
+        float dot = 0.f;
+        for (long h = 0; row >= 0 && h < p.hidden; ++h) dot += go(t, h) * y(row, h);
+        CHECK(r.grad_weights(t, j) == dot);
+      }
+  }
+}
+
+TEST_CASE("an empty batch permutes to no rows (CPU and views)") {
+  mrr::Routing<float> empty{mrr::ExpertIds(0, 2), mrr::RowMatrix<float>(0, 2), {}};
+  const auto perm = mrr::make_expert_permutation(empty, 4);
+  CHECK(perm.rows() == 0);
+  CHECK(perm.tokens_per_expert == std::vector<std::int64_t>(4, 0));
+  std::vector<std::int32_t> offsets(5, -1);
+  std::vector<std::uint8_t> workspace(dev::permutation_workspace_bytes(0, 2, 4));
+  dev::DeviceStatus status;
+  const dev::PermutationView p{nullptr, nullptr, offsets.data(), 0, 2, 4};
+  dev::make_expert_permutation(dev::matrix_view<const std::int32_t>(nullptr, 0, 2), nullptr, p,
+                               dev::Workspace{workspace.data(), workspace.size()}, &status);
+  dev::check_permutation(&status, p);
+  CHECK(offsets == std::vector<std::int32_t>(5, 0));
+}
