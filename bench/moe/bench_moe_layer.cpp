@@ -5,7 +5,9 @@
 // replays them (every row has a route, so the controller hands the router no mask). Also the
 // record forward itself, and the same replayed step on an InProcessGroup of 2 ranks (each with
 // half the tokens and half the experts). Baseline: native routing in the same run; the replayed
-// step should cost no more than it (replay skips the top-k selection).
+// step should cost no more than it (replay skips the top-k selection). Prints the median wall
+// time and this thread's CPU time per call; run with OMP_NUM_THREADS=1 on a shared machine, where
+// only the CPU time is stable.
 //
 // Uses only the API every version of MoELayer since the expert-parallel layer has (forward,
 // backward, RoutingReplay's passes), so the same source times the layer before and after a change.
@@ -20,6 +22,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <random>
 #include <string>
 #include <vector>
@@ -83,25 +86,49 @@ int reps() {
   return env ? std::max(1, std::atoi(env)) : 7;
 }
 
-// Median of reps() timed calls after one warm-up call.
+// This thread's CPU time in ms: with OMP_NUM_THREADS=1 it is all of a single-process step's work,
+// and unlike wall time it does not grow when other processes share the cores.
+double thread_cpu_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
+}
+
+struct Time {
+  double wall_ms = 0, cpu_ms = 0;
+};
+
+// Medians of reps() calls after one warm-up call.
 template <class F>
-double median_ms(F&& f) {
-  return mrr::bench::time_it(f, 0.0, reps()).median_s * 1e3;
+Time median_time(F&& f) {
+  f();
+  std::vector<double> wall, cpu;
+  for (int i = 0; i < reps(); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double c0 = thread_cpu_ms();
+    f();
+    cpu.push_back(thread_cpu_ms() - c0);
+    wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(wall.begin(), wall.end());
+  std::sort(cpu.begin(), cpu.end());
+  return {wall[wall.size() / 2], cpu[cpu.size() / 2]};
 }
 
 struct Row {
   std::string name;
-  double ms;
-  double baseline_ms;  // native routing, same phase (0: none)
+  Time time;
+  Time baseline;  // native routing, same phase (zero: none)
 };
 
 void print(const std::vector<Row>& rows) {
-  std::printf("%-40s %12s %14s %9s\n", "case", "median ms", "native ms", "ratio");
+  std::printf("%-44s %10s %10s %14s %9s\n", "case", "wall ms", "cpu ms", "native cpu ms", "cpu ratio");
   for (const Row& r : rows) {
-    if (r.baseline_ms > 0)
-      std::printf("%-40s %12.2f %14.2f %8.2fx\n", r.name.c_str(), r.ms, r.baseline_ms, r.ms / r.baseline_ms);
+    if (r.baseline.cpu_ms > 0)
+      std::printf("%-44s %10.2f %10.2f %14.2f %8.2fx\n", r.name.c_str(), r.time.wall_ms, r.time.cpu_ms,
+                  r.baseline.cpu_ms, r.time.cpu_ms / r.baseline.cpu_ms);
     else
-      std::printf("%-40s %12.2f %14s %9s\n", r.name.c_str(), r.ms, "-", "-");
+      std::printf("%-44s %10.2f %10.2f %14s %9s\n", r.name.c_str(), r.time.wall_ms, r.time.cpu_ms, "-", "-");
   }
 }
 
@@ -113,23 +140,24 @@ using ReplayLayer = mrr::MoELayer<mrr::TopKRouter<Scalar>, mrr::SwiGLUExperts<Sc
 template <class Layer>
 void time_phases(Layer& layer, const Matrix& x, const Matrix& dy, const char* label, std::vector<Row>& rows,
                  const std::vector<Row>* native) {
-  const double fwd = median_ms([&] { mrr::bench::do_not_optimize(layer.forward(x).output.data()); });
+  const Time fwd = median_time([&] { mrr::bench::do_not_optimize(layer.forward(x).output.data()); });
   const auto kept = layer.forward(x);
-  const double bwd = median_ms([&] { mrr::bench::do_not_optimize(layer.backward(kept, dy).input.data()); });
-  const double both = median_ms([&] {
+  const Time bwd = median_time([&] { mrr::bench::do_not_optimize(layer.backward(kept, dy).input.data()); });
+  const Time both = median_time([&] {
     const auto f = layer.forward(x);
     mrr::bench::do_not_optimize(layer.backward(f, dy).input.data());
   });
-  const double base[3] = {native ? (*native)[0].ms : 0, native ? (*native)[1].ms : 0, native ? (*native)[2].ms : 0};
+  const Time base[3] = {native ? (*native)[0].time : Time{}, native ? (*native)[1].time : Time{},
+                        native ? (*native)[2].time : Time{}};
   rows.push_back({std::string(label) + " forward", fwd, base[0]});
   rows.push_back({std::string(label) + " backward", bwd, base[1]});
   rows.push_back({std::string(label) + " forward+backward", both, base[2]});
 }
 
 // The replayed training step on P ranks of an InProcessGroup (threads): each rank its contiguous
-// token chunk, timed between barriers on rank 0.
-double replay_step_ep_ms(const Model& model, int ranks) {
-  double median = 0;
+// token chunk, timed between barriers on rank 0 (CPU time: rank 0's thread, half the work).
+Time replay_step_ep(const Model& model, int ranks) {
+  Time median;
   mrr::InProcessGroup(ranks).run([&](const mrr::InProcessComm& comm) {
     const Eigen::Index per = kTokens / ranks, begin = comm.rank() * per;
     const Matrix x = model.input.middleRows(begin, per), dy = model.grad_output.middleRows(begin, per);
@@ -142,19 +170,13 @@ double replay_step_ep_ms(const Model& model, int ranks) {
     replay.begin_pass(mrr::TrainingPass::old_log_prob);
     (void)layer.forward(x);
     replay.begin_pass(mrr::TrainingPass::actor_update);
-    std::vector<double> samples;
-    for (int i = -1; i < reps(); ++i) {  // i = -1 warms up
+    const Time t = median_time([&] {
       comm.barrier();
-      const auto t0 = std::chrono::steady_clock::now();
       const auto f = layer.forward(x);
       mrr::bench::do_not_optimize(layer.backward(f, dy).input.data());
       comm.barrier();
-      if (i >= 0) samples.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
-    if (comm.rank() == 0) {
-      std::sort(samples.begin(), samples.end());
-      median = samples[samples.size() / 2];
-    }
+    });
+    if (comm.rank() == 0) median = t;
   });
   return median;
 }
@@ -179,14 +201,14 @@ int main() {
   layer.set_gate_weight(model.gate);
   replay.set_micro_batch(layout_of(0, kTokens));
   replay.begin_pass(mrr::TrainingPass::old_log_prob);
-  const double record = median_ms([&] { mrr::bench::do_not_optimize(layer.forward(model.input).output.data()); });
-  replayed.push_back({"R2 record forward (old_log_prob)", record, native[0].ms});
+  const Time record = median_time([&] { mrr::bench::do_not_optimize(layer.forward(model.input).output.data()); });
+  replayed.push_back({"R2 record forward (old_log_prob)", record, native[0].time});
   replay.begin_pass(mrr::TrainingPass::actor_update);
   time_phases(layer, model.input, model.grad_output, "R2 replay", replayed, &native);
   const bool mask_free = replay.stats().mask_free_replays > 0;
 
-  const double ep2 = replay_step_ep_ms(model, 2);
-  replayed.push_back({"R2 replay forward+backward, P=2 in-process", ep2, native[2].ms});
+  const Time ep2 = replay_step_ep(model, 2);
+  replayed.push_back({"R2 replay forward+backward, P=2 (rank 0)", ep2, native[2].time});
 
   std::vector<Row> all = native;
   all.insert(all.end(), replayed.begin(), replayed.end());
