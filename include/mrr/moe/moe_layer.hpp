@@ -146,8 +146,9 @@ class MoELayer {
   // expert); f's matrices are reused when their shapes match.
   void dispatch(Forward& f) {
     TokenExchange<Scalar>::exchange_counts(comm_, f);
-    const RowMatrix<Scalar> permuted = permute_tokens<Scalar>(f.input, f.permutation);
-    exchange_.to_experts(comm_, permuted, f, f.expert_inputs);
+    // Into the layer's buffer: a fresh [T k, hidden] matrix per forward costs page faults.
+    permute_tokens_into<Scalar>(permuted_, f.input, f.permutation);
+    exchange_.to_experts(comm_, permuted_, f, f.expert_inputs);
   }
 
   // combine: the local experts' outputs (rows as in f.expert_inputs) -> f.expert_outputs (back on
@@ -280,6 +281,7 @@ class MoELayer {
   ExpertPlacement placement_ = ExpertPlacement::contiguous(1, 1);
   Gate<Scalar> gate_;
   TokenExchange<Scalar> exchange_;  // staging reused across calls
+  RowMatrix<Scalar> permuted_;      // this rank's rows in expert-major order, reused across calls
 };
 
 MRR_NAMESPACE_END
