@@ -22,7 +22,6 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <iomanip>
 #include <memory>
 #include <optional>
 #include <string>
@@ -180,10 +179,13 @@ struct TrainConfig {
                    str("in [1, ", mrr::RouteShape::kMaxLayers, "]"), model.layers);
     require_option(model.expert_hidden >= 1 && model.expert_hidden <= kMaxDimension, keys::expert_hidden, dimension,
                    model.expert_hidden);
-    if (const double parameters = parameter_count(model); parameters > static_cast<double>(kMaxParameters))
-      throw mrr::ConfigError(str("the model has ", std::fixed, std::setprecision(0), parameters,
-                                 " parameters, more than the example's ", kMaxParameters, " (2^28): lower ",
-                                 keys::layers, ", ", keys::experts, ", ", keys::hidden, " or ", keys::expert_hidden));
+    if (const double parameters = parameter_count(model); parameters > static_cast<double>(kMaxParameters)) {
+      char count[400];  // every digit of the double: the count may exceed 2^64
+      std::snprintf(count, sizeof count, "%.0f", parameters);
+      throw mrr::ConfigError(str("the model has ", count, " parameters, more than the example's ", kMaxParameters,
+                                 " (2^28): lower ", keys::layers, ", ", keys::experts, ", ", keys::hidden, " or ",
+                                 keys::expert_hidden));
+    }
   }
 
   void validate_ranks(int ranks) const {

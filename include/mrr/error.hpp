@@ -3,8 +3,8 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/str.hpp>
 
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -55,14 +55,6 @@ class PeerRankError : public std::runtime_error {
 };
 
 namespace detail {
-
-// Concatenates anything streamable; <format> is not available on every supported compiler.
-template <class... Args>
-std::string str(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
-  return os.str();
-}
 
 template <class... Args>
 [[noreturn]] void throw_invalid_argument(std::string_view function, Args&&... message) {
