@@ -10,6 +10,7 @@
 #include <mrr/error.hpp>
 
 #include <thrust/execution_policy.h>
+#include <thrust/memory.h>
 
 #if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
 #include <cuda_runtime_api.h>
@@ -21,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
+#include <utility>
 
 MRR_NAMESPACE_BEGIN
 namespace device {
@@ -114,6 +116,25 @@ class WorkspaceArena {
   char* base_;
   std::size_t bytes_, used_ = 0;
   const char* fn_;
+};
+
+// Workspace an owning (Thrust-vector) call allocates for itself, uninitialised: a zero-filled
+// vector would write (and on CPU threads fault in) every byte first, and the views write each
+// byte they read.
+template <class Policy>
+class OwnedWorkspace {
+ public:
+  OwnedWorkspace(const Policy& policy, std::size_t bytes)
+      : policy_(policy), data_(thrust::malloc<std::uint8_t>(policy, bytes)), bytes_(bytes) {}
+  ~OwnedWorkspace() { thrust::free(policy_, data_); }
+  OwnedWorkspace(const OwnedWorkspace&) = delete;
+  OwnedWorkspace& operator=(const OwnedWorkspace&) = delete;
+  Workspace get() const { return {thrust::raw_pointer_cast(data_), bytes_}; }
+
+ private:
+  Policy policy_;
+  decltype(thrust::malloc<std::uint8_t>(std::declval<const Policy&>(), std::size_t{})) data_;
+  std::size_t bytes_;
 };
 
 // The Thrust execution policy of a view call: the caller's stream, no synchronisation, temporary
