@@ -154,9 +154,10 @@ MRR_HOST_DEVICE void drop_segment(const Index* slot_of_row, long first, long las
                                   T* weights, std::uint8_t* kept, std::uint64_t* scratch, const Select& select) {
   const long n = last - first;
   std::uint64_t* key = scratch + n;
-  for (long i = 0; i < n; ++i)
-    key[i] = by_probs ? probs_key(weights[slot_of_row[first + i]]) : position_key(true);
-  SegmentCut cut = best_of_segment(key, n, capacity, scratch, select);
+  // position: every candidate is routed (one key), so the cut is the first `capacity` in token order.
+  for (long i = 0; i < n; ++i) key[i] = by_probs ? probs_key(weights[slot_of_row[first + i]]) : position_key(true);
+  SegmentCut cut = by_probs ? best_of_segment(key, n, capacity, scratch, select)
+                            : cut_segment(key, 1, n, capacity, position_key(true));
   for (long i = 0; i < n; ++i) {
     const long s = static_cast<long>(slot_of_row[first + i]);
     const bool keep = cut.keeps(key[i]);

@@ -390,9 +390,9 @@ void drop_over_capacity(const typename Backend::template vector<std::int32_t>& i
   const long capacity = static_cast<long>(expert_capacity(tokens, topk, num_experts, capacity_factor));
   kept.resize(slots);
   const std::size_t bytes = drop_over_capacity_workspace_bytes(tokens, topk, num_experts);
-  typename Backend::template vector<std::uint8_t> workspace(bytes);
+  const detail::OwnedWorkspace<decltype(Backend::policy())> workspace(Backend::policy(), bytes);
   typename Backend::template vector<DeviceStatus> status(1);
-  detail::WorkspaceArena arena({raw(workspace), bytes}, bytes, fn);
+  detail::WorkspaceArena arena(workspace.get(), bytes, fn);
   detail::drop_over_capacity(Backend::policy(), raw(ids), raw(weights), raw(kept), tokens, topk, num_experts,
                              capacity, policy, arena, raw(status));
   detail::throw_on_status(status[0], PermutationView{nullptr, nullptr, nullptr, tokens, topk, num_experts});

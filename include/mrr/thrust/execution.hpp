@@ -16,6 +16,7 @@
 #include <mrr/thrust/backend.hpp>
 
 #include <thrust/execution_policy.h>
+#include <thrust/memory.h>
 #if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
 #include <cuda_runtime_api.h>
 #include <thrust/system/cuda/execution_policy.h>
@@ -29,6 +30,7 @@
 #include <new>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 MRR_NAMESPACE_BEGIN
 namespace device {
@@ -164,6 +166,25 @@ class WorkspaceArena {
 };
 using WorkspaceAllocator = WorkspaceArena;
 
+// Workspace an owning (Thrust-vector) call allocates for itself, uninitialised: a zero-filled
+// vector would write (and on CPU threads fault in) every byte first, and the views write each
+// byte they read.
+template <class Policy>
+class OwnedWorkspace {
+ public:
+  OwnedWorkspace(const Policy& policy, std::size_t bytes)
+      : policy_(policy), data_(thrust::malloc<std::uint8_t>(policy, bytes)), bytes_(bytes) {}
+  ~OwnedWorkspace() { thrust::free(policy_, data_); }
+  OwnedWorkspace(const OwnedWorkspace&) = delete;
+  OwnedWorkspace& operator=(const OwnedWorkspace&) = delete;
+  Workspace get() const { return {thrust::raw_pointer_cast(data_), bytes_}; }
+
+ private:
+  Policy policy_;
+  decltype(thrust::malloc<std::uint8_t>(std::declval<const Policy&>(), std::size_t{})) data_;
+  std::size_t bytes_;
+};
+
 // The execution policy of a view call on Backend: Thrust's system for it, the caller's stream and
 // temporaries from `alloc` (a WorkspaceArena or its TemporaryAllocator). On CUDA par_nosync:
 // algorithms that need not return a value to the host do not synchronise.
@@ -205,6 +226,7 @@ void copy_to_host(const Execution& exec, const U* src, std::size_t n, U* dst) {
 namespace detail {
 
 using device::execution_policy;
+using device::OwnedWorkspace;
 using device::require_view;
 using device::WorkspaceArena;
 

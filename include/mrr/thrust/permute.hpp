@@ -417,9 +417,9 @@ ExpertPermutation<Backend> make_expert_permutation(const typename Backend::templ
   v.num_experts = num_experts;
   detail::require_permutation(v, fn);
   const std::size_t bytes = permutation_workspace_bytes(tokens, topk, num_experts);
-  typename Backend::template vector<std::uint8_t> workspace(bytes);
+  const detail::OwnedWorkspace<decltype(Backend::policy())> workspace(Backend::policy(), bytes);
   typename Backend::template vector<DeviceStatus> status(1);
-  detail::WorkspaceArena arena({raw(workspace), bytes}, bytes, fn);
+  detail::WorkspaceArena arena(workspace.get(), bytes, fn);
   detail::expert_permutation(Backend::policy(), raw(ids), static_cast<const std::uint8_t*>(nullptr), v, arena,
                              raw(status));
   detail::throw_on_status(status[0], v);
