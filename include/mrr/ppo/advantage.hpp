@@ -294,7 +294,8 @@ struct TileMoments {
 // is first copied, as one sequential burst, into a transposed buffer [time][row], so the
 // recurrence runs across the rows in SIMD lanes (the rows are independent; time is the
 // dependency chain) while memory is still read and written row by row, in few streams. Each step
-// is kernels::ppo::gae_step on a packet of rows: the bits of gae_row, row by row. The tile's
+// is kernels::ppo::gae_step on a packet of rows: the bits of gae_row, row by row (identical for
+// 0/1 masks to the interpolation verl writes, m new + (1 - m) old). The tile's
 // masked moments (for the whitening, summed per lane and merged in double: a host order) and
 // a NaN/inf probe are folded in while the tile is in cache.
 template <class T, int Rows>

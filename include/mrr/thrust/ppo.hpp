@@ -48,7 +48,8 @@ namespace ppo_kernels = mrr::kernels::ppo;
 
 template <class T>
 struct ComposeAffine {
-  MRR_HOST_DEVICE ppo_kernels::Affine<T> operator()(const ppo_kernels::Affine<T>& first, const ppo_kernels::Affine<T>& then) const {
+  MRR_HOST_DEVICE ppo_kernels::Affine<T> operator()(const ppo_kernels::Affine<T>& first,
+                                                    const ppo_kernels::Affine<T>& then) const {
     return ppo_kernels::compose(first, then);
   }
 };
@@ -65,7 +66,7 @@ struct NextValueStep {
   long n;
   MRR_HOST_DEVICE ppo_kernels::Affine<T> operator()(long j) const {
     const long i = n - 1 - j;
-    return ppo_kernels::gae_next_value_map(values[i], mask[i]);
+    return ppo_kernels::gae_next_value_map(values[i], mask[i], T(1));
   }
 };
 
@@ -79,7 +80,7 @@ struct AdvantageStep {
   MRR_HOST_DEVICE ppo_kernels::Affine<T> operator()(long j) const {
     const long i = n - 1 - j;
     const T nv = (i % cols == cols - 1) ? T(0) : next_value[j - 1].b;
-    return ppo_kernels::gae_advantage_map(rewards[i], values[i], mask[i], nv, gamma, gamma_lambda);
+    return ppo_kernels::gae_advantage_map(rewards[i], values[i], mask[i], nv, T(1), gamma, gamma_lambda);
   }
 };
 
@@ -113,7 +114,8 @@ struct GaeRowBlock {
     const long r0 = block * kGaeRows, r1 = r0 + kGaeRows < rows ? r0 + kGaeRows : rows;
     for (long r = r0; r < r1; ++r) {
       const long at = r * cols;
-      ppo_kernels::gae_row(rewards + at, values + at, mask + at, advantages + at, returns + at, cols, gamma, gamma_lambda);
+      ppo_kernels::gae_row(rewards + at, values + at, mask + at, advantages + at, returns + at, cols, gamma,
+                           gamma_lambda);
     }
     moments[block] = ppo_kernels::masked_moments(advantages + r0 * cols, cols, mask + r0 * cols, cols, r1 - r0, cols);
   }
@@ -138,7 +140,9 @@ template <class T>
 struct CenteredSquare {  // m (v - mean)^2 in double
   const T *values, *mask;
   double mean;
-  MRR_HOST_DEVICE double operator()(long i) const { return ppo_kernels::masked_centered_square<double>(values[i], mask[i], mean); }
+  MRR_HOST_DEVICE double operator()(long i) const {
+    return ppo_kernels::masked_centered_square<double>(values[i], mask[i], mean);
+  }
 };
 
 template <class T>
@@ -175,8 +179,8 @@ struct GroupOutcome {
   ppo_kernels::OutcomeEstimator estimator;
   T epsilon, singleton_divisor;
   MRR_HOST_DEVICE void operator()(long g) const {
-    ppo_kernels::group_outcome(scores, order + start[g], static_cast<long>(count[g]), estimator, epsilon, singleton_divisor,
-                     scalars);
+    ppo_kernels::group_outcome(scores, order + start[g], static_cast<long>(count[g]), estimator, epsilon,
+                               singleton_divisor, scalars);
   }
 };
 
@@ -185,7 +189,9 @@ struct Broadcast {
   const T *scalar, *mask;
   T *advantages, *returns;
   long cols;
-  MRR_HOST_DEVICE void operator()(long i) const { advantages[i] = returns[i] = ppo_kernels::outcome_token(scalar[i / cols], mask[i]); }
+  MRR_HOST_DEVICE void operator()(long i) const {
+    advantages[i] = returns[i] = ppo_kernels::outcome_token(scalar[i / cols], mask[i]);
+  }
 };
 
 // verl kl_penalty per element (kernels/ppo/kl.hpp).

@@ -1,6 +1,6 @@
 // Advantage estimators' row and group math with verl's semantics: GAE's backward recurrence over
-// one sequence (one step, generic over the value type so the host's SIMD lanes run the same
-// statement; a row; and the same step as affine maps for a parallel scan over time), and the
+// one sequence (as affine maps: one step, generic over the value type so the host's SIMD lanes run
+// the same statement; a row; and the maps themselves for a parallel scan over time), and the
 // per-group statistics and per-response scalars of grpo (with and without the std), rloo and
 // rloo_vectorized. The one definition for the host (ppo/advantage.hpp) and the Thrust path
 // (thrust/ppo.hpp).
@@ -14,17 +14,45 @@
 MRR_NAMESPACE_BEGIN
 namespace kernels::ppo {
 
-// One GAE step backwards in time. verl's masked updates x' = new m + (1 - m) x are kept as
-// written: observation / padding tokens (m = 0) carry the next value and the running advantage
-// through unchanged, fractional masks interpolate. V is T, or a packet of independent rows (the
-// host runs 8 rows in SIMD lanes); `one` is V's 1.
+// GAE's recurrence backwards in time, with verl's masked updates x' = new m + (1 - m) x:
+// observation / padding tokens (m = 0) carry the next value and the running advantage through
+// unchanged. Each update is an affine map x = a x' + b of the carried value, with a and b free of
+// it: one multiply-add on the dependency chain per step (the scalar loop is latency-bound), and
+// composable for a parallel scan over time (applying (a1, b1) then (a2, b2) gives
+// (a2 a1, a2 b1 + b2)). V is T, or a packet of independent rows (the host runs 8 rows in SIMD
+// lanes); `one` is V's 1.
+template <class V>
+struct Affine {
+  V a, b;
+};
+
+template <class V>
+MRR_HOST_DEVICE inline Affine<V> compose(const Affine<V>& first, const Affine<V>& then) {
+  return {then.a * first.a, then.a * first.b + then.b};
+}
+
+// next_value = m v + (1 - m) next_value'.
+template <class V>
+MRR_HOST_DEVICE inline Affine<V> gae_next_value_map(const V& value, const V& mask, const V& one) {
+  return {one - mask, mask * value};
+}
+
+// last_gae = m (delta + gl last_gae') + (1 - m) last_gae', delta = r + gamma next_value' - v.
+template <class V, class T>
+MRR_HOST_DEVICE inline Affine<V> gae_advantage_map(const V& reward, const V& value, const V& mask, const V& next_value,
+                                                   const V& one, T gamma, T gamma_lambda) {
+  const V delta = reward + gamma * next_value - value;
+  return {mask * gamma_lambda + (one - mask), mask * delta};
+}
+
+// One step backwards: the two maps applied to the carried values.
 template <class V, class T>
 MRR_HOST_DEVICE inline void gae_step(const V& reward, const V& value, const V& mask, const V& one, T gamma,
                                      T gamma_lambda, V& next_value, V& last_gae) {
-  const V delta = reward + gamma * next_value - value;
-  const V gae = delta + gamma_lambda * last_gae;
-  next_value = value * mask + (one - mask) * next_value;
-  last_gae = gae * mask + (one - mask) * last_gae;
+  const Affine<V> advantage = gae_advantage_map(reward, value, mask, next_value, one, gamma, gamma_lambda);
+  const Affine<V> carried = gae_next_value_map(value, mask, one);
+  last_gae = advantage.a * last_gae + advantage.b;
+  next_value = carried.a * next_value + carried.b;
 }
 
 // GAE over one sequence of n tokens: advantages (before whitening) and returns = advantages + values.
@@ -37,32 +65,6 @@ MRR_HOST_DEVICE inline void gae_row(const T* rewards, const T* values, const T* 
     advantages[j] = last_gae;
     returns[j] = last_gae + values[j];
   }
-}
-
-// gae_step as affine maps x = a x' + b of the carried value, for a parallel scan over time:
-// composed in scan order, applying (a1, b1) then (a2, b2) gives (a2 a1, a2 b1 + b2). The results
-// equal gae_row's up to floating-point reassociation.
-template <class T>
-struct Affine {
-  T a, b;
-};
-
-template <class T>
-MRR_HOST_DEVICE inline Affine<T> compose(const Affine<T>& first, const Affine<T>& then) {
-  return {then.a * first.a, then.a * first.b + then.b};
-}
-
-// next_value = m v + (1 - m) next_value'.
-template <class T>
-MRR_HOST_DEVICE inline Affine<T> gae_next_value_map(T value, T mask) {
-  return {T(1) - mask, mask * value};
-}
-
-// last_gae = m (delta + gl last_gae') + (1 - m) last_gae', delta = r + gamma next_value' - v.
-template <class T>
-MRR_HOST_DEVICE inline Affine<T> gae_advantage_map(T reward, T value, T mask, T next_value, T gamma, T gamma_lambda) {
-  const T delta = reward + gamma * next_value - value;
-  return {mask * gamma_lambda + (T(1) - mask), mask * delta};
 }
 
 // Mean and unbiased standard deviation (torch.std) of a group's scores, members given by index,

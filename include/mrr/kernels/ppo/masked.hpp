@@ -77,10 +77,11 @@ MRR_HOST_DEVICE inline Moments masked_moments(const T* values, long value_stride
                                               long rows, long cols) {
   double weight = 0, sum = 0;
   for (long i = 0; i < rows; ++i) {
-    const T* m = mask + i * mask_stride;
-    for (long j = 0; j < cols; ++j)
+    const T *v = values + i * value_stride, *m = mask + i * mask_stride;
+    for (long j = 0; j < cols; ++j) {  // one pass: the count and masked_sum's terms, in its order
       weight += static_cast<double>(m[j]);
-    sum = masked_sum<double>(values + i * value_stride, m, cols, sum);
+      if (m[j] != T(0)) sum += masked_value<double>(v[j], m[j]);
+    }
   }
   if (weight == 0) return {};
   const double mean = sum / weight;
