@@ -29,8 +29,7 @@ enum class MissingRoutes {
   native,                // route any token without a route natively
 };
 
-template <class Scalar>
-class TopKRouter;  // mrr/router/topk_router.hpp
+// TopKRouter<Scalar, Backend = CpuBackend> is declared in mrr/router/fwd.hpp (via concepts.hpp).
 
 // The router a backend runs: what MoELayer and RoutingReplay take for it. TopKRouter on the CPU;
 // a backend's header specialises it (mrr/thrust/backend_router.hpp: device::BackendRouter for

@@ -3,18 +3,24 @@
 // dispatchers take.
 #pragma once
 
+#include <mrr/cpu/backend.hpp>
 #include <mrr/detail/config.hpp>
+#include <mrr/router/fwd.hpp>
 #include <mrr/tensor.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 MRR_NAMESPACE_BEGIN
 
 using Mask = RowMatrix<std::uint8_t>;
 using MaskRef = MatrixRef<std::uint8_t>;
 
-template <class T>
+// The CPU's routing (Backend = CpuBackend, the default): Eigen matrices in host memory.
+template <class T, class Backend>
 struct Routing {
+  static_assert(std::is_same_v<Backend, CpuBackend>,
+                "mrr::Routing<T, Backend>: no routing for this backend (ThrustBackend's is in mrr/thrust/routing.hpp)");
   // [tokens, k] global expert ids; slot order is descending selection score, ties lower id first.
   ExpertIds ids;
   // [tokens, k] gating weights (zero for dropped slots).

@@ -15,7 +15,9 @@
 #include <mrr/error.hpp>
 #include <mrr/kernels/router.hpp>
 #include <mrr/router/capacity.hpp>
+#include <mrr/cpu/backend.hpp>
 #include <mrr/router/config.hpp>
+#include <mrr/router/fwd.hpp>
 #include <mrr/router/params.hpp>
 #include <mrr/router/routing.hpp>
 #include <mrr/router/row_error.hpp>
@@ -32,9 +34,13 @@
 
 MRR_NAMESPACE_BEGIN
 
-template <class Scalar>
+// The CPU executor (Backend = CpuBackend, the default); ThrustBackend<S> specialises it
+// (mrr/thrust/routing.hpp).
+template <class Scalar, class Backend>
 class TopKRouter {
   static_assert(std::is_floating_point_v<Scalar>, "TopKRouter<Scalar>: Scalar must be float or double");
+  static_assert(std::is_same_v<Backend, CpuBackend>,
+                "mrr::TopKRouter<T, Backend>: no router for this backend (ThrustBackend's is in mrr/thrust/routing.hpp)");
 
  public:
   using scalar_type = Scalar;

@@ -11,6 +11,7 @@
 #include <mrr/error.hpp>
 #include <mrr/kernels/router.hpp>
 #include <mrr/router/config.hpp>
+#include <mrr/router/fwd.hpp>
 #include <mrr/router/params.hpp>
 #include <mrr/router/row_error.hpp>
 #include <mrr/thrust/backend.hpp>
@@ -219,22 +220,32 @@ struct RowIsBad {
 
 }  // namespace kernels
 
+}  // namespace device
+
 // Routing of a batch on a Thrust system: ids [tokens, k] (int32) and weights [tokens, k], row-major.
-template <class T, class Backend = ThrustDeviceBackend>
-struct Routing {
-  typename Backend::template vector<std::int32_t> ids;
-  typename Backend::template vector<T> weights;  // zero for dropped slots
+template <class T, class System>
+struct Routing<T, ThrustBackend<System>> {
+  template <class U>
+  using vector = typename ThrustBackend<System>::template vector<U>;
+  vector<std::int32_t> ids;
+  vector<T> weights;  // zero for dropped slots
   long tokens = 0;
   int topk = 0;
   // [tokens, k] 1 where the slot is dispatched; empty when no capacity limit applies.
-  typename Backend::template vector<std::uint8_t> kept{};
+  vector<std::uint8_t> kept{};
   bool has_capacity_mask() const { return !kept.empty(); }
 };
 
-// The Thrust counterpart of mrr::TopKRouter, capacity dropping included.
-// Logits, ids and weights are row-major Thrust vectors of the backend's system.
+namespace device {
+
 template <class T, class Backend = ThrustDeviceBackend>
-class TopKRouter {
+using Routing = mrr::Routing<T, Backend>;
+
+// mrr::TopKRouter<T, ThrustBackend<S>>: the Thrust executor of the router kernels, capacity
+// dropping included. Logits, ids and weights are row-major Thrust vectors of the backend's
+// system, or views of caller memory.
+template <class T, class Backend>
+class ThrustTopKRouter {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "device::TopKRouter<T>: T must be float or double (fp32 logits in, as the CPU router)");
 
@@ -242,7 +253,7 @@ class TopKRouter {
   template <class U>
   using vector = typename Backend::template vector<U>;
 
-  explicit TopKRouter(RouterConfig config) : config_(std::move(config)) {
+  explicit ThrustTopKRouter(RouterConfig config) : config_(std::move(config)) {
     constexpr const char* fn = "device::TopKRouter";
     config_.validate();
     mrr::detail::require(config_.num_experts <= kMaxExperts, fn, "num_experts=", config_.num_experts,
@@ -601,6 +612,21 @@ class TopKRouter {
   RouterParams params_;
   vector<T> bias_;
 };
+
+}  // namespace device
+
+// One TopKRouter<T, Backend>: the Thrust backend's is this specialisation (the CPU's is the
+// primary template, router/topk_router.hpp).
+template <class T, class System>
+class TopKRouter<T, ThrustBackend<System>> : public device::ThrustTopKRouter<T, ThrustBackend<System>> {
+ public:
+  using device::ThrustTopKRouter<T, ThrustBackend<System>>::ThrustTopKRouter;
+};
+
+namespace device {
+
+template <class T, class Backend = ThrustDeviceBackend>
+using TopKRouter = mrr::TopKRouter<T, Backend>;
 
 }  // namespace device
 MRR_NAMESPACE_END
