@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 
 #include <exception>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -83,8 +85,12 @@ std::string device_biased_sigmoid_topk(const float* logits, const float* bias, i
   });
 }
 
-FusedRoute device_fused_route(const RouterConfig& config, const float* logits, long rows, const float* bias,
-                              const std::int32_t* replay_ids, const std::uint8_t* replay_mask) {
+namespace {
+
+// The fused kernel on logits stored as In (float or mrr::bf16).
+template <class In>
+FusedRoute fused_route(const RouterConfig& config, const In* logits, long rows, const float* bias,
+                       const std::int32_t* replay_ids, const std::uint8_t* replay_mask) {
   FusedRoute out;
   try {
     config.validate();
@@ -95,7 +101,8 @@ FusedRoute device_fused_route(const RouterConfig& config, const float* logits, l
   const device::RouterParams p = device::resolve(config);
   const std::size_t n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(p.num_experts),
                     slots = static_cast<std::size_t>(rows) * static_cast<std::size_t>(p.topk);
-  float *d_logits = nullptr, *d_bias = nullptr, *d_weights = nullptr;
+  In* d_logits = nullptr;
+  float *d_bias = nullptr, *d_weights = nullptr;
   std::int32_t *d_replay = nullptr, *d_ids = nullptr;
   std::uint8_t *d_mask = nullptr, *d_status = nullptr;
   std::string& err = out.error;
@@ -130,6 +137,26 @@ FusedRoute device_fused_route(const RouterConfig& config, const float* logits, l
   cudaFree(d_ids);
   cudaFree(d_weights);
   cudaFree(d_status);
+  return out;
+}
+
+}  // namespace
+
+FusedRoute device_fused_route(const RouterConfig& config, const float* logits, long rows, const float* bias,
+                              const std::int32_t* replay_ids, const std::uint8_t* replay_mask) {
+  return fused_route(config, logits, rows, bias, replay_ids, replay_mask);
+}
+
+FusedRoute device_fused_route_bf16(const RouterConfig& config, const float* logits, long rows, const float* bias,
+                                   const std::int32_t* replay_ids, const std::uint8_t* replay_mask) {
+  std::vector<bf16> stored(static_cast<std::size_t>(rows) * static_cast<std::size_t>(config.num_experts));
+  std::vector<float> widened(stored.size());
+  for (std::size_t i = 0; i < stored.size(); ++i) {
+    stored[i] = bf16::from_float(logits[i]);
+    widened[i] = stored[i].to_float();
+  }
+  FusedRoute out = fused_route(config, stored.data(), rows, bias, replay_ids, replay_mask);
+  out.logits = std::move(widened);
   return out;
 }
 

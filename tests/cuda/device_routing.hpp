@@ -27,9 +27,14 @@ struct FusedRoute {
   std::vector<std::int32_t> ids;
   std::vector<float> weights;
   std::vector<std::uint8_t> status;
+  std::vector<float> logits;  // device_fused_route_bf16: the logits the device read, widened to fp32
   std::string error;  // empty on success
 };
 FusedRoute device_fused_route(const RouterConfig& config, const float* logits, long rows, const float* bias,
                               const std::int32_t* replay_ids, const std::uint8_t* replay_mask);
+
+// The same on the logits rounded to mrr::bf16 (round to nearest even) and uploaded as bf16.
+FusedRoute device_fused_route_bf16(const RouterConfig& config, const float* logits, long rows, const float* bias,
+                                   const std::int32_t* replay_ids, const std::uint8_t* replay_mask);
 
 }  // namespace mrr::test

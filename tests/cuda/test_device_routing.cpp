@@ -142,6 +142,38 @@ TEST_CASE("fused routing kernel: ids equal the CPU router's, weights within 1e-5
   }
 }
 
+// bf16 logits (a bf16 gate's output) read by the fused kernel and widened exactly: the ids the CPU
+// router gives on the same bf16-rounded values, weights within 1e-5, and replay of those ids.
+TEST_CASE("fused routing kernel: bf16 logits give the CPU router's ids on the rounded values") {
+  using SF = mrr::ScoreFunction;
+  for (const int experts : {64, 128, 1000}) {
+    for (const SF score : {SF::softmax, SF::sigmoid}) {
+      CAPTURE(experts);
+      const int k = 8;
+      auto cfg = config(experts, k, score, false, false, score == SF::sigmoid);
+      const long rows = 517;
+      // Ties are common in bf16 (8 bits of mantissa): the lower index must win on both sides.
+      const auto z = logits(static_cast<int>(rows), experts, static_cast<unsigned>(experts + 3), false);
+      const auto dev = mrr::test::device_fused_route_bf16(cfg, z.data(), rows, nullptr, nullptr, nullptr);
+      REQUIRE(dev.error == "");
+      REQUIRE(dev.logits.size() == static_cast<std::size_t>(rows * experts));
+      const Eigen::Map<const mrr::RowMatrix<float>> rounded(dev.logits.data(), rows, experts);
+      CHECK(rounded != z);  // the device really read rounded values
+      const mrr::TopKRouter<float> cpu(cfg);
+      const auto host = cpu.route(rounded);
+      CHECK(std::equal(dev.ids.begin(), dev.ids.end(), host.ids.data()));
+      CHECK(std::all_of(dev.status.begin(), dev.status.end(), [](std::uint8_t c) { return c == 0; }));
+      double worst = 0;
+      for (std::size_t i = 0; i < dev.weights.size(); ++i)
+        worst = std::max(worst, static_cast<double>(std::abs(dev.weights[i] - host.weights.data()[i])));
+      CHECK(worst <= 1e-5);
+      const auto replayed = mrr::test::device_fused_route_bf16(cfg, z.data(), rows, nullptr, host.ids.data(), nullptr);
+      REQUIRE(replayed.error == "");
+      CHECK(std::equal(replayed.ids.begin(), replayed.ids.end(), host.ids.data()));
+    }
+  }
+}
+
 TEST_CASE("fused routing kernel: bad rows get the Thrust path's status codes, ids -1 and NaN weights") {
   const int E = 40, k = 4;
   auto z = logits(8, E, 5, false);

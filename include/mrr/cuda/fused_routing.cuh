@@ -23,6 +23,7 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 MRR_NAMESPACE_BEGIN
 namespace cuda {
@@ -57,9 +58,9 @@ __device__ __forceinline__ float warp_max(float x) {
 // rounded up to a power of two by the launcher). Every lane of a warp works on the same token, so
 // the early return and every branch before a shuffle are warp-uniform: the full-mask shuffles
 // always see 32 active lanes (the block is whole warps).
-template <int PerLane>
+template <int PerLane, class In>
 __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
-    fused_route_replay(device::RouterParams p, const float* __restrict__ logits, const float* __restrict__ bias,
+    fused_route_replay(device::RouterParams p, const In* __restrict__ logits, const float* __restrict__ bias,
                        const std::int32_t* __restrict__ replay_ids, const std::uint8_t* __restrict__ replay_mask,
                        long tokens, std::int32_t* __restrict__ ids, float* __restrict__ weights,
                        std::uint8_t* __restrict__ status) {
@@ -68,7 +69,8 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
   const long t = (static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (t >= tokens) return;  // whole warps
   const int n = p.num_experts, k = p.topk;
-  const float* z = logits + t * n;
+  const In* z = logits + t * n;
+  const auto load = [](In x) { return device::kernels::widen<float>(x); };  // bf16: exact
   const bool replay_row = replay_ids != nullptr && (replay_mask == nullptr || replay_mask[t] != 0);
   // Unrenormalised pre-softmax weights divide by a sum over all E: a replayed row reads its whole
   // row only then (as the Thrust path and the CPU router); other replayed rows read k logits.
@@ -81,7 +83,7 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
   for (int i = 0; i < PerLane; ++i) {
     const int e = lane + 32 * i;
     const bool in_row = e < n;
-    const float x = in_row && load_row ? z[e] : 0.f;
+    const float x = in_row && load_row ? load(z[e]) : 0.f;
     zr[i] = x;
     if (!in_row) taken |= 1u << i;
     bad |= in_row && !(x <= FLT_MAX) ? 1 : 0;     // NaN or +inf
@@ -106,7 +108,7 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
     if (__any_sync(kFullWarp, out_of_range || repeated)) {
       code = rk::row_invalid_replay;
     } else {
-      if (lane < k) zj = z[my_id];
+      if (lane < k) zj = load(z[my_id]);
       const bool invalid = whole_row ? bad != 0 : (lane < k && !(zj <= FLT_MAX));
       if (__any_sync(kFullWarp, invalid)) code = rk::row_invalid_logit;
     }
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
       if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
       if (lane == j) my_id = bi;
     }
-    if (lane < k) zj = z[my_id];
+    if (lane < k) zj = load(z[my_id]);
   }
 
   // Weights: lane j < k computes slot j; sums over the k slots or all experts by warp reduction.
@@ -200,17 +202,21 @@ inline bool fused_routing_supports(const device::RouterParams& p) {
 }
 
 // Routes (replay_ids null) or replays (rows with replay_mask 0 route natively; every row replays
-// when the mask is null) `tokens` rows of fp32 logits [tokens, E] on `stream`; ids and weights
-// [tokens, k]. Pointers are device memory; bias [E] is needed when the router has expert bias
+// when the mask is null) `tokens` rows of logits [tokens, E] on `stream`; ids and weights
+// [tokens, k]. Logits are fp32 or mrr::bf16 (a bf16 gate's output, widened exactly: the ids of the
+// fp32 path run on the bf16-rounded logits). Pointers are device memory; bias [E] is needed when the router has expert bias
 // (finite: device::TopKRouter::set_expert_bias checks it). status [tokens], when not null, gets
 // each row's device::kernels::RowStatus (row_ok = 0), as the Thrust path computes it; rows that
 // fail get ids -1 and NaN weights either way. Returns the launch error (asynchronous: kernel faults
 // show at the next synchronisation), cudaErrorInvalidValue for an unsupported router or missing
 // buffer.
-inline cudaError_t fused_route_replay(const device::RouterParams& p, const float* logits, const float* bias,
-                                      const std::int32_t* replay_ids, const std::uint8_t* replay_mask, long tokens,
-                                      std::int32_t* ids, float* weights, std::uint8_t* status = nullptr,
-                                      cudaStream_t stream = nullptr) {
+template <class In>
+cudaError_t fused_route_replay(const device::RouterParams& p, const In* logits, const float* bias,
+                               const std::int32_t* replay_ids, const std::uint8_t* replay_mask, long tokens,
+                               std::int32_t* ids, float* weights, std::uint8_t* status = nullptr,
+                               cudaStream_t stream = nullptr) {
+  static_assert(std::is_same_v<In, float> || std::is_same_v<In, bf16>,
+                "fused_route_replay: logits are float or mrr::bf16");
   if (!fused_routing_supports(p) || tokens < 0) return cudaErrorInvalidValue;
   if (tokens == 0) return cudaSuccess;
   if (logits == nullptr || ids == nullptr || weights == nullptr || (p.has_bias && bias == nullptr))
@@ -221,9 +227,9 @@ inline cudaError_t fused_route_replay(const device::RouterParams& p, const float
   const dim3 block(32 * kWarps);
   const dim3 grid(static_cast<unsigned>(blocks));
   const int per_lane = (p.num_experts + 31) / 32;
-#define MRR_FUSED_LAUNCH(N)                                                                                         \
-  kernels::fused_route_replay<N><<<grid, block, 0, stream>>>(p, logits, bias, replay_ids, replay_mask, tokens, ids, \
-                                                             weights, status)
+#define MRR_FUSED_LAUNCH(N)                                                                                     \
+  kernels::fused_route_replay<N, In><<<grid, block, 0, stream>>>(p, logits, bias, replay_ids, replay_mask, tokens, \
+                                                                 ids, weights, status)
   if (per_lane <= 1)
     MRR_FUSED_LAUNCH(1);
   else if (per_lane <= 2)
