@@ -216,11 +216,4 @@ TEST_CASE("fused routing kernel: bad rows get the Thrust path's status codes, id
   for (int j = 0; j < k; ++j) CHECK(replay_pre.weights[static_cast<std::size_t>(7 * k + j)] == 0.f);
 }
 
-int main(int argc, char** argv) {
-  if (mrr::test::cuda_device_count() == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "gpu_test_main.hpp"

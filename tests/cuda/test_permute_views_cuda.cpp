@@ -94,11 +94,4 @@ TEST_CASE("CUDA device views: an int64 id of 2^32 + e is rejected, never read as
   CHECK(out.error.find("token 2 slot 1") != std::string::npos);
 }
 
-int main(int argc, char** argv) {
-  if (mrr::test::cuda_device_count() == 0) {
-    std::puts("no CUDA device: skipped");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "gpu_test_main.hpp"

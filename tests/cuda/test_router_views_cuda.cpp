@@ -19,11 +19,4 @@ TEST_CASE("cuda views: route / replay / backward on caller buffers equal the CPU
   }
 }
 
-int main(int argc, char** argv) {
-  if (mrr::test::cuda_device_count() == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "gpu_test_main.hpp"

@@ -238,11 +238,4 @@ TEST_CASE("CUDA dense token dropping equals the CPU apply_token_dropping bit for
                                        p, m) != "");
 }
 
-int main(int argc, char** argv) {
-  if (mrr::test::cuda_device_count() == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return 77;
-  }
-  doctest::Context context(argc, argv);
-  return context.run();
-}
+#include "gpu_test_main.hpp"

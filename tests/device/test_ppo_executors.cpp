@@ -15,6 +15,8 @@
 #include <mrr/thrust/policy_loss.hpp>
 #include <mrr/thrust/ppo.hpp>
 
+#include "device_vectors.hpp"
+
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -27,13 +29,8 @@ namespace {
 
 namespace k = mrr::kernels::ppo;
 
-template <class T>
-using dvec = thrust::device_vector<T>;
-
-template <class T>
-dvec<T> to_device(const mrr::RowMatrix<T>& m) {
-  return dvec<T>(m.data(), m.data() + m.size());
-}
+using mrr::test::dvec;
+using mrr::test::to_device;
 
 template <class T>
 mrr::RowMatrix<T> to_host(const dvec<T>& v, Eigen::Index cols) {

@@ -9,6 +9,8 @@
 
 #include <support/golden.hpp>
 
+#include "device_vectors.hpp"
+
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -24,13 +26,8 @@ using mrr::test::load_golden;
 
 namespace {
 
-template <class T>
-using dvec = thrust::device_vector<T>;
-
-template <class T>
-dvec<T> to_device(const mrr::RowMatrix<T>& m) {
-  return dvec<T>(m.data(), m.data() + m.size());
-}
+using mrr::test::dvec;
+using mrr::test::to_device;
 
 template <class T>
 std::vector<T> to_host(const dvec<T>& v) {
