@@ -8,18 +8,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include "../device/device_vectors.hpp"
+
 #include <exception>
 
 namespace mrr::test {
 
 namespace {
-
-template <class T>
-std::vector<T> to_host(const thrust::device_vector<T>& v) {
-  std::vector<T> h(v.size());
-  thrust::copy(v.begin(), v.end(), h.begin());
-  return h;
-}
 
 template <class Id>
 PermuteViewsOutput run(const PermuteViewsInput& in) {

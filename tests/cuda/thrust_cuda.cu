@@ -10,22 +10,12 @@
 #include <mrr/thrust/ppo.hpp>
 #include <mrr/thrust/routing.hpp>
 
+#include "../device/device_vectors.hpp"
 #include "thrust_cuda.hpp"
 
 #include <exception>
 
 namespace mrr::test {
-
-namespace {
-
-template <class T>
-std::vector<T> to_host(const thrust::device_vector<T>& v) {
-  std::vector<T> h(v.size());
-  thrust::copy(v.begin(), v.end(), h.begin());
-  return h;
-}
-
-}  // namespace
 
 DeviceRoute cuda_route(const std::vector<float>& logits, int experts, int k, const std::string& score, bool pre_softmax,
                        const std::vector<float>& bias, const std::vector<std::int32_t>& replay_ids,
