@@ -199,9 +199,34 @@ int run(long divisor) {
          }),
          replay_bytes, gating("replay_gather_eager_us"));
 
+  // The view API (what a torch/Megatron caller runs): caller-owned buffers and workspace, no
+  // allocation and no synchronisation in the timed call; one thread per token (kernels::RouteRows).
+  thrust::device_vector<std::uint8_t> status(static_cast<std::size_t>(T));
+  thrust::device_vector<unsigned char> ws(mrr::device::TopKRouter<float>::workspace_bytes(T));
+  const mrr::device::Workspace workspace{thrust::raw_pointer_cast(ws.data()), ws.size()};
+  const mrr::device::MatrixView<const float> zv(thrust::raw_pointer_cast(z.data()), T, E);
+  const mrr::device::MatrixView<std::int32_t> idv(thrust::raw_pointer_cast(replayed.data()), T, k);
+  const mrr::device::MatrixView<float> wv(thrust::raw_pointer_cast(w.data()), T, k);
+  const mrr::device::MatrixView<const std::int32_t> given(thrust::raw_pointer_cast(ids.data()), T, k);
+  std::uint8_t* st = thrust::raw_pointer_cast(status.data());
+  report("  view API route (row kernel, caller buffers)",
+         median_ms([&] { softmax.route(mrr::device::Execution{}, zv, idv, wv, st, workspace); }), route_bytes,
+         gating("softmax_topk_eager_us"));
+  report("  view API replay (row kernel, caller buffers)",
+         median_ms([&] { softmax.replay(mrr::device::Execution{}, zv, given, nullptr, idv, wv, st, workspace); }),
+         replay_bytes, gating("replay_gather_eager_us"));
+
   mrr::device::TopKRouter<float> ds(mrr::presets::deepseek_v3(E, k, 8, 4, true, 2.5));
   report("DeepSeek-V3 grouped sigmoid + bias, thrust", median_ms([&] { (void)ds.route(z); }), route_bytes,
          gating("ds_grouped_eager_us"));
+  report("  view API route (row kernel, caller buffers)",
+         median_ms([&] { ds.route(mrr::device::Execution{}, zv, idv, wv, st, workspace); }), route_bytes,
+         gating("ds_grouped_eager_us"));
+  {
+    const auto owning = ds.route(z).ids;
+    ds.route(mrr::device::Execution{}, zv, idv, wv, st, workspace);
+    std::printf("  view ids equal the owning route's: %s\n", owning == replayed ? "yes" : "NO");
+  }
 
   const long H = 2048;
   thrust::device_vector<std::uint16_t> x(static_cast<std::size_t>(T * H), 1), permuted;

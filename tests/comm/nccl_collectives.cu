@@ -114,7 +114,9 @@ void run_rank(const mrr::NcclCommunicator& comm, std::vector<std::string>& failu
   }
   // in-place (overlapping send and recv buffers) on the last rank: every rank throws
   const auto block = d_p.cspan().first(P);
-  const auto into = me == P - 1 ? d_p.span().subspan(1, P) : d_q.span().first(P);
+  // P > 1: shifted by one element; P = 1 (one GPU): the very same element, since a shift by one
+  // would leave a one-element block clear of it.
+  const auto into = me == P - 1 ? d_p.span().subspan(P > 1 ? 1 : 0, P) : d_q.span().first(P);
   try {
     comm.all_to_all_v(block, std::span<const std::size_t>(ones), into, std::span<const std::size_t>(ones));
     fail("overlapping send and recv buffers did not throw");

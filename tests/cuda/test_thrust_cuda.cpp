@@ -36,7 +36,8 @@ TEST_CASE("CUDA Thrust path: ids equal the CPU router's, ties included") {
     const auto z = random_logits(tokens * 256, 3, distinct);
     mrr::TopKRouter<float> cpu(mrr::presets::qwen3_moe(256, 8, true));
     const auto host = cpu.route(Eigen::Map<const mrr::RowMatrix<float>>(z.data(), tokens, 256));
-    const auto dev = mrr::test::cuda_route(z, 256, 8, "softmax", true, {}, {}, {}, false);
+    // The same configuration on the device: pre-softmax with the k weights renormalised.
+    const auto dev = mrr::test::cuda_route(z, 256, 8, "softmax", true, {}, {}, {}, false, /*normalize_topk=*/true);
     REQUIRE(dev.error == "");
     CHECK(std::equal(dev.ids.begin(), dev.ids.end(), host.ids.data()));
     // Weights within 8 float ulps of the CPU's (the GPU's expf against the CPU's polynomial).

@@ -19,7 +19,7 @@ namespace mrr::test {
 
 DeviceRoute cuda_route(const std::vector<float>& logits, int experts, int k, const std::string& score, bool pre_softmax,
                        const std::vector<float>& bias, const std::vector<std::int32_t>& replay_ids,
-                       const std::vector<std::uint8_t>& replay_mask, bool fused) {
+                       const std::vector<std::uint8_t>& replay_mask, bool fused, bool normalize_topk) {
   DeviceRoute out;
   try {
     RouterConfig cfg;
@@ -27,6 +27,7 @@ DeviceRoute cuda_route(const std::vector<float>& logits, int experts, int k, con
     cfg.topk = k;
     cfg.score_function = parse_score_function(score);
     cfg.pre_softmax = pre_softmax;
+    cfg.normalize_topk = normalize_topk;
     cfg.use_expert_bias = !bias.empty();
     device::TopKRouter<float> router(cfg);
     if (!bias.empty()) router.set_expert_bias(bias);

@@ -16,9 +16,10 @@ struct DeviceRoute {
 
 // score: "softmax", "sigmoid" or "sqrtsoftplus"; replay_ids empty for native routing; replay_mask
 // empty for "every row replays". fused = the warp-per-token kernel, else the Thrust path.
+// normalize_topk: renormalise the k weights (with pre_softmax, HF Qwen's norm_topk_prob).
 DeviceRoute cuda_route(const std::vector<float>& logits, int experts, int k, const std::string& score, bool pre_softmax,
                        const std::vector<float>& bias, const std::vector<std::int32_t>& replay_ids,
-                       const std::vector<std::uint8_t>& replay_mask, bool fused);
+                       const std::vector<std::uint8_t>& replay_mask, bool fused, bool normalize_topk = false);
 
 // GAE on the CUDA system: advantages then returns, [rows * cols] each. algorithm: 0 automatic (the
 // scan on CUDA), 1 the scan, 2 the per-row recurrence (the OpenMP system's choice).

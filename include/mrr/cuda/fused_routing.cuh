@@ -104,7 +104,10 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
     if (lane < k) my_id = replay_ids[t * k + lane];
     const unsigned slots = k == 32 ? kFullWarp : (1u << k) - 1u;
     const bool out_of_range = lane < k && (my_id < 0 || my_id >= n);
-    const bool repeated = lane < k && __popc(__match_any_sync(kFullWarp, my_id) & slots) > 1;
+    // Every lane takes part in the match (a full-mask intrinsic behind `lane < k &&` would wait
+    // for the lanes the short circuit skipped: the warp hangs).
+    const unsigned same_id = __match_any_sync(kFullWarp, my_id);
+    const bool repeated = lane < k && __popc(same_id & slots) > 1;
     if (__any_sync(kFullWarp, out_of_range || repeated)) {
       code = rk::row_invalid_replay;
     } else {

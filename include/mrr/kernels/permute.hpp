@@ -107,6 +107,23 @@ MRR_HOST_DEVICE MRR_FORCEINLINE void copy_row(T* dst, const T* src, long lo, lon
 #endif
 }
 
+// a + b * c with the product rounded before the sum, on every executor. nvcc contracts a + b * c
+// into one fused multiply-add by default (one rounding), which would give a GPU combine other bits
+// than the host's; the _rn intrinsics are never contracted.
+template <class A>
+MRR_HOST_DEVICE MRR_FORCEINLINE A add_product(A a, A b, A c) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<A, float>)
+    return __fadd_rn(a, __fmul_rn(b, c));
+  else if constexpr (std::is_same_v<A, double>)
+    return __dadd_rn(a, __dmul_rn(b, c));
+  else
+    return a + b * c;
+#else
+  return a + b * c;
+#endif
+}
+
 // Columns a combine accumulates at a time (its Accum buffer lives in registers / on the stack).
 inline constexpr long kCombineColumns = 256;
 
@@ -126,7 +143,7 @@ MRR_HOST_DEVICE void combine_row(const T* rows, long row_stride, const Index* ro
       if (r < 0) continue;
       const Accum w = weights != nullptr ? static_cast<Accum>(weights[j]) : Accum(1);
       const T* src = rows + r * row_stride;
-      for (long h = c; h < end; ++h) acc[h - c] += static_cast<Accum>(src[h]) * w;
+      for (long h = c; h < end; ++h) acc[h - c] = add_product(acc[h - c], static_cast<Accum>(src[h]), w);
     }
     if (addend != nullptr)
       for (long h = c; h < end; ++h) acc[h - c] += static_cast<Accum>(addend[h]);
@@ -155,7 +172,7 @@ MRR_HOST_DEVICE void combine_backward_row(const T* grad_out, long cols, const T*
     for (long h = 0; h < cols; ++h) {
       const Accum go = static_cast<Accum>(grad_out[h]);
       g[h] = static_cast<T>(go * w);
-      dot += go * static_cast<Accum>(y[h]);
+      dot = add_product(dot, go, static_cast<Accum>(y[h]));
     }
     if (grad_weights != nullptr) grad_weights[j] = static_cast<W>(dot);
   }
