@@ -16,6 +16,8 @@ packages=(
   clang libclang-rt-dev  # libFuzzer + ASan/UBSan for the fuzz tests (ctest -L fuzz)
   libopenmpi-dev openmpi-bin  # MpiCommunicator and its multi-process tests (ctest -L mpi)
   gnuplot-nox            # the flagship demo's plot (scripts/demo.sh)
+  libtorch-dev python3-torch python3-pytest libopenblas0-pthread  # torch adapters' tests (ctest -L torch)
+  pybind11-dev python3-dev  # the PyTorch extension's build (torch/extension.h needs pybind11)
 )
 
 missing=()

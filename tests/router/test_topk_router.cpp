@@ -164,6 +164,32 @@ TEST_CASE("backward on replayed ids matches finite differences (gradients flow t
   CHECK((router.backward(z, routing, g) - numeric_grad(router, z, ids, g)).cwiseAbs().maxCoeff() < 1e-7);
 }
 
+// backward_into: the same gradient on memory the caller holds (a torch trainer's padded rows),
+// with ids that never went through a Routing, and a clear error for an id out of range.
+TEST_CASE("backward_into on strided caller memory equals backward; bad ids name their row") {
+  mrr::TopKRouter<double> router(mrr::presets::megatron_deepseek_v3(16, 4, 4, 2, 2.5));
+  const auto z = random_logits(6, 16, 31);
+  const auto routing = router.route(z);
+  const auto g = random_logits(6, 4, 32, 1.0);
+  const auto expect = router.backward(z, routing, g);
+  // Logits, ids, grad_weights and grad each inside a wider buffer (row stride > cols).
+  mrr::RowMatrix<double> zbuf = mrr::RowMatrix<double>::Constant(6, 20, 99.0), gbuf = mrr::RowMatrix<double>::Zero(6, 7);
+  mrr::RowMatrix<std::int32_t> ibuf = mrr::RowMatrix<std::int32_t>::Constant(6, 5, -1);
+  zbuf.leftCols(16) = z;
+  gbuf.leftCols(4) = g;
+  ibuf.leftCols(4) = routing.ids;
+  using Stride = Eigen::OuterStride<>;
+  const Eigen::Map<const mrr::RowMatrix<double>, 0, Stride> zv(zbuf.data(), 6, 16, Stride(20)), gv(gbuf.data(), 6, 4, Stride(7));
+  const Eigen::Map<const mrr::ExpertIds, 0, Stride> iv(ibuf.data(), 6, 4, Stride(5));
+  mrr::RowMatrix<double> out = mrr::RowMatrix<double>::Constant(6, 24, 7.0);
+  Eigen::Map<mrr::RowMatrix<double>, 0, Stride> ov(out.data(), 6, 16, Stride(24));
+  router.backward_into(ov, zv, iv, gv);
+  CHECK(mrr::RowMatrix<double>(ov) == expect);                  // bit for bit
+  CHECK((out.rightCols(8).array() == 7.0).all());                // nothing past the view is written
+  ibuf(3, 2) = 16;
+  CHECK_THROWS_WITH_AS(router.backward_into(ov, zv, iv, gv), doctest::Contains("row 3"), mrr::InvalidArgument);
+}
+
 TEST_CASE("capacity: dropped slots get zero weight and no gradient; sparse equals dense") {
   mrr::RouterConfig cfg;
   cfg.num_experts = 8;

@@ -111,25 +111,35 @@ class TopKRouter {
   // slots carry no gradient.
   RowMatrix<Scalar> backward(MatrixRef<Scalar> logits, const Routing<Scalar>& routing,
                              MatrixRef<Scalar> grad_weights) const {
+    RowMatrix<Scalar> grad(logits.rows(), num_experts());
+    backward_into(grad, logits, routing.ids, grad_weights, routing.has_capacity_mask() ? routing.kept.data() : nullptr);
+    return grad;
+  }
+
+  // The same on memory the caller holds (a torch trainer's tensors: no Routing, no copy of the
+  // ids): grad [tokens, E] is overwritten; kept [tokens, k] row-major, or null when nothing was
+  // dropped. An id out of range or repeated is an error naming its row.
+  void backward_into(Eigen::Ref<RowMatrix<Scalar>> grad, MatrixRef<Scalar> logits, ExpertIdsRef ids,
+                     MatrixRef<Scalar> grad_weights, const std::uint8_t* kept = nullptr) const {
     constexpr const char* fn = "TopKRouter::backward";
     check_logits(logits, fn);
     const int k = topk();
-    detail::require(routing.ids.rows() == logits.rows() && routing.ids.cols() == k, fn, "routing ids have shape ",
-                    detail::shape_of(routing.ids), " for logits ", detail::shape_of(logits), " and topk ", k);
+    detail::require(ids.rows() == logits.rows() && ids.cols() == k, fn, "routing ids have shape ", detail::shape_of(ids),
+                    " for logits ", detail::shape_of(logits), " and topk ", k);
     detail::require(grad_weights.rows() == logits.rows() && grad_weights.cols() == k, fn, "'grad_weights' has shape ",
                     detail::shape_of(grad_weights), ", expected [", logits.rows(), ", ", k, "]");
-    RowMatrix<Scalar> grad(logits.rows(), num_experts());
+    detail::require(grad.rows() == logits.rows() && grad.cols() == num_experts(), fn, "'grad' has shape ",
+                    detail::shape_of(grad), ", expected [", logits.rows(), ", ", num_experts(), "]");
     std::vector<Scalar> g(static_cast<std::size_t>(k)), w(static_cast<std::size_t>(k));
     for (Eigen::Index t = 0; t < logits.rows(); ++t) {
-      const std::int32_t* ids = &routing.ids(t, 0);
-      const std::uint8_t* kept = routing.has_capacity_mask() ? &routing.kept(t, 0) : nullptr;
-      const auto status = kernels::backward_row(params_, detail::row_ptr(logits, t), ids,
-                                                detail::row_ptr(grad_weights, t), kept, &grad(t, 0), g.data(),
+      const std::int32_t* row_ids = detail::row_ptr(ids, t);
+      const std::uint8_t* row_kept = kept != nullptr ? kept + t * k : nullptr;
+      const auto status = kernels::backward_row(params_, detail::row_ptr(logits, t), row_ids,
+                                                detail::row_ptr(grad_weights, t), row_kept, &grad(t, 0), g.data(),
                                                 w.data());
       if (status != kernels::row_ok) [[unlikely]]
-        detail::reject_invalid_ids(ids, k, num_experts(), t, fn);
+        detail::reject_invalid_ids(row_ids, k, num_experts(), t, fn);
     }
-    return grad;
   }
 
   // Sign-based expert-bias update (aux-loss-free balancing): experts above the mean load are

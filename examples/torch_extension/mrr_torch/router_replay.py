@@ -1,0 +1,204 @@
+"""Megatron-Core's router-replay API (megatron/core/transformer/moe/router_replay.py), backed by mrr.
+
+The names, arguments and behaviour follow Megatron's module, so a Megatron router that calls
+``RouterReplay.get_replay_topk`` works unchanged; two things are added:
+
+* replayed indices are checked by mrr before use: each id in [0, num_experts) in its own dtype (an
+  int64 2**32 + 3 is an error, never expert 3) and no expert twice in a row; a failure raises
+  mrr's InvalidArgumentError (a ValueError) with mrr's message, instead of a gather that silently
+  reads the wrong expert or an index error deep inside autograd;
+* the recorded indices persist: ``save_recorded`` writes every layer's into an mrr RouteFile
+  (keyed by sequence uid and position), ``load_replay_data`` reads them back for any micro-batch
+  composition.
+
+Indices come back as int64, torch.topk's dtype.
+"""
+
+from enum import Enum
+
+import torch
+
+__all__ = ["RouterReplay", "RouterReplayAction"]
+
+
+class RouterReplayAction(Enum):
+    """What get_replay_topk does (Megatron's names and values)."""
+
+    RECORD = "record"
+    REPLAY_FORWARD = "replay_forward"
+    REPLAY_BACKWARD = "replay_backward"
+
+
+def _ext():
+    from . import load
+
+    return load()
+
+
+def _invalid(message):
+    return _ext().InvalidArgumentError(message)
+
+
+def _as_int64(values, name):
+    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(values)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() != 1:
+        raise _invalid(f"RouterReplay: '{name}' must be a 1-D integer tensor, got {t.dtype} {list(t.shape)}")
+    return t.to(torch.int64)
+
+
+class RouterReplay:
+    """One MoE layer's replay state; every instance joins ``global_router_replay_instances`` in
+    creation order, which is layer order (Megatron creates one per router)."""
+
+    global_router_replay_instances = []
+
+    def __init__(self, num_experts=None):
+        # num_experts (an addition to Megatron's signature): lets set_target_indices check ids as
+        # soon as they arrive; get_replay_topk checks them against the scores' width either way.
+        self.num_experts = num_experts
+        self.target_topk_idx = None
+        self.recorded_topk_idx = None
+        self.router_replay_action = None
+        self.replay_backward_list = []
+        RouterReplay.global_router_replay_instances.append(self)
+
+    # --- all layers at once ---------------------------------------------------------------
+
+    @staticmethod
+    def set_replay_data(all_layers_topk_indices):
+        """Gives layer i the indices all_layers_topk_indices[i] to replay."""
+        instances = RouterReplay.global_router_replay_instances
+        if len(all_layers_topk_indices) != len(instances):
+            raise ValueError(
+                f"RouterReplay.set_replay_data: {len(all_layers_topk_indices)} layers of indices for "
+                f"{len(instances)} RouterReplay instances"
+            )
+        for instance, indices in zip(instances, all_layers_topk_indices):
+            instance.set_target_indices(indices)
+
+    @staticmethod
+    def get_recorded_data():
+        """Every layer's last recorded indices, in layer order (None where nothing was recorded)."""
+        return [instance.get_recorded_indices() for instance in RouterReplay.global_router_replay_instances]
+
+    @staticmethod
+    def clear_global_indices():
+        for instance in RouterReplay.global_router_replay_instances:
+            instance.clear_indices()
+
+    @staticmethod
+    def set_global_router_replay_action(router_replay_action):
+        for instance in RouterReplay.global_router_replay_instances:
+            instance.set_router_replay_action(router_replay_action)
+
+    @staticmethod
+    def clear_global_router_replay_action():
+        for instance in RouterReplay.global_router_replay_instances:
+            instance.clear_router_replay_action()
+
+    @staticmethod
+    def clear_global_router_replay_instances():
+        RouterReplay.global_router_replay_instances.clear()
+
+    # --- persistence through mrr (additions) ----------------------------------------------
+
+    @staticmethod
+    def save_recorded(route_file, uids, positions):
+        """Writes every layer's recorded indices [rows, k] into `route_file` (an mrr RouteFile),
+        row i being token (uids[i], positions[i])."""
+        instances = RouterReplay.global_router_replay_instances
+        if len(instances) != route_file.num_layers:
+            raise _invalid(
+                f"RouterReplay.save_recorded: {len(instances)} RouterReplay instances but the route file holds "
+                f"{route_file.num_layers} layers"
+            )
+        uids = _as_int64(uids, "uids")
+        positions = _as_int64(positions, "positions")
+        for layer, instance in enumerate(instances):
+            recorded = instance.get_recorded_indices()
+            if recorded is None:
+                raise _invalid(f"RouterReplay.save_recorded: layer {layer} has recorded nothing")
+            route_file.record(layer, uids, positions, recorded.detach().cpu())
+
+    @staticmethod
+    def load_replay_data(route_file, uids, positions):
+        """set_replay_data from `route_file`'s routes of tokens (uids[i], positions[i]); a token
+        without a route in some layer is a RouteStoreError naming it."""
+        instances = RouterReplay.global_router_replay_instances
+        if len(instances) != route_file.num_layers:
+            raise _invalid(
+                f"RouterReplay.load_replay_data: {len(instances)} RouterReplay instances but the route file holds "
+                f"{route_file.num_layers} layers"
+            )
+        uids = _as_int64(uids, "uids")
+        positions = _as_int64(positions, "positions")
+        per_layer = []
+        for layer in range(route_file.num_layers):
+            ids, found = route_file.lookup(layer, uids, positions)
+            if not bool(found.all()):
+                row = int((~found).nonzero()[0, 0])
+                raise _ext().RouteStoreError(
+                    f"RouterReplay.load_replay_data: layer {layer}: no route for sequence {int(uids[row])} position "
+                    f"{int(positions[row])} (row {row}; {route_file.recorded_positions(int(uids[row]))} positions "
+                    f"recorded for it)"
+                )
+            per_layer.append(ids)
+        RouterReplay.set_replay_data(per_layer)
+
+    # --- one layer ------------------------------------------------------------------------
+
+    def set_target_indices(self, topk_indices):
+        """The indices the next REPLAY_FORWARD uses; also queued for REPLAY_BACKWARD (FIFO)."""
+        if self.num_experts is not None:
+            _ext().validate_ids(topk_indices, self.num_experts)
+        self.target_topk_idx = topk_indices
+        self.replay_backward_list.append(topk_indices)
+
+    def get_recorded_indices(self):
+        return self.recorded_topk_idx
+
+    def record_indices(self, topk_indices):
+        self.recorded_topk_idx = topk_indices
+
+    def clear_indices(self):
+        self.recorded_topk_idx = None
+        self.target_topk_idx = None
+        self.replay_backward_list = []
+
+    def set_router_replay_action(self, router_replay_action):
+        self.router_replay_action = router_replay_action
+
+    def clear_router_replay_action(self):
+        self.router_replay_action = None
+
+    def _replayed(self, indices, scores, topk, what):
+        if indices is None:
+            raise _invalid(f"RouterReplay.get_replay_topk: {what} has no indices (set_target_indices first)")
+        if not isinstance(indices, torch.Tensor):
+            raise _invalid(f"RouterReplay.get_replay_topk: {what} indices must be a tensor, got {type(indices).__name__}")
+        rows, num_experts = scores.shape[0], scores.shape[-1]
+        if indices.dim() != 2 or indices.shape[0] != rows or indices.shape[1] != topk:
+            raise _invalid(
+                f"RouterReplay.get_replay_topk: {what} indices have shape {list(indices.shape)}, expected "
+                f"[{rows}, {topk}] for scores {list(scores.shape)} and topk={topk}"
+            )
+        _ext().validate_ids(indices.detach().cpu(), self.num_experts or num_experts)
+        indices = indices.to(device=scores.device, dtype=torch.int64)
+        return scores.gather(1, indices), indices
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        """(probs, top_indices) of scores [tokens, experts] under the current action: RECORD
+        computes with default_compute_topk and records the indices; REPLAY_FORWARD gathers the
+        target indices; REPLAY_BACKWARD the oldest queued ones; no action computes by default."""
+        action = self.router_replay_action
+        if action == RouterReplayAction.RECORD:
+            probs, top_indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            self.record_indices(top_indices)
+            return probs, top_indices
+        if action == RouterReplayAction.REPLAY_FORWARD:
+            return self._replayed(self.target_topk_idx, scores, topk, "REPLAY_FORWARD")
+        if action == RouterReplayAction.REPLAY_BACKWARD:
+            if not self.replay_backward_list:
+                raise _invalid("RouterReplay.get_replay_topk: REPLAY_BACKWARD with no queued indices")
+            return self._replayed(self.replay_backward_list.pop(0), scores, topk, "REPLAY_BACKWARD")
+        return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)

@@ -1,0 +1,461 @@
+"""The mrr torch extension end to end: replay across re-packed micro-batches, rollout imports
+(vLLM, SGLang), gradients against torch autograd, error types, route files read by the numpy
+reader, and the Megatron-compatible RouterReplay."""
+
+import base64
+import gc
+import importlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+E, L, K = 8, 2, 2  # experts, MoE layers, experts per token
+
+
+def memory_store(mt, mode="R2", **extra):
+    config = {"mode": mode, **extra}
+    if mode == "R3":
+        config.setdefault("enable_rollout_routing_replay", True)
+    return mt.open_route_file(config, E, L, K)
+
+
+def distinct_ids(rows, generator, num_experts=E, k=K):
+    """Random expert ids [rows, k], no expert twice in a row (int64)."""
+    return torch.stack([torch.randperm(num_experts, generator=generator)[:k] for _ in range(rows)])
+
+
+def worst_ids(logits, k=K):
+    """The k lowest-scoring experts of each row: never what native top-k picks."""
+    return torch.topk(logits, k, largest=False).indices
+
+
+# --- (1) R2: record in old_log_prob, replay through a re-packed, reordered micro-batch ----------
+
+
+def test_r2_round_trip_repacked_and_reordered(mt):
+    g = torch.Generator().manual_seed(1)
+    router = mt.Router(E, K)
+    store = memory_store(mt, "R2")
+    replay = mt.Replay(store)
+    assert replay.mode == "R2" and not store.is_file
+
+    # Padded [3, 6]: sequence 101 is left-padded (4 tokens), 102 full (6), 103 right-padded (3).
+    uids = torch.tensor([101, 102, 103])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    replay.begin_pass("old_log_prob")
+    assert replay.action == "record"
+    replay.set_micro_batch_padded(uids, mask)
+    recorded = {}  # (layer, uid, position) -> ids
+    for layer in range(L):
+        logits = torch.randn(18, E, generator=g)
+        _, ids = router.route(logits)
+        _, rec_ids = replay.route(router, layer, logits)
+        assert torch.equal(rec_ids, ids)
+        for b in range(3):
+            pos = 0
+            for s in range(6):
+                if mask[b, s]:
+                    recorded[(layer, int(uids[b]), pos)] = rec_ids[b * 6 + s]
+                    pos += 1
+    assert len(recorded) == L * 13
+    assert replay.stats()["recorded_rows"] == L * 13
+
+    # Packed: 103 first, then 101's positions 2..3, 102 whole, 101's positions 0..1, 2 padding rows.
+    p_uids = torch.tensor([103, 101, 102, 101])
+    first = torch.tensor([0, 2, 0, 0])
+    lengths = [3, 2, 6, 2]
+    cu = torch.tensor([0, 3, 5, 11, 13])
+    keys = [(int(u), int(f) + i) for u, f, n in zip(p_uids, first, lengths) for i in range(n)]
+    replay.begin_pass("actor_update")
+    assert replay.action == "replay_forward"
+    replay.set_micro_batch_packed(p_uids, cu, first, total_rows=15)
+    changed = 0
+    for layer in range(L):
+        logits = torch.randn(15, E, generator=g)  # the policy moved: other logits
+        weights, ids = replay.route(router, layer, logits)
+        assert ids.dtype == torch.int64 and ids.shape == (15, K)
+        for row, (uid, pos) in enumerate(keys):
+            assert torch.equal(ids[row], recorded[(layer, uid, pos)]), (layer, uid, pos)
+        native = router.route(logits)[1][:13]
+        changed += int((native != ids[:13]).any(dim=1).sum())
+        # The weights are the current logits' weights of the replayed experts.
+        expected, _ = router.replay(logits[:13], ids[:13])
+        assert torch.allclose(weights[:13], expected, atol=0, rtol=0)
+    assert changed > 0, "the new logits route differently, so the test shows replay at work"
+    assert replay.stats()["replayed_rows"] == L * 13
+
+
+def test_recompute_queue_is_fifo(mt):
+    g = torch.Generator().manual_seed(2)
+    router = mt.Router(E, K)
+    store = memory_store(mt, "R2")
+    replay = mt.Replay(store)
+    replay.set_activation_recompute(True)
+    replay.begin_pass("old_log_prob")
+    replay.set_micro_batch_packed(torch.tensor([7]), torch.tensor([0, 4]))
+    rec = replay.route(router, 0, torch.randn(4, E, generator=g))[1]
+    replay.begin_pass("actor_update")
+    replay.route(router, 0, torch.randn(4, E, generator=g))
+    assert replay.queued(0) == 1
+    replay.begin_pass("actor_recompute")
+    assert replay.action == "replay_backward"
+    assert torch.equal(replay.route(router, 0, torch.randn(4, E, generator=g))[1], rec)
+    assert replay.queued(0) == 0
+    with pytest.raises(mt.RouteStoreError, match="no queued routes"):
+        replay.route(router, 0, torch.randn(4, E, generator=g))
+
+
+# --- (2) R3: vLLM's routed_experts [n - 1, layers, k], last token native ----------------------
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.uint16, np.int64, "torch.int32"])
+def test_vllm_import_r3_last_token_native(mt, dtype):
+    g = torch.Generator().manual_seed(3)
+    n, uid = 6, 42
+    logits = [torch.randn(n, E, generator=g) for _ in range(L)]
+    # Rollout routes that disagree with the trainer's own top-k on every token.
+    routed = torch.stack([worst_ids(logits[layer][: n - 1]) for layer in range(L)], dim=1)  # [n-1, L, k]
+    array = routed.to(torch.int32) if dtype == "torch.int32" else routed.numpy().astype(dtype)
+    store = memory_store(mt, "R3")
+    store.import_vllm(uid, array)
+    assert store.contains(uid) and store.recorded_positions(uid) == n - 1
+
+    router = mt.Router(E, K)
+    replay = mt.Replay(store)
+    replay.begin_pass("old_log_prob")  # R3 replays in every training pass
+    assert replay.action == "replay_forward"
+    replay.set_micro_batch_padded(torch.tensor([uid]), torch.ones(1, n, dtype=torch.int64))
+    for layer in range(L):
+        _, ids = replay.route(router, layer, logits[layer])
+        assert torch.equal(ids[: n - 1], routed[:, layer].long())
+        assert torch.equal(ids[n - 1], router.route(logits[layer])[1][n - 1])  # position n-1: native
+    assert replay.stats()["native_rows"] == L
+    assert replay.stats()["replayed_rows"] == L * (n - 1)
+
+
+def test_vllm_import_uint16_above_256_experts(mt):
+    # Recent vLLM returns uint16 when the model has more than 256 experts.
+    experts = 300
+    store = mt.open_route_file({"mode": "R3", "enable_rollout_routing_replay": True}, experts, L, K)
+    routed = np.array([[[299, 256], [0, 298]], [[257, 1], [299, 2]]], dtype=np.uint16)  # [2, L, k]
+    store.import_vllm(77, routed, first_position=3)
+    ids, found = store.lookup(1, torch.tensor([77, 77, 77]), torch.tensor([3, 4, 5]))
+    assert found.tolist() == [True, True, False]
+    assert ids[:2].tolist() == [[0, 298], [299, 2]] and ids[2].tolist() == [-1, -1]
+
+
+def test_vllm_import_checks_ids_and_shape(mt):
+    store = memory_store(mt, "R3")
+    bad = np.zeros((3, L, K), dtype=np.uint16)
+    bad[1, 0, 1] = E  # one past the last expert
+    with pytest.raises(mt.InvalidArgumentError, match=r"routed_experts\[1, 0, 1\] = 8 is outside \[0, 8\)"):
+        store.import_vllm(5, bad)
+    with pytest.raises(mt.InvalidArgumentError, match="3 layers but the model has 2"):
+        store.import_vllm(5, np.zeros((3, 3, K), dtype=np.int32))
+    with pytest.raises(mt.InvalidArgumentError, match="'routed_experts' has numpy dtype float32"):
+        store.import_vllm(5, np.zeros((3, L, K), dtype=np.float32))
+    assert not store.contains(5)
+
+
+# --- (3) SGLang: base64 int32 payloads, routed_experts_start_len ---------------------------------
+
+
+def b64(array):
+    return base64.b64encode(np.ascontiguousarray(array, dtype=np.int32).tobytes()).decode()
+
+
+def test_sglang_chunks_with_start_len_equal_one_import(mt):
+    g = torch.Generator().manual_seed(4)
+    rows, uid = 7, 9
+    routed = torch.stack([distinct_ids(rows, g) for _ in range(L)], dim=1).numpy()  # [rows, L, k]
+    whole = memory_store(mt, "R3")
+    whole.import_sglang(uid, b64(routed))
+    chunked = memory_store(mt, "R3")
+    chunked.import_sglang(uid, b64(routed[:3]))                 # the prefix, first request
+    chunked.import_sglang(uid, b64(routed[3:]), start_len=3)    # continuation: routed_experts_start_len=3
+    assert chunked.recorded_positions(uid) == whole.recorded_positions(uid) == rows
+    uids, positions = torch.full((rows,), uid), torch.arange(rows)
+    for layer in range(L):
+        a, found_a = whole.lookup(layer, uids, positions)
+        b, found_b = chunked.lookup(layer, uids, positions)
+        assert bool(found_a.all()) and bool(found_b.all())
+        assert torch.equal(a, torch.from_numpy(routed[:, layer]).long())
+        assert torch.equal(a, b)
+    # A gap (a chunk starting past what was imported) leaves positions without routes.
+    gap = memory_store(mt, "R3")
+    gap.import_sglang(uid, b64(routed[3:]), start_len=3)
+    _, found = gap.lookup(0, uids, positions)
+    assert found.tolist() == [False] * 3 + [True] * 4
+
+
+def test_sglang_payload_errors(mt):
+    store = memory_store(mt, "R3")
+    # 10 int32 values are not whole rows of L * k = 4.
+    with pytest.raises(mt.InvalidArgumentError, match=r"40 bytes, not a whole number of int32 rows .*16 bytes each"):
+        store.import_sglang(1, b64(np.zeros(10)))
+    with pytest.raises(mt.InvalidArgumentError, match="not base64"):
+        store.import_sglang(1, "AAAA*AAA")
+    with pytest.raises(mt.InvalidArgumentError, match="not a multiple of 4"):
+        store.import_sglang(1, b64(np.zeros(4))[:-1])
+    with pytest.raises(mt.InvalidArgumentError, match=r"outside \[0, 8\)"):
+        store.import_sglang(1, b64(np.full((1, L, K), -1)))
+    assert not store.contains(1)
+
+
+# --- (4) gradients against torch autograd --------------------------------------------------------
+
+
+def reference_weights(logits, ids, pre_softmax):
+    """The pure-torch formula: pre-softmax = softmax over all experts, gather, renormalise;
+    Megatron's default = gather the k logits, softmax over them."""
+    if pre_softmax:
+        w = torch.softmax(logits, dim=-1).gather(1, ids)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return torch.softmax(logits.gather(1, ids), dim=-1)
+
+
+@pytest.mark.parametrize("pre_softmax", [True, False])
+@pytest.mark.parametrize("replayed", [False, True])
+def test_gradient_matches_torch_autograd(mt, pre_softmax, replayed):
+    g = torch.Generator().manual_seed(5)
+    T, k = 16, 3
+    router = mt.Router(E, k, pre_softmax=pre_softmax, normalize_topk=pre_softmax or None)
+    base = torch.randn(T, E, generator=g)
+    upstream = torch.randn(T, k, generator=g)
+
+    z = base.clone().requires_grad_(True)
+    if replayed:
+        given = distinct_ids(T, g, k=k)
+        weights, ids = router.replay(z, given)
+        assert torch.equal(ids, given)
+    else:
+        weights, ids = router.route(z)
+        assert torch.equal(ids, torch.topk(base, k).indices)
+    assert ids.dtype == torch.int64
+    (weights * upstream).sum().backward()
+
+    z_ref = base.clone().requires_grad_(True)
+    w_ref = reference_weights(z_ref, ids, pre_softmax)
+    (w_ref * upstream).sum().backward()
+    assert torch.allclose(weights, w_ref, atol=1e-6, rtol=0)
+    assert torch.allclose(z.grad, z_ref.grad, atol=1e-6, rtol=0)
+    assert z.grad.abs().max() > 1e-3  # a real gradient was compared
+
+
+def test_router_may_be_dropped_before_backward(mt):
+    g = torch.Generator().manual_seed(9)
+    base, upstream = torch.randn(4, E, generator=g), torch.randn(4, K, generator=g)
+    z = base.clone().requires_grad_(True)
+    router = mt.Router(E, K, pre_softmax=True, normalize_topk=True)
+    weights, ids = router.route(z)
+    del router  # the weights' graph node keeps mrr's router alive
+    gc.collect()
+    (weights * upstream).sum().backward()
+    z_ref = base.clone().requires_grad_(True)
+    (reference_weights(z_ref, ids, pre_softmax=True) * upstream).sum().backward()
+    assert torch.allclose(z.grad, z_ref.grad, atol=1e-6, rtol=0)
+
+
+# --- (5) errors map to typed Python exceptions --------------------------------------------------
+
+
+def test_missing_replay_file_is_route_file_error(mt, tmp_path):
+    path = tmp_path / "absent.mrr"
+    with pytest.raises(mt.RouteFileError) as info:
+        mt.open_route_file({"mode": "R2", "replay_file": str(path)}, E, L, K)
+    message = str(info.value)
+    assert "actor_rollout_ref.actor.router_replay.replay_file" in message and str(path) in message
+    assert isinstance(info.value, mt.RouteStoreError) and isinstance(info.value, RuntimeError)
+
+
+def test_config_errors(mt):
+    with pytest.raises(mt.ConfigError, match="unknown router replay mode 'R4'") as info:
+        mt.open_route_file({"mode": "R4"}, E, L, K)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(mt.ConfigError, match="R3 replays the rollout engine's routes"):
+        mt.open_route_file({"actor_rollout_ref.actor.router_replay.mode": "R3"}, E, L, K)
+    with pytest.raises(mt.ConfigError, match="unknown key actor_rollout_ref.actor.router_replay.modes"):
+        mt.open_route_file({"modes": "R2"}, E, L, K)
+    with pytest.raises(mt.ConfigError, match="unknown key trainer.total_epochs"):
+        mt.open_route_file({"trainer.total_epochs": 1}, E, L, K)
+    # Full keys and bools as verl writes them are accepted.
+    store = mt.open_route_file(
+        {"actor_rollout_ref.actor.router_replay.mode": "R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay": True},
+        E, L, K,
+    )
+    assert store.mode == "R3" and store.enable_rollout_routing_replay and store.replay_file is None
+
+
+def test_out_of_range_id_is_never_wrapped(mt):
+    router = mt.Router(E, K)
+    logits = torch.randn(2, E)
+    ids = torch.tensor([[0, 1], [2**32 + 3, 4]], dtype=torch.int64)
+    with pytest.raises(mt.InvalidArgumentError, match=r"'ids'\[1, 0\] = 4294967299 is outside \[0, 8\)"):
+        router.replay(logits, ids)
+    with pytest.raises(mt.InvalidArgumentError, match="4294967299"):
+        mt.validate_ids(ids, E)
+    store = memory_store(mt, "R2")
+    with pytest.raises(mt.InvalidArgumentError, match="4294967299"):
+        store.record(0, torch.tensor([1, 1]), torch.tensor([0, 1]), ids)
+    assert not store.contains(1)
+
+
+def test_wrong_dtype_and_shape_name_the_argument(mt):
+    router = mt.Router(E, K)
+    logits = torch.randn(3, E)
+    with pytest.raises(mt.InvalidArgumentError, match="'logits' has dtype Double, expected Float"):
+        router.route(logits.double())
+    with pytest.raises(mt.InvalidArgumentError, match=r"'logits' must be 2-D"):
+        router.route(logits[0])
+    with pytest.raises(mt.InvalidArgumentError, match=r"'ids' must be \[rows, 2\]"):
+        router.replay(logits, torch.zeros(3, 1, dtype=torch.int64))
+    with pytest.raises(mt.InvalidArgumentError, match="'ids' has dtype Float"):
+        router.replay(logits, torch.zeros(3, 2))
+    with pytest.raises(mt.InvalidArgumentError, match="'ids' has 2 rows for 3 rows of logits"):
+        router.replay(logits, torch.tensor([[0, 1], [2, 3]]))
+    with pytest.raises(mt.InvalidArgumentError, match="repeats expert id 5"):
+        router.replay(logits, torch.tensor([[0, 1], [5, 5], [2, 3]]))
+    replay = mt.Replay(memory_store(mt, "R2"))
+    replay.begin_pass("old_log_prob")
+    replay.set_micro_batch_packed(torch.tensor([1]), torch.tensor([0, 2]))
+    with pytest.raises(mt.InvalidArgumentError, match="logits have 3 rows but the micro-batch layout has 2"):
+        replay.route(router, 0, logits)
+    with pytest.raises(mt.InvalidArgumentError, match="unknown pass 'rollout'"):
+        replay.begin_pass("rollout")
+
+
+# --- (6) a route file written here, read by examples/python/read_routes.py ----------------------
+
+
+def test_route_file_read_by_numpy_reader(mt, tmp_path, repo_root):
+    g = torch.Generator().manual_seed(6)
+    path = tmp_path / "routes.mrr"
+    store = mt.open_route_file({"mode": "R2", "record_file": str(path)}, E, L, K)
+    assert store.is_file and store.record_file == str(path)
+    router = mt.Router(E, K)
+    replay = mt.Replay(store)
+    replay.begin_pass("old_log_prob")
+    uids, lengths = torch.tensor([11, 12]), [5, 3]
+    replay.set_micro_batch_packed(uids, torch.tensor([0, 5, 8]))
+    recorded = [replay.route(router, layer, torch.randn(8, E, generator=g))[1] for layer in range(L)]
+    store.close()
+
+    sys.path.insert(0, str(repo_root / "examples" / "python"))
+    try:
+        read_routes = importlib.import_module("read_routes")
+    finally:
+        sys.path.pop(0)
+    f = read_routes.RouteFile(path)
+    start = 0
+    for uid, n in zip(uids.tolist(), lengths):
+        routes = f.routes(uid)  # int32 [positions, layers, k]
+        assert routes.shape == (n, L, K)
+        for layer in range(L):
+            assert np.array_equal(routes[:, layer].astype(np.int64), recorded[layer][start : start + n].numpy())
+        start += n
+
+    # And mrr reads it back as a replay file.
+    again = mt.open_route_file({"mode": "R2", "replay_file": str(path)}, E, L, K)
+    ids, found = again.lookup(1, torch.tensor([12, 11]), torch.tensor([2, 4]))
+    assert bool(found.all())
+    assert torch.equal(ids, torch.stack([recorded[1][7], recorded[1][4]]))
+
+
+# --- (7) Megatron's RouterReplay API ------------------------------------------------------------
+
+
+@pytest.fixture
+def megatron(mt):
+    RouterReplay = mt.RouterReplay
+    RouterReplay.clear_global_router_replay_instances()
+    yield RouterReplay
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def default_topk(scores, topk, num_groups=None, group_topk=None):
+    return torch.topk(scores, topk, dim=-1)
+
+
+def test_megatron_record_then_replay_forward(mt, megatron):
+    Action = mt.RouterReplayAction
+    assert [a.value for a in Action] == ["record", "replay_forward", "replay_backward"]
+    g = torch.Generator().manual_seed(7)
+    layers = [megatron(), megatron()]
+    assert megatron.global_router_replay_instances == layers
+
+    megatron.set_global_router_replay_action(Action.RECORD)
+    first = [torch.softmax(torch.randn(5, E, generator=g), -1) for _ in layers]
+    for layer, scores in zip(layers, first):
+        layer.get_replay_topk(scores, K, default_compute_topk=default_topk)
+    recorded = megatron.get_recorded_data()
+    assert all(torch.equal(r, torch.topk(s, K).indices) for r, s in zip(recorded, first))
+
+    megatron.clear_global_indices()
+    assert megatron.get_recorded_data() == [None, None]
+    megatron.set_replay_data(recorded)
+    megatron.set_global_router_replay_action(Action.REPLAY_FORWARD)
+    for layer, ids in zip(layers, recorded):
+        scores = torch.softmax(torch.randn(5, E, generator=g), -1)  # new scores, same experts
+        probs, top = layer.get_replay_topk(scores, K, default_compute_topk=default_topk)
+        assert torch.equal(top, ids) and top.dtype == torch.int64
+        assert torch.equal(probs, scores.gather(1, ids))
+
+    megatron.clear_global_router_replay_action()
+    assert all(layer.router_replay_action is None for layer in layers)
+    with pytest.raises(ValueError, match="1 layers of indices for 2"):
+        megatron.set_replay_data(recorded[:1])
+
+
+def test_megatron_replay_backward_is_fifo(mt, megatron):
+    layer = megatron()
+    a = torch.tensor([[0, 1], [2, 3]])
+    b = torch.tensor([[4, 5], [6, 7]])
+    layer.set_target_indices(a)
+    layer.set_target_indices(b)
+    layer.set_router_replay_action(mt.RouterReplayAction.REPLAY_BACKWARD)
+    scores = torch.rand(2, E)
+    assert torch.equal(layer.get_replay_topk(scores, K)[1], a)
+    assert torch.equal(layer.get_replay_topk(scores, K)[1], b)
+    with pytest.raises(mt.InvalidArgumentError, match="no queued indices"):
+        layer.get_replay_topk(scores, K)
+
+
+def test_megatron_invalid_ids_are_rejected(mt, megatron):
+    layer = megatron()
+    layer.set_router_replay_action(mt.RouterReplayAction.REPLAY_FORWARD)
+    scores = torch.rand(2, E)
+    layer.set_target_indices(torch.tensor([[0, 1], [2**32 + 3, 4]]))
+    with pytest.raises(mt.InvalidArgumentError, match="4294967299 is outside"):
+        layer.get_replay_topk(scores, K)
+    layer.set_target_indices(torch.tensor([[0, 1], [3, 3]]))
+    with pytest.raises(mt.InvalidArgumentError, match="repeats expert id 3"):
+        layer.get_replay_topk(scores, K)
+    layer.set_target_indices(torch.tensor([[0, 1, 2], [3, 4, 5]]))
+    with pytest.raises(mt.InvalidArgumentError, match=r"expected \[2, 2\]"):
+        layer.get_replay_topk(scores, K)
+    checked = megatron(num_experts=E)  # checks on arrival too
+    with pytest.raises(mt.InvalidArgumentError, match="outside"):
+        checked.set_target_indices(torch.tensor([[0, E]]))
+
+
+def test_megatron_save_and_load_through_route_file(mt, megatron, tmp_path):
+    g = torch.Generator().manual_seed(8)
+    layers = [megatron() for _ in range(L)]
+    megatron.set_global_router_replay_action(mt.RouterReplayAction.RECORD)
+    for layer in layers:
+        layer.get_replay_topk(torch.rand(4, E, generator=g), K, default_compute_topk=default_topk)
+    recorded = megatron.get_recorded_data()
+    uids, positions = [3, 3, 4, 4], [0, 1, 0, 1]
+    path = tmp_path / "megatron.mrr"
+    store = mt.open_route_file({"mode": "R2", "record_file": str(path)}, E, L, K)
+    megatron.save_recorded(store, uids, positions)
+    store.close()
+
+    megatron.clear_global_indices()
+    reader = mt.open_route_file({"mode": "R2", "replay_file": str(path)}, E, L, K)
+    megatron.load_replay_data(reader, [4, 3], [1, 0])  # another order
+    assert all(torch.equal(layer.target_topk_idx, r[[3, 0]]) for layer, r in zip(layers, recorded))
+    with pytest.raises(mt.RouteStoreError, match="no route for sequence 4 position 2"):
+        megatron.load_replay_data(reader, [3, 4], [1, 2])
