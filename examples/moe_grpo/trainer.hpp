@@ -11,6 +11,7 @@
 
 #include "model.hpp"
 
+#include <mrr/diagnostics.hpp>
 #include <mrr/ppo/grpo_step.hpp>
 #include <mrr/replay/config.hpp>
 #include <mrr/replay/open_store.hpp>
@@ -207,6 +208,12 @@ struct StepMetrics {
   double rollout_mismatch_decisions = 0, rollout_mismatch_tokens = 0;
   std::int64_t compared_rows = 0;  // (token, layer) rows the rollout has a route for
   double k3 = 0, k1 = 0, max_abs_dlogp = 0, mean_abs_dlogp = 0;
+  // The same comparison by the R3 paper's definitions (mrr/diagnostics.hpp): the fraction of
+  // (token, layer) decisions whose expert *set* differs (the columns above count differing experts),
+  // mean differing layers per token, F(2) and F(5) (tokens with max(p/q, q/p) > tau) and the p99
+  // of |delta log p|, over every rank's tokens.
+  double rollout_decisions_differing = 0, rollout_mean_differing_layers = 0;
+  double f2 = 0, f5 = 0, p99_abs_dlogp = 0;
   // The paired measurement, the same in every mode: on the step's weights (before any update) and
   // the rollout's tokens, a no-gradient pass of the training engine routed natively and one
   // replaying the rollout's routes (R3-style), each against the rollout: routing mismatch over the
@@ -216,6 +223,7 @@ struct StepMetrics {
   double paired_native_k3 = 0, paired_native_mean_abs_dlogp = 0;
   double paired_replay_mismatch_decisions = 0, paired_replay_k3 = 0, paired_replay_mean_abs_dlogp = 0;
   std::uint64_t paired_replayed_rows = 0;  // rows the replayed pass took from the rollout
+  double paired_native_decisions_differing = 0, paired_native_f2 = 0, paired_replay_f2 = 0;
   // old-log-prob pass vs update passes: router decisions that differ
   double update_mismatch_decisions = 0;
   double loss = 0, pg_clipfrac = 0, ppo_kl = 0, kl_loss = 0;
@@ -259,6 +267,8 @@ inline int differing(const std::int32_t* a, const std::int32_t* b, int k) {
 struct RolloutComparison {
   std::int64_t decisions = 0, differing_decisions = 0, tokens = 0, differing_tokens = 0;
   double k3_sum = 0, k1_sum = 0, abs_sum = 0, lp_tokens = 0, max_abs = 0;
+  mrr::RoutingMismatch routing;   // by (token, layer) decision, mrr/diagnostics.hpp
+  std::vector<double> abs_dlogp;  // |log p_train - log p_rollout| of every compared token
 };
 
 }  // namespace detail
@@ -555,6 +565,38 @@ class Trainer {
     m.replayed_rows = static_cast<std::uint64_t>(rows[0]);
     m.native_rows = static_cast<std::uint64_t>(rows[1]);
     m.recorded_rows = static_cast<std::uint64_t>(rows[2]);
+    // The R3 paper's definitions (mrr/diagnostics.hpp) over every rank: decision counts summed,
+    // |delta log p| values gathered (each rank's list padded to the longest with NaN).
+    for (std::size_t p = 0; p < 3; ++p) {
+      if (p > 0 && !paired_) break;
+      std::vector<std::int64_t> rc = passes[p]->routing.counts();
+      if (rc.size() == 7) rc.resize(7 + 2 * static_cast<std::size_t>(L), 0);  // nothing compared on this rank
+      comm_.all_reduce_sum(std::span<std::int64_t>(rc));
+      const mrr::RoutingMismatch routing = mrr::RoutingMismatch::from_counts(rc);
+      std::vector<std::int64_t> sizes(static_cast<std::size_t>(ranks));
+      const std::int64_t mine = static_cast<std::int64_t>(passes[p]->abs_dlogp.size());
+      comm_.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(sizes));
+      const std::int64_t longest = *std::max_element(sizes.begin(), sizes.end());
+      std::vector<double> padded = passes[p]->abs_dlogp, gathered(static_cast<std::size_t>(longest * ranks));
+      padded.resize(static_cast<std::size_t>(longest), std::nan(""));
+      comm_.all_gather(std::span<const double>(padded), std::span<double>(gathered));
+      gathered.erase(std::remove_if(gathered.begin(), gathered.end(), [](double v) { return std::isnan(v); }), gathered.end());
+      mrr::LogProbDivergence div;
+      const double taus[] = {2.0, 5.0};
+      mrr::summarize_abs_differences(gathered, taus, div);
+      if (p == 0) {
+        m.rollout_decisions_differing = routing.decision_fraction();
+        m.rollout_mean_differing_layers = routing.mean_differing_layers();
+        m.f2 = div.F(2.0);
+        m.f5 = div.F(5.0);
+        m.p99_abs_dlogp = div.p99_abs;
+      } else if (p == 1) {
+        m.paired_native_decisions_differing = routing.decision_fraction();
+        m.paired_native_f2 = div.F(2.0);
+      } else {
+        m.paired_replay_f2 = div.F(2.0);
+      }
+    }
     m.params_digest = digest();
     std::uint64_t route_digest = 1469598103934665603ull;
     for (const Batch& batch : batches) {
@@ -680,6 +722,17 @@ class Trainer {
       }
     }
     for (std::size_t r = 0; r < layout.size(); ++r) c.differing_tokens += any[r];
+    // The paper's definitions, through the library's diagnostics: real rows the rollout has a
+    // route for, every layer.
+    std::vector<std::uint8_t> real(layout.size());
+    for (std::size_t r = 0; r < layout.size(); ++r) real[r] = layout[r].is_padding() ? 0 : 1;
+    mrr::RoutingMismatchCounter counter(L, static_cast<long>(layout.size()), real);
+    for (int l = 0; l < L; ++l) mrr::add_layer_against_store(counter, *rollout_store_, l, layout, routes[static_cast<std::size_t>(l)]);
+    c.routing = counter.result();
+    for (Eigen::Index i = 0; i < log_prob.rows(); ++i)
+      for (Eigen::Index j = 0; j < log_prob.cols(); ++j)
+        if (batch.mask(i, j) != 0)
+          c.abs_dlogp.push_back(std::abs(static_cast<double>(log_prob(i, j)) - static_cast<double>(batch.rollout_log_prob(i, j))));
     return c;
   }
 
@@ -693,6 +746,8 @@ class Trainer {
     into.abs_sum += c.abs_sum;
     into.lp_tokens += c.lp_tokens;
     into.max_abs = std::max(into.max_abs, c.max_abs);
+    into.routing += c.routing;
+    into.abs_dlogp.insert(into.abs_dlogp.end(), c.abs_dlogp.begin(), c.abs_dlogp.end());
   }
 
   // (token, layer) rows of `layout` the rollout has a route for.
