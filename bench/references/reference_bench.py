@@ -4,9 +4,15 @@ mrr's C++ benchmarks: PyTorch (Debian's python3-torch), Megatron-Core's moe_util
 core_algos, run as they are. The C++ benchmarks (bench_routing, bench_ppo) call this script and
 print its times beside their own, so both come from one run.
 
-The reference sources are not part of mrr. This script extracts the few files it needs, at the
-pinned commits below, from local git mirrors into a work directory (default: a temporary
-directory; the benchmarks pass their build directory) with `git archive`. Their heavy imports
+The reference sources are not part of mrr. This script needs a few files of each, at the pinned
+commits below, in a work directory (default: a temporary directory; the benchmarks pass their
+build directory). It takes them, in this order:
+  1. from a source you name: --megatron / --verl (or $MRR_MEGATRON_SRC / $MRR_VERL_SRC), either a
+     git repository (a clone or a bare mirror holding the pinned commit: `git archive` extracts
+     the files at that commit) or a plain directory tree (used as is; its commit is not checked);
+  2. else downloaded at the pinned commits from the public repositories
+     (raw.githubusercontent.com; cached in the work directory).
+Without either, it stops with a message naming what is missing and both ways to provide it. Their heavy imports
 (Transformer Engine, Megatron's parallel state, omegaconf, tensordict, transformers, ...) are
 *stubbed* here: only the import statements are satisfied, and the functions timed below never
 call into a stub on the paths used (fused=False, no Transformer Engine, batch-invariant mode off).
@@ -15,7 +21,13 @@ Output: one line per case, `REF <case> <microseconds>`, medians of repeated call
 (the ppo suite: minima, as bench_ppo reports its own times) in steady state (PyTorch's allocator
 reuses its buffers, as in training).
 
+It prints the BLAS library PyTorch's matrix products actually load (read from the process's
+mapped libraries after a GEMM: Debian's python3-torch uses whichever libblas.so.3 the alternatives
+system selects, the reference BLAS unless OpenBLAS is installed) and PyTorch's build configuration.
+
 Usage: reference_bench.py --suite routing|permute|ppo|all [--threads N] [--workdir DIR]
+                          [--megatron PATH] [--verl PATH]
+A fresh machine needs only (Debian): apt-get install python3-torch libopenblas0-pthread
 """
 import argparse
 import importlib
@@ -29,25 +41,95 @@ import io
 import time
 import types
 
-MEGATRON_GIT = os.environ.get("MRR_MEGATRON_GIT", "/work/.mirror/NVIDIA+Megatron-LM/repo")
+MEGATRON_REPO = "NVIDIA/Megatron-LM"
 MEGATRON_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 MEGATRON_FILES = ["megatron/core/transformer/moe/moe_utils.py", "megatron/core/transformer/moe/router_replay.py"]
-VERL_GIT = os.environ.get("MRR_VERL_GIT", "/work/.mirror/volcengine+verl/repo")
+VERL_REPO = "volcengine/verl"
 VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
 VERL_FILES = ["verl/trainer/ppo/core_algos.py", "verl/utils/torch_functional.py", "verl/utils/groupwise.py"]
 
 
-def extract(git_dir, commit, paths, dest):
-    """git archive <commit> <paths> | tar -x -C dest (skipped when already there at that commit)."""
+def _is_git(path):
+    return subprocess.run(["git", "--git-dir", path, "rev-parse", "--git-dir"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0
+
+
+def _git_dir(path):
+    """The git directory of a clone (path/.git) or a bare repository (path), else None."""
+    for candidate in (os.path.join(path, ".git"), path):
+        if os.path.exists(candidate) and _is_git(candidate):
+            return candidate
+    return None
+
+
+def _download(repo, commit, paths, dest):
+    import urllib.request
+    for path in paths:
+        url = f"https://raw.githubusercontent.com/{repo}/{commit}/{path}"
+        target = os.path.join(dest, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with urllib.request.urlopen(url, timeout=60) as response:
+            data = response.read()
+        with open(target, "wb") as out:
+            out.write(data)
+
+
+def extract(name, repo, commit, paths, source, dest):
+    """The reference's `paths` at `commit` under `dest`, from `source` (a git repository or a
+    directory tree) or, without one, downloaded from GitHub. Skipped when already there."""
     stamp = os.path.join(dest, ".commit-" + commit)
     if os.path.exists(stamp):
         return
     os.makedirs(dest, exist_ok=True)
-    data = subprocess.run(["git", "--git-dir", git_dir, "archive", commit] + paths, check=True,
-                          stdout=subprocess.PIPE).stdout
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest)
+    if source:
+        git_dir = _git_dir(source)
+        if git_dir:
+            done = subprocess.run(["git", "--git-dir", git_dir, "archive", commit] + paths, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+            if done.returncode != 0:
+                sys.exit(f"reference_bench: {source} (the {name} source) does not hold commit {commit}: "
+                         f"{done.stderr.decode().strip()}; fetch it there (git fetch origin {commit}) or pass another "
+                         f"source")
+            with tarfile.open(fileobj=io.BytesIO(done.stdout)) as tar:
+                tar.extractall(dest)
+        else:
+            missing = [p for p in paths if not os.path.isfile(os.path.join(source, p))]
+            if missing:
+                sys.exit(f"reference_bench: {source} (the {name} source) lacks {', '.join(missing)}; pass a "
+                         f"checkout of https://github.com/{repo} at {commit}")
+            for p in paths:
+                os.makedirs(os.path.dirname(os.path.join(dest, p)), exist_ok=True)
+                with open(os.path.join(source, p), "rb") as src, open(os.path.join(dest, p), "wb") as out:
+                    out.write(src.read())
+            print(f"REFINFO {name} from the directory {source} (its commit is not checked; pinned: {commit[:12]})",
+                  flush=True)
+    else:
+        try:
+            _download(repo, commit, paths, dest)
+        except Exception as e:  # no network, a proxy, GitHub down: say what is missing and how to provide it
+            sys.exit(f"reference_bench: could not download {name} ({', '.join(paths)}) at {commit} from "
+                     f"https://github.com/{repo}: {e}. Either allow the download, or pass a clone: git clone "
+                     f"https://github.com/{repo} && reference_bench.py --{name} <that clone> (it must hold {commit})")
     open(stamp, "w").close()
+
+
+def blas_in_use(torch):
+    """The BLAS shared library this process has mapped after a matrix product (Linux), and
+    PyTorch's own record of the BLAS it was built against."""
+    a = torch.randn(64, 64)
+    (a @ a).sum().item()
+    libs = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if line.split() else ""
+                base = os.path.basename(path)
+                if any(k in base for k in ("blas", "mkl_", "lapack", "openblas")):
+                    libs.add(os.path.realpath(path))
+    except OSError:
+        pass
+    built = [x.strip() for x in torch.__config__.show().replace(",", "\n").splitlines() if "BLAS_INFO" in x]
+    return ", ".join(sorted(libs)) or "unknown (no BLAS library mapped)", (built[0] if built else "BLAS_INFO unknown")
 
 
 # ---- import stubs (imports only; nothing timed calls into them) --------------------------------
@@ -120,10 +202,10 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.__path__ = list(module.__spec__.submodule_search_locations)
 
 
-def load_references(workdir):
+def load_references(workdir, megatron_src, verl_src):
     mdir, vdir = os.path.join(workdir, "megatron"), os.path.join(workdir, "verl")
-    extract(MEGATRON_GIT, MEGATRON_COMMIT, MEGATRON_FILES, mdir)
-    extract(VERL_GIT, VERL_COMMIT, VERL_FILES, vdir)
+    extract("megatron", MEGATRON_REPO, MEGATRON_COMMIT, MEGATRON_FILES, megatron_src, mdir)
+    extract("verl", VERL_REPO, VERL_COMMIT, VERL_FILES, verl_src, vdir)
     sys.path[:0] = [mdir, vdir]
     sys.meta_path.insert(0, _StubFinder(["megatron", "verl", "omegaconf", "tensordict", "transformers", "flash_attn",
                                          "torch_npu"], [mdir, vdir]))
@@ -250,14 +332,20 @@ def main():
     parser.add_argument("--suite", default="all", choices=["routing", "permute", "ppo", "all"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--megatron", default=os.environ.get("MRR_MEGATRON_SRC"),
+                        help="a Megatron-LM git repository or directory tree (default: download at the pinned commit)")
+    parser.add_argument("--verl", default=os.environ.get("MRR_VERL_SRC"),
+                        help="a verl git repository or directory tree (default: download at the pinned commit)")
     args = parser.parse_args()
     import tempfile
     import torch
     torch.set_num_threads(args.threads)
     workdir = args.workdir or tempfile.mkdtemp(prefix="mrr-references-")
-    mu, ca = load_references(workdir)
+    mu, ca = load_references(workdir, args.megatron, args.verl)
+    blas, built = blas_in_use(torch)
     print(f"REFINFO torch {torch.__version__} threads {torch.get_num_threads()} megatron {MEGATRON_COMMIT[:12]} "
           f"verl {VERL_COMMIT[:12]}", flush=True)
+    print(f"REFINFO blas {blas} ({built})", flush=True)
     if args.suite in ("routing", "all"):
         routing_suite(torch, mu)
     if args.suite in ("permute", "all"):
