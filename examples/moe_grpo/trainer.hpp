@@ -214,6 +214,9 @@ struct StepMetrics {
   // of |delta log p|, over every rank's tokens.
   double rollout_decisions_differing = 0, rollout_mean_differing_layers = 0;
   double f2 = 0, f5 = 0, p99_abs_dlogp = 0;
+  // The same-engine floor: k3 between two no-gradient training passes on the same weights and
+  // tokens in different micro-batch compositions (sequences reversed), both routed natively.
+  double floor_k3 = 0;
   // The paired measurement, the same in every mode: on the step's weights (before any update) and
   // the rollout's tokens, a no-gradient pass of the training engine routed natively and one
   // replaying the rollout's routes (R3-style), each against the rollout: routing mismatch over the
@@ -390,7 +393,7 @@ class Trainer {
 
     // 3. Old-log-prob pass (R2 records, R3 replays the rollout's routes), compared with the rollout;
     //    then the paired passes (native and replayed, no gradient) on the same weights.
-    detail::RolloutComparison own, native, replayed;
+    detail::RolloutComparison own, native, replayed, floor;
     std::uint64_t paired_replayed_rows = 0;
     std::vector<std::vector<std::int64_t>> load(static_cast<std::size_t>(L), std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.model.experts), 0));
     for (int b = 0; b < mb; ++b) {
@@ -425,12 +428,15 @@ class Trainer {
       if (paired_) {
         // The same weights (params_, which the rollout synced and no update has moved yet).
         if (b == 0) paired_->load(params_);
+        Mat native_lp;
         if (old_is_native_) {
           accumulate(native, c);
+          native_lp = batch.old_log_prob;
         } else {
           paired_->replay().set_action(mrr::RouterAction::native);
-          accumulate(native, paired_pass(batch));
+          accumulate(native, paired_pass(batch, &native_lp));
         }
+        floor_pass(batch, native_lp, floor);
         if (old_is_replay_) {
           accumulate(replayed, c);
           paired_replayed_rows += rows_with_route(layout, L);
@@ -565,6 +571,14 @@ class Trainer {
     m.replayed_rows = static_cast<std::uint64_t>(rows[0]);
     m.native_rows = static_cast<std::uint64_t>(rows[1]);
     m.recorded_rows = static_cast<std::uint64_t>(rows[2]);
+    // The same-engine floor over every rank: k3 sum and token count.
+    if (paired_) {
+      std::vector<double> fl{floor.k3_sum, floor.lp_tokens}, all_fl(2 * static_cast<std::size_t>(ranks));
+      comm_.all_gather(std::span<const double>(fl), std::span<double>(all_fl));
+      double k3 = 0, nt = 0;
+      for (std::size_t r = 0; r < static_cast<std::size_t>(ranks); ++r) k3 += all_fl[2 * r], nt += all_fl[2 * r + 1];
+      m.floor_k3 = nt > 0 ? k3 / nt : 0;
+    }
     // The R3 paper's definitions (mrr/diagnostics.hpp) over every rank: decision counts summed,
     // |delta log p| values gathered (each rank's list padded to the longest with NaN).
     for (std::size_t p = 0; p < 3; ++p) {
@@ -763,11 +777,40 @@ class Trainer {
   }
 
   // A no-gradient pass of the paired engine with the action already set, compared with the rollout.
-  detail::RolloutComparison paired_pass(const Batch& batch) {
+  detail::RolloutComparison paired_pass(const Batch& batch, Mat* log_prob_out = nullptr) {
     typename Engine<Comm>::Cache cache;
     std::vector<mrr::ExpertIds> routes;
     const auto logits = paired_->forward(batch.tokens, batch.lengths, batch.uids, cache, &routes);
-    return compare_with_rollout(batch, paired_->replay().micro_batch(), routes, log_probs(batch, logits));
+    Mat lp = log_probs(batch, logits);
+    auto c = compare_with_rollout(batch, paired_->replay().micro_batch(), routes, lp);
+    if (log_prob_out) *log_prob_out = std::move(lp);
+    return c;
+  }
+
+  // The same-engine floor (the R3 paper's reference level): the training engine twice on the same
+  // weights and tokens in two micro-batch compositions (the mini-batch as is, routed natively, and
+  // its sequences in reverse order, routed natively), compared token by token: the divergence no
+  // routing fix can remove. native_lp: the first of the two, already computed.
+  void floor_pass(const Batch& batch, const Mat& native_lp, detail::RolloutComparison& into) {
+    const std::size_t n = batch.global.size();
+    Batch rev;
+    rev.global.assign(batch.global.rbegin(), batch.global.rend());
+    rev.uids.assign(batch.uids.rbegin(), batch.uids.rend());
+    rev.tokens.assign(batch.tokens.rbegin(), batch.tokens.rend());
+    rev.lengths.assign(batch.lengths.rbegin(), batch.lengths.rend());
+    paired_->replay().set_action(mrr::RouterAction::native);
+    typename Engine<Comm>::Cache cache;
+    const Mat lp_rev = log_probs(rev, paired_->forward(rev.tokens, rev.lengths, rev.uids, cache, nullptr));
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto a = static_cast<Eigen::Index>(i), b = static_cast<Eigen::Index>(n - 1 - i);
+      for (Eigen::Index j = 0; j < native_lp.cols(); ++j) {
+        if (batch.mask(a, j) == 0) continue;
+        const double d = static_cast<double>(lp_rev(b, j)) - static_cast<double>(native_lp(a, j));
+        into.k3_sum += std::exp(-d) + d - 1.0;
+        into.lp_tokens += 1;
+        into.abs_dlogp.push_back(std::abs(d));
+      }
+    }
   }
 
   // log p of each response token (verl: logits / rollout temperature), [n, response_length].

@@ -96,6 +96,16 @@ TEST_CASE("paired passes: replaying the rollout's routes matches them exactly, n
       CHECK(m.paired_replay_k3 > 0);  // bf16 numerics differ beyond routing
       native_mismatch += m.paired_native_mismatch_decisions;
       native_tokens += m.paired_native_mismatch_tokens;
+      // The R3 paper's definitions (mrr/diagnostics.hpp): a (token, layer) decision differs at
+      // least as often as an expert does, at most k times as often; replayed rows never differ.
+      CHECK(m.paired_native_decisions_differing >= m.paired_native_mismatch_decisions);
+      CHECK(m.paired_native_decisions_differing <= c.model.topk * m.paired_native_mismatch_decisions + 1e-12);
+      CHECK(m.p99_abs_dlogp > 0);
+      CHECK(m.p99_abs_dlogp <= m.max_abs_dlogp);
+      // The same-engine floor: the training engine is batch-invariant (per-token fixed-shape
+      // reductions, slot-order combine), so two compositions of the same tokens give the same bits.
+      CHECK(m.floor_k3 == 0.0);
+      if (mode == mrr::ReplayMode::R3) CHECK(m.rollout_decisions_differing == 0.0);
       // Where the mode's own old-log-prob pass is one of the paired passes, it is the same numbers.
       if (mode == mrr::ReplayMode::R3) {
         CHECK(m.paired_replay_k3 == m.k3);
