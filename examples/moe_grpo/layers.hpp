@@ -37,6 +37,37 @@ void round_bf16(Eigen::DenseBase<Derived>& m) {
   m = m.unaryExpr([](float v) { return to_bf16(v); });
 }
 
+// Round to the nearest fp8 e4m3 value (OCP FP8 E4M3, as H100 tensor cores read it: 3 mantissa
+// bits, exponent bias 7, largest finite 448, subnormals down to 2^-9), ties to even, saturating at
+// +-448 as fp8 GEMM recipes do. Kept in a float.
+inline float to_fp8_e4m3(float x) {
+  if (std::isnan(x)) return x;
+  const float a = std::fabs(x);
+  if (a >= 448.f) return std::copysign(448.f, x);
+  if (a == 0.f) return x;
+  int e = 0;
+  std::frexp(a, &e);                     // a = m * 2^e, m in [0.5, 1): the leading bit is 2^(e-1)
+  const int lead = e - 1 < -6 ? -6 : e - 1;  // below 2^-6 the spacing stays 2^-9 (subnormals)
+  const float quantum = std::ldexp(1.f, lead - 3);
+  return std::copysign(std::nearbyint(a / quantum) * quantum, x);  // default rounding: ties to even
+}
+
+// fp8 with per-block scales, as fp8 rollout engines quantise GEMM operands: each row is cut into
+// blocks of `block` columns; a block is scaled so its largest magnitude maps to 448, rounded to
+// e4m3, and scaled back (the GEMM then accumulates the dequantised values in fp32).
+template <class Derived>
+void round_fp8_blocks(Eigen::DenseBase<Derived>& m, Eigen::Index block = 128) {
+  for (Eigen::Index r = 0; r < m.rows(); ++r)
+    for (Eigen::Index c0 = 0; c0 < m.cols(); c0 += block) {
+      const Eigen::Index n = std::min(block, m.cols() - c0);
+      float amax = 0.f;
+      for (Eigen::Index c = c0; c < c0 + n; ++c) amax = std::max(amax, std::fabs(static_cast<float>(m(r, c))));
+      if (amax == 0.f || !std::isfinite(amax)) continue;
+      const float scale = amax / 448.f;
+      for (Eigen::Index c = c0; c < c0 + n; ++c) m(r, c) = to_fp8_e4m3(static_cast<float>(m(r, c)) / scale) * scale;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: y = x / sqrt(mean(x^2) + eps) * g, row by row.
 struct RmsNorm {

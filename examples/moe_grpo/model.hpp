@@ -150,8 +150,8 @@ class Engine {
   using MoeForward = typename Moe::Forward;
   using Cache = SequenceBatchCache<MoeForward>;
 
-  Engine(const ModelConfig& config, Comm comm, AnyRouteStore& store, mrr::ReplayMode mode, bool bf16)
-      : config_(config), layout_(config), comm_(comm), replay_(mode, store), bf16_(bf16) {
+  Engine(const ModelConfig& config, Comm comm, AnyRouteStore& store, mrr::ReplayMode mode, bool bf16, bool fp8 = false)
+      : config_(config), layout_(config), comm_(comm), replay_(mode, store), bf16_(bf16 || fp8), fp8_(fp8) {
     const int ranks = static_cast<int>(comm.size());
     const int per_rank = config.experts / ranks;
     first_expert_ = per_rank * static_cast<int>(comm.rank());
@@ -176,6 +176,20 @@ class Engine {
     if (bf16_) {
       round_bf16(dense_);
       round_bf16(experts);
+    }
+    if (fp8_) {  // the MoE GEMMs' weights: every expert matrix row, and the gate [E, H], in 128-blocks
+      for (int l = 0; l < config_.layers; ++l) {
+        MatMap gate(dense_.data() + layout_.layer[static_cast<std::size_t>(l)].gate, config_.experts, config_.hidden);
+        round_fp8_blocks(gate);
+      }
+      const Eigen::Index ih = static_cast<Eigen::Index>(config_.expert_hidden) * config_.hidden;
+      for (Eigen::Index at = 0; at + expert_block_size(config_) <= experts.size(); at += expert_block_size(config_)) {
+        MatMap w1(experts.data() + at, config_.expert_hidden, config_.hidden), w3(experts.data() + at + ih, config_.expert_hidden, config_.hidden);
+        MatMap w2(experts.data() + at + 2 * ih, config_.hidden, config_.expert_hidden);
+        round_fp8_blocks(w1);
+        round_fp8_blocks(w3);
+        round_fp8_blocks(w2);
+      }
     }
     const Eigen::Index h = config_.hidden, ih = static_cast<Eigen::Index>(config_.expert_hidden) * h;
     for (int l = 0; l < config_.layers; ++l) {
@@ -362,6 +376,7 @@ class Engine {
       round_if(x);
       Mat h2 = RmsNorm::forward(x, norm(L.norm2), inv);
       round_if(h2);
+      if (fp8_) round_fp8_blocks(h2);  // the gate's and the experts' input
       auto f = moe_[ul].forward(h2);
       if (routes) routes->push_back(f.routing.ids);
       x += f.output;
@@ -388,7 +403,7 @@ class Engine {
   DenseLayout layout_;
   Comm comm_;
   mrr::RoutingReplay<AnyRouteStore> replay_;
-  bool bf16_;
+  bool bf16_, fp8_ = false;
   int first_expert_ = 0, local_experts_ = 0;
   std::vector<Moe> moe_;
   std::vector<AttentionWeights> attention_;

@@ -74,9 +74,10 @@ inline void set_option(RunOptions& o, std::string_view key, std::string_view v) 
       {keys::top_p, [&] { t.sampling.top_p = parse_number<double>(key, v); }},
       {"actor_rollout_ref.rollout.dtype",
        [&] {
-         if (v != "bf16" && v != "bfloat16" && v != "fp32" && v != "float32")
-           throw mrr::ConfigError(std::string(key) + ": expected bf16 or fp32, got '" + std::string(v) + "'");
-         t.rollout_bf16 = v == "bf16" || v == "bfloat16";
+         if (v != "bf16" && v != "bfloat16" && v != "fp32" && v != "float32" && v != "fp8")
+           throw mrr::ConfigError(std::string(key) + ": expected bf16, fp8 or fp32, got '" + std::string(v) + "'");
+         t.rollout_bf16 = v != "fp32" && v != "float32";
+         t.rollout_fp8 = v == "fp8";
        }},
       {keys::lr, [&] { t.lr = parse_number<float>(key, v); }},
       {keys::weight_decay, [&] { t.weight_decay = parse_number<float>(key, v); }},

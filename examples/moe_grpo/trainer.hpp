@@ -92,6 +92,9 @@ struct TrainConfig {
   int max_operand = 4;        // the task: a + b with a, b in [0, max_operand]
   mrr::rollout::SamplingParams sampling;
   bool rollout_bf16 = true;   // actor_rollout_ref.rollout.dtype: bf16 (vLLM-like) or fp32
+  // dtype=fp8: bf16 numerics plus e4m3 with per-block scales on the MoE and gate GEMMs' inputs and
+  // weights (fp8 rollout engines' recipe), which the training engine does not have.
+  bool rollout_fp8 = false;
   // The paired, counterfactual measurement (StepMetrics::paired_*): every step, the rollout's
   // tokens are scored on the step's weights twice, routed natively and replaying the rollout's
   // routes. paired_reuse takes one of the two from the mode's own old-log-prob pass when that pass
@@ -312,7 +315,8 @@ class Trainer {
     ref_store_ = std::make_unique<AnyRouteStore>(shape);
     train_ = std::make_unique<Engine<Comm>>(cfg.model, comm, train_store, mode, false);
     train_->replay().set_activation_recompute(false);  // the backward keeps activations
-    rollout_ = std::make_unique<Engine<Comm>>(cfg.model, comm, *rollout_store_, mrr::ReplayMode::R2, cfg.rollout_bf16);
+    rollout_ = std::make_unique<Engine<Comm>>(cfg.model, comm, *rollout_store_, mrr::ReplayMode::R2, cfg.rollout_bf16,
+                                             cfg.rollout_fp8);
     if (cfg.grpo.use_kl_loss)
       ref_ = std::make_unique<Engine<Comm>>(cfg.model, comm, *ref_store_, mrr::ReplayMode::disabled, false);
     if (cfg.paired_metrics) {

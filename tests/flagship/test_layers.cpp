@@ -117,6 +117,33 @@ TEST_CASE("bf16 rounding: nearest, ties to even") {
   CHECK(to_bf16(-3.14159f) == -3.140625f);
 }
 
+TEST_CASE("fp8 e4m3 rounding: nearest, ties to even, subnormals, saturation") {
+  CHECK(to_fp8_e4m3(1.0f) == 1.0f);
+  CHECK(to_fp8_e4m3(1.0625f) == 1.0f);    // tie between 1 and 1.125 (spacing 2^-3): even (1)
+  CHECK(to_fp8_e4m3(1.1875f) == 1.25f);   // tie between 1.125 and 1.25: even (1.25)
+  CHECK(to_fp8_e4m3(1.2f) == 1.25f);
+  CHECK(to_fp8_e4m3(-3.3f) == -3.25f);    // spacing 2^-2 in [2, 4)
+  CHECK(to_fp8_e4m3(448.f) == 448.f);     // the largest finite e4m3
+  CHECK(to_fp8_e4m3(1000.f) == 448.f);    // saturated
+  CHECK(to_fp8_e4m3(-1000.f) == -448.f);
+  CHECK(to_fp8_e4m3(0x1p-9f) == 0x1p-9f);            // the smallest subnormal
+  CHECK(to_fp8_e4m3(0x1p-10f) == 0.0f);              // half of it: tie, to even (0)
+  CHECK(to_fp8_e4m3(3 * 0x1p-10f) == 0x1p-8f);       // 1.5 quanta: tie, to even (2 quanta)
+  CHECK(to_fp8_e4m3(0x1.4p-7f) == 0x1.4p-7f);        // 5 quanta of 2^-9, exactly representable
+  // Blocks: each row's block of 128 is scaled so its largest magnitude maps to 448 exactly.
+  Mat m(2, 130);
+  for (Eigen::Index c = 0; c < m.cols(); ++c) m(0, c) = 0.01f * static_cast<float>(c + 1), m(1, c) = -0.5f;
+  const Mat before = m;
+  round_fp8_blocks(m);
+  CHECK(m(0, 127) == before(0, 127));  // the block's amax is kept exactly
+  CHECK(m(1, 5) == -0.5f);
+  CHECK(m(0, 129) == before(0, 129));  // the second block [128, 130): its own scale, its amax exact
+  float worst = 0;
+  for (Eigen::Index c = 0; c < 128; ++c) worst = std::max(worst, std::fabs(m(0, c) - before(0, c)) / std::fabs(before(0, c)));
+  CHECK(worst > 0);             // e4m3 keeps 3 mantissa bits: values move
+  CHECK(worst <= 1.0f / 16);    // by at most half a spacing, 2^-4 relative
+}
+
 TEST_CASE("AdamW: torch's update") {
   AdamW opt;
   opt.lr = 0.1f;

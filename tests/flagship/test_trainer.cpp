@@ -162,6 +162,19 @@ TEST_CASE("R2: zero mismatch between the old-log-prob and update passes; the rol
   CHECK(rollout_mismatch > 0);
 }
 
+TEST_CASE("fp8 rollout numerics (e4m3, per-block scales on the MoE GEMMs): more routing differences than bf16") {
+  TrainConfig c = small(mrr::ReplayMode::disabled, 2);
+  const auto bf16 = train(c);
+  c.rollout_fp8 = true;
+  const auto fp8 = train(c);
+  CHECK(fp8[0].rollout_decisions_differing > bf16[0].rollout_decisions_differing);
+  CHECK(fp8[0].k3 > bf16[0].k3);
+  // R3 still replays the fp8 rollout's routes exactly.
+  TrainConfig r3 = small(mrr::ReplayMode::R3, 2);
+  r3.rollout_fp8 = true;
+  for (const auto& m : train(r3)) CHECK(m.rollout_decisions_differing == 0.0);
+}
+
 TEST_CASE("fp32 rollout numerics: far fewer routing differences than bf16") {
   TrainConfig c = small(mrr::ReplayMode::disabled, 2);
   const auto bf16 = train(c);
