@@ -4,6 +4,9 @@
 # each of MRR_DEMO_SEEDS (default "1 2"), then prints a table, writes one CSV per mode and seed and
 # a plot (docs/flagship.md explains what they show).
 # Extra key=value arguments go to every run (e.g. steps=40; a seed= given here means one seed).
+# The quick configuration (default) is the issue #18 model: 64 experts, top-8 (Qwen3's ratio), 4 MoE
+# layers, hidden 128, with an fp8 rollout (MRR_DEMO_ROLLOUT=bf16 for a bf16 one); MRR_DEMO_MODEL=small
+# runs the earlier 16-expert top-4, 2-layer model instead.
 set -euo pipefail
 # shellcheck source=configure.sh
 source "$(dirname "${BASH_SOURCE[0]}")/configure.sh"
@@ -11,8 +14,14 @@ cmake --build "$build" --parallel "$jobs" --target moe_grpo
 
 out="${MRR_DEMO_OUT:-$build/moe_grpo_demo}"
 mkdir -p "$out"
-steps="${MRR_DEMO_STEPS:-80}"
-read -r -a seeds <<<"${MRR_DEMO_SEEDS:-1 2}"
+steps="${MRR_DEMO_STEPS:-30}"
+read -r -a seeds <<<"${MRR_DEMO_SEEDS:-1}"
+model=()
+if [[ "${MRR_DEMO_MODEL:-realistic}" != small ]]; then
+  m=actor_rollout_ref.model
+  model=("$m.num_experts=64" "$m.moe_topk=8" "$m.num_layers=4" "$m.hidden_size=128"
+         "actor_rollout_ref.rollout.dtype=${MRR_DEMO_ROLLOUT:-fp8}")
+fi
 for a in "$@"; do
   case "$a" in seed=*|trainer.seed=*) seeds=("${a#*=}") ;; esac
 done
@@ -22,7 +31,7 @@ csv_name() { if [[ "$2" == "${seeds[0]}" ]]; then echo "$1"; else echo "$1.seed$
 for seed in "${seeds[@]}"; do
   for mode in "${modes[@]}"; do
     "$build/examples/moe_grpo/moe_grpo" mode="$mode" steps="$steps" seed="$seed" out="$out" \
-      name="$(csv_name "$mode" "$seed")" "$@" | grep '^summary' >/dev/null
+      name="$(csv_name "$mode" "$seed")" "${model[@]}" "$@" | grep '^summary' >/dev/null
   done
 done
 
@@ -40,6 +49,7 @@ summarize() {
     {
       ++n; rows[f]++; reward[f, rows[f]] = $c["reward"]
       mis += $c["rollout_mismatch_decisions"]; tok += $c["rollout_mismatch_tokens"]
+      dec += $c["rollout_decisions_differing"]; f2 += $c["f2"]; fl += $c["floor_k3"]
       dlogp += $c["mean_abs_dlogp"]; upd += $c["update_mismatch_decisions"]; secs += $c["wall_seconds"]
       k3[n] = $c["k3_kl"]; k3sum += $c["k3_kl"]
       nat[n] = $c["paired_native_k3"]; rep[n] = $c["paired_replay_k3"]
@@ -53,18 +63,21 @@ summarize() {
         r = 0; for (i = rows[s] - tail + 1; i <= rows[s]; ++i) r += reward[s, i]
         r /= tail; total += r; per_seed = per_seed (s > 1 ? "/" : "") sprintf("%.3f", r)
       }
-      printf "%-9s %6.3f %-13s %8.3f%% %6.2f%%  %9.3e %9.3e %5.2fx  %9.3e %9.3e %5.2fx %4.0f%%  %9.3e %9.3e  %9.3e %7.3f%%  %s\n",
-        mode, total / f, "(" per_seed ")", 100 * mis / n, 100 * tok / n, median(nat, n), median(rep, n),
+      printf "%-9s %6.3f %-13s %8.2f%% %7.3f%% %6.2f%%  %9.3e %9.3e %9.3e  %9.3e  %9.3e %9.3e %5.2fx  %9.3e %9.3e %5.2fx %4.0f%%  %9.3e  %7.3f%%  %s\n",
+        mode, total / f, "(" per_seed ")", 100 * dec / n, 100 * mis / n, 100 * tok / n, median(k3, n), k3sum / n,
+        fl / n, f2 / n, median(nat, n), median(rep, n),
         median(ratio, nr), natsum / n, repsum / n, (repsum > 0 ? natsum / repsum : 0), 100 * worse / n,
-        median(k3, n), k3sum / n, dlogp / n, 100 * upd / n, secs
+        dlogp / n, 100 * upd / n, secs
     }' "${@:2}"
 }
 
 echo
-printf '%-9s %-20s %-17s  %-60s  %-19s  %-9s %8s\n' "" "final reward" "rollout mismatch" \
-  "paired k3 KL (same weights+tokens): native vs replayed routes" "own k3 KL" "mean" "old/upd"
-printf '%-9s %6s %-13s %9s %7s  %9s %9s %6s  %9s %9s %6s %5s  %9s %9s  %9s %8s\n' mode mean "(per seed)" decisions \
-  tokens "med nat" "med rep" ratio "mean nat" "mean rep" ratio "n>r" median mean "|dlogp|" ""
+printf '%-9s %-20s %-26s  %-29s  %-9s  %-9s  %-60s  %-9s %8s\n' "" "final reward" "rollout mismatch" \
+  "own k3 KL vs rollout" "floor k3" "F(2)" "paired k3 KL (same weights+tokens): native vs replayed routes" "mean" \
+  "old/upd"
+printf '%-9s %6s %-13s %9s %8s %7s  %9s %9s %9s  %9s  %9s %9s %6s  %9s %9s %6s %5s  %9s  %8s\n' mode mean \
+  "(per seed)" decisions experts tokens median mean "" "" "med nat" "med rep" ratio "mean nat" "mean rep" ratio \
+  "n>r" "|dlogp|" ""
 total=0
 for mode in "${modes[@]}"; do
   files=()
@@ -73,9 +86,13 @@ for mode in "${modes[@]}"; do
   echo "${line% *}"
   total="$(awk -v a="$total" -v b="${line##* }" 'BEGIN{print a + b}')"
 done
-echo "(${#seeds[@]} seed(s): ${seeds[*]}; $steps steps per run; training time ${total%.*} s in total."
-echo " final reward: mean of the last quarter of the steps, per seed; rollout mismatch: router decisions"
-echo " / tokens of the mode's old-log-prob pass that differ from the rollout's; paired: on the step's"
+echo "(${#seeds[@]} seed(s): ${seeds[*]}; $steps steps per run; training time ${total%.*} s in total; model:"
+echo " ${model[*]:-the small default (16 experts, top-4, 2 layers, bf16 rollout)}."
+echo " final reward: mean of the last quarter of the steps, per seed; rollout mismatch, the mode's"
+echo " old-log-prob pass vs the rollout: (token, layer) decisions whose expert set differs (the R3 paper's"
+echo " definition), differing experts, tokens with >= 1 differing layer; floor: k3 between two training"
+echo " passes of the same weights and tokens in different micro-batch compositions; F(2): tokens with"
+echo " max(p/q, q/p) > 2; paired: on the step's"
 echo " weights and the rollout's tokens, the training engine routed natively vs replaying the rollout's"
 echo " routes, whatever the mode: medians over steps and the median of the per-step ratio, means and"
 echo " their ratio, n>r: steps where native routing's KL is the larger; own k3: the mode's old-log-prob"
