@@ -22,6 +22,72 @@ if [[ "${MRR_DEMO_MODEL:-realistic}" != small ]]; then
   model=("$m.num_experts=64" "$m.moe_topk=8" "$m.num_layers=4" "$m.hidden_size=128"
          "actor_rollout_ref.rollout.dtype=${MRR_DEMO_ROLLOUT:-fp8}")
 fi
+if [[ "${1:-}" == full ]]; then
+  # The grid of issue #18: modes x regimes x seeds, each run's CSV <mode>_<regime>.seed<N>.csv and a
+  # table (also <out>/grid.txt). Modes: disabled, R2, R3, disabled+TIS, R3+TIS (verl's token-level
+  # rollout correction, threshold 2). Regimes: on-policy (1 update per batch) and off-policy (4 and 8
+  # updates per batch: ppo_mini_batch_size = batch / 4, batch / 8). Seeds: MRR_DEMO_SEEDS (default
+  # "1 2 3"). Collapse: the first step from which the reward's 5-step moving average stays below
+  # half its running peak, or the k3 KL above 1e-2, for 5 consecutive steps ("-": none).
+  shift
+  read -r -a seeds <<<"${MRR_DEMO_SEEDS:-1 2 3}"
+  out="${MRR_DEMO_OUT:-$build/moe_grpo_grid}"
+  mkdir -p "$out"
+  batch=16
+  grid_modes=("disabled" "R2" "R3" "disabled+TIS" "R3+TIS")
+  regimes=("on:$batch" "off4:$((batch / 4))" "off8:$((batch / 8))")
+  start=$SECONDS
+  for seed in "${seeds[@]}"; do
+    for regime in "${regimes[@]}"; do
+      for gm in "${grid_modes[@]}"; do
+        tis=(); mode="${gm%+TIS}"
+        [[ "$gm" == *+TIS ]] && tis=(algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2)
+        "$build/examples/moe_grpo/moe_grpo" --no-progress mode="$mode" steps="$steps" seed="$seed" out="$out" \
+          data.train_batch_size="$batch" actor_rollout_ref.actor.ppo_mini_batch_size="${regime#*:}" \
+          name="${gm/+/_}_${regime%%:*}.seed$seed" "${model[@]}" "${tis[@]}" "$@" 2>/dev/null | grep '^summary' >/dev/null
+      done
+    done
+  done
+  {
+    printf '%-13s %-5s %7s  %-20s %9s %8s %9s %9s %8s  %s\n' mode regime reward "(per seed)" decisions tokens "k3 mean" \
+      "floor k3" "F(2)" "collapse step per seed"
+    for regime in "${regimes[@]}"; do
+      for gm in "${grid_modes[@]}"; do
+        files=()
+        for seed in "${seeds[@]}"; do files+=("$out/${gm/+/_}_${regime%%:*}.seed$seed.csv"); done
+        awk -F, -v mode="$gm" -v regime="${regime%%:*}" '
+          FNR == 1 { ++f; for (i = 1; i <= NF; ++i) c[$i] = i; rows = 0; peak = -1; run = 0; collapse[f] = "-"; next }
+          {
+            ++n; ++rows; r[f, rows] = $c["reward"]
+            dec += $c["rollout_decisions_differing"]; tok += $c["rollout_mismatch_tokens"]; k3 += $c["k3_kl"]
+            fl += $c["floor_k3"]; f2 += $c["f2"]
+            ma = 0; m = rows < 5 ? rows : 5; for (i = rows - m + 1; i <= rows; ++i) ma += r[f, i]; ma /= m
+            if (ma > peak) peak = ma
+            bad = (rows >= 5 && ma < peak / 2) || $c["k3_kl"] > 1e-2
+            run = bad ? run + 1 : 0
+            if (run == 5 && collapse[f] == "-") collapse[f] = $c["step"] - 4
+            last[f] = rows
+          }
+          END {
+            tot = 0; per = ""; col = ""
+            for (s = 1; s <= f; ++s) {
+              t = int(last[s] / 4); if (t < 1) t = 1
+              v = 0; for (i = last[s] - t + 1; i <= last[s]; ++i) v += r[s, i]; v /= t
+              tot += v; per = per (s > 1 ? "/" : "") sprintf("%.3f", v); col = col (s > 1 ? " " : "") collapse[s]
+            }
+            printf "%-13s %-5s %7.3f  %-20s %8.2f%% %7.2f%% %9.3e %9.3e %7.4f%%  %s\n", mode, regime, tot / f,
+              "(" per ")", 100 * dec / n, 100 * tok / n, k3 / n, fl / n, 100 * f2 / n, col
+          }' "${files[@]}"
+      done
+    done
+    echo "(${#seeds[@]} seeds: ${seeds[*]}; $steps steps per run; $((SECONDS - start)) s; model: ${model[*]:-small}."
+    echo " reward: mean of the last quarter of the steps; decisions / tokens: rollout vs the mode's old-log-prob"
+    echo " pass, R3 paper definitions; k3: the mode's own pass vs the rollout; floor: two training passes, other"
+    echo " micro-batch composition; F(2): tokens with max(p/q, q/p) > 2. Collapse rule: see scripts/demo.sh.)"
+  } | tee "$out/grid.txt"
+  echo "CSVs: $out/<mode>_<regime>.seed<N>.csv"
+  exit 0
+fi
 for a in "$@"; do
   case "$a" in seed=*|trainer.seed=*) seeds=("${a#*=}") ;; esac
 done

@@ -79,6 +79,14 @@ inline void set_option(RunOptions& o, std::string_view key, std::string_view v) 
          t.rollout_bf16 = v != "fp32" && v != "float32";
          t.rollout_fp8 = v == "fp8";
        }},
+      {"algorithm.rollout_correction.rollout_is",
+       [&] {
+         if (v != "token" && v != "null" && v != "none")
+           throw mrr::ConfigError(std::string(key) + ": expected token (TIS) or null, got '" + std::string(v) + "'");
+         t.rollout_tis = v == "token";
+       }},
+      {"algorithm.rollout_correction.rollout_is_threshold",
+       [&] { t.rollout_is_threshold = parse_number<double>(key, v); }},
       {keys::lr, [&] { t.lr = parse_number<float>(key, v); }},
       {keys::weight_decay, [&] { t.weight_decay = parse_number<float>(key, v); }},
       {keys::mini_batch, [&] { t.mini_batch_prompts = parse_number<int>(key, v); }},

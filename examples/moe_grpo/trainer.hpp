@@ -13,6 +13,7 @@
 
 #include <mrr/diagnostics.hpp>
 #include <mrr/ppo/grpo_step.hpp>
+#include <mrr/ppo/rollout_correction.hpp>
 #include <mrr/replay/config.hpp>
 #include <mrr/replay/open_store.hpp>
 
@@ -95,6 +96,11 @@ struct TrainConfig {
   // dtype=fp8: bf16 numerics plus e4m3 with per-block scales on the MoE and gate GEMMs' inputs and
   // weights (fp8 rollout engines' recipe), which the training engine does not have.
   bool rollout_fp8 = false;
+  // verl's rollout correction (algorithm.rollout_correction.rollout_is / rollout_is_threshold):
+  // token-level truncated importance sampling, weights min(pi_old / pi_rollout, threshold) on the
+  // policy loss (TIS). Off by default.
+  bool rollout_tis = false;
+  double rollout_is_threshold = 2.0;
   // The paired, counterfactual measurement (StepMetrics::paired_*): every step, the rollout's
   // tokens are scored on the step's weights twice, routed natively and replaying the rollout's
   // routes. paired_reuse takes one of the two from the mode's own old-log-prob pass when that pass
@@ -151,6 +157,8 @@ struct TrainConfig {
     require_option(sampling.top_k >= -1, keys::top_k, "-1 or 0 (off) or >= 1", sampling.top_k);
     require_option(sampling.top_p > 0 && sampling.top_p <= 1, keys::top_p, "in (0, 1]", sampling.top_p);
     require_option(finite_at_least(grpo.kl_loss_coef, 0), keys::kl_loss_coef, "finite and >= 0", grpo.kl_loss_coef);
+    require_option(std::isfinite(rollout_is_threshold) && rollout_is_threshold >= 1,
+                   "algorithm.rollout_correction.rollout_is_threshold", "finite and >= 1", rollout_is_threshold);
     // The ratio is clipped to [1 - low, 1 + high]: low in (0, 1) keeps the lower bound positive.
     const auto& policy = grpo.policy;
     const auto in_unit = [](double v) { return v > 0 && v < 1; };
@@ -415,6 +423,12 @@ class Trainer {
       typename Engine<Comm>::Cache cache;
       const auto logits = train_->forward(batch.tokens, batch.lengths, batch.uids, cache, &batch.old_routes);
       batch.old_log_prob = log_probs(batch, logits);
+      if (cfg_.rollout_tis) {
+        mrr::ppo::RolloutIsOptions is;
+        is.threshold = mrr::ppo::RolloutIsThreshold::truncate_at(cfg_.rollout_is_threshold);
+        const Mat log_ratio = batch.old_log_prob - batch.rollout_log_prob;
+        batch.is_weights = mrr::ppo::compute_rollout_correction_weights<float>(log_ratio, batch.mask, is).weights;
+      }
       batch.route_hash.assign(static_cast<std::size_t>(local_n), 1469598103934665603ull);
       for (int i = 0; i < local_n; ++i)
         for (int l = 0; l < L; ++l)
@@ -663,6 +677,7 @@ class Trainer {
     std::vector<int> response_lengths;
     std::vector<float> scores;
     Mat rollout_log_prob, old_log_prob, ref_log_prob, mask, advantages;  // [n, response_length]
+    Mat is_weights;  // TIS weights, [n, response_length], when rollout_tis
     std::vector<mrr::ExpertIds> old_routes;                              // per layer, rows of the padded layout
     std::vector<std::uint64_t> route_hash;                               // per sequence, routes of every training pass
   };
@@ -873,7 +888,13 @@ class Trainer {
         ref_row = batch.ref_log_prob.row(i);
         ref = ref_row;
       }
-      const auto r = mrr::ppo::grpo_loss<float>(old_row, lp_row, adv_row, mask_row, ref, config);
+      Mat is_row;
+      mrr::ppo::OptionalMatrixView<float> is_weights;
+      if (cfg_.rollout_tis) {
+        is_row = batch.is_weights.row(i);
+        is_weights = is_row;
+      }
+      const auto r = mrr::ppo::grpo_loss<float>(old_row, lp_row, adv_row, mask_row, ref, config, is_weights);
       out.grad_log_prob.row(i) = r.grad_log_prob;
       const float t = mask_row.sum();
       terms[static_cast<std::size_t>(i) * 4] = r.loss;

@@ -175,6 +175,24 @@ TEST_CASE("fp8 rollout numerics (e4m3, per-block scales on the MoE GEMMs): more 
   for (const auto& m : train(r3)) CHECK(m.rollout_decisions_differing == 0.0);
 }
 
+TEST_CASE("TIS (verl's token-level rollout correction): weights change the update, routing is untouched") {
+  TrainConfig c = small(mrr::ReplayMode::disabled, 2);
+  c.rollout_fp8 = true;  // a mismatch large enough that some ratios differ from 1
+  const auto plain = train(c);
+  c.rollout_tis = true;
+  c.rollout_is_threshold = 2.0;
+  const auto tis = train(c);
+  // The first step's rollout and old-log-prob pass are the same runs: the same routes and mismatch.
+  CHECK(tis[0].rollout_decisions_differing == plain[0].rollout_decisions_differing);
+  CHECK(tis[0].k3 == plain[0].k3);
+  // The loss is weighted by pi_old / pi_rollout (not all 1): a different loss and other parameters.
+  CHECK(tis[0].loss != plain[0].loss);
+  CHECK(tis[0].params_digest != plain[0].params_digest);
+  // A threshold below 1 would truncate every ratio: refused with verl's key.
+  c.rollout_is_threshold = 0.5;
+  CHECK_THROWS_WITH_AS(train(c), doctest::Contains("rollout_is_threshold"), mrr::ConfigError);
+}
+
 TEST_CASE("fp32 rollout numerics: far fewer routing differences than bf16") {
   TrainConfig c = small(mrr::ReplayMode::disabled, 2);
   const auto bf16 = train(c);
