@@ -103,17 +103,21 @@ class RouterReplay:
     # --- persistence through mrr (additions) ----------------------------------------------
 
     @staticmethod
-    def save_recorded(route_file, uids, positions):
-        """Writes every layer's recorded indices [rows, k] into `route_file` (an mrr RouteFile),
-        row i being token (uids[i], positions[i])."""
+    def _layers_and_rows(fn, route_file, uids, positions):
+        """The instances (one per layer of `route_file`, else an error) and the rows as int64."""
         instances = RouterReplay.global_router_replay_instances
         if len(instances) != route_file.num_layers:
             raise _invalid(
-                f"RouterReplay.save_recorded: {len(instances)} RouterReplay instances but the route file holds "
+                f"RouterReplay.{fn}: {len(instances)} RouterReplay instances but the route file holds "
                 f"{route_file.num_layers} layers"
             )
-        uids = _as_int64(uids, "uids")
-        positions = _as_int64(positions, "positions")
+        return instances, _as_int64(uids, "uids"), _as_int64(positions, "positions")
+
+    @staticmethod
+    def save_recorded(route_file, uids, positions):
+        """Writes every layer's recorded indices [rows, k] into `route_file` (an mrr RouteFile),
+        row i being token (uids[i], positions[i])."""
+        instances, uids, positions = RouterReplay._layers_and_rows("save_recorded", route_file, uids, positions)
         for layer, instance in enumerate(instances):
             recorded = instance.get_recorded_indices()
             if recorded is None:
@@ -124,14 +128,7 @@ class RouterReplay:
     def load_replay_data(route_file, uids, positions):
         """set_replay_data from `route_file`'s routes of tokens (uids[i], positions[i]); a token
         without a route in some layer is a RouteStoreError naming it."""
-        instances = RouterReplay.global_router_replay_instances
-        if len(instances) != route_file.num_layers:
-            raise _invalid(
-                f"RouterReplay.load_replay_data: {len(instances)} RouterReplay instances but the route file holds "
-                f"{route_file.num_layers} layers"
-            )
-        uids = _as_int64(uids, "uids")
-        positions = _as_int64(positions, "positions")
+        _, uids, positions = RouterReplay._layers_and_rows("load_replay_data", route_file, uids, positions)
         per_layer = []
         for layer in range(route_file.num_layers):
             ids, found = route_file.lookup(layer, uids, positions)
