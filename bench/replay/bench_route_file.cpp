@@ -8,6 +8,8 @@
 
 #include <harness.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -15,6 +17,9 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 namespace {
 
@@ -45,6 +50,134 @@ Data make_data() {
     }
   }
   return d;
+}
+
+// Drops a file's pages from the page cache (clean pages only: the writers below fsync first), so
+// the next read comes from the disk. posix_fadvise needs no privileges.
+void drop_cache(const std::filesystem::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY);
+  if (fd < 0) return;
+  ::fdatasync(fd);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+}
+
+// Cold reads of a file of MRR_BENCH_COLD_GB GB (default 2; 0 skips): the data set repeated with
+// new sequence ids, written once (fsync'd), then for each of 3 repetitions its pages dropped and
+// the whole file replayed (open + lookup of every layer of every micro-batch), beside fread of the
+// same id bytes and np.load of them, each dropped from the cache the same way first.
+void cold_case(const std::filesystem::path& dir, const Data& data, const std::vector<unsigned char>& raw,
+               std::size_t chunk) {
+  const char* env = std::getenv("MRR_BENCH_COLD_GB");
+  const double gb = env != nullptr ? std::atof(env) : 2.0;
+  if (!(gb > 0)) return;
+  const int reps = std::max(1, static_cast<int>(gb * 1e9 / static_cast<double>(raw.size()) + 0.5));
+  const double bytes = static_cast<double>(raw.size()) * reps;
+  const auto path = dir / "cold.mrr", raw_path = dir / "cold.bin", npy_path = dir / "cold.npy";
+  const std::size_t micro_batches = data.layouts.size();
+  // Micro-batch mb of copy r: the same rows, sequence ids shifted by r * kSequences.
+  auto layout = [&](int r, std::size_t mb) {
+    std::vector<mrr::SequenceId> uids;
+    std::vector<std::int64_t> cu{0};
+    for (int s = 0; s < kPerMicroBatch; ++s) {
+      uids.push_back(static_cast<mrr::SequenceId>(r * kSequences + static_cast<int>(mb) * kPerMicroBatch + s));
+      cu.push_back(cu.back() + kTokens);
+    }
+    return mrr::TokenLayout::packed(uids, cu);
+  };
+  const double t_write = mrr::bench::time_it(
+                             [&] {
+                               std::filesystem::remove(path);
+                               auto store = mrr::FileRouteStore::create(path, {kExperts, kLayers, kTopK});
+                               for (int r = 0; r < reps; ++r)
+                                 for (std::size_t mb = 0; mb < micro_batches; ++mb) {
+                                   const auto lay = layout(r, mb);
+                                   for (int l = 0; l < kLayers; ++l)
+                                     store.record(l, lay, data.ids[mb * kLayers + static_cast<std::size_t>(l)]);
+                                 }
+                               store.close();  // fsync'd (sync_on_close)
+                             },
+                             0.0, 1)
+                             .median_s;
+  const double t_fwrite = mrr::bench::time_it(
+                              [&] {
+                                std::FILE* f = std::fopen(raw_path.c_str(), "wb");
+                                for (int r = 0; r < reps; ++r)
+                                  for (std::size_t at = 0; at < raw.size(); at += chunk) std::fwrite(raw.data() + at, 1, chunk, f);
+                                std::fflush(f);
+                                ::fsync(::fileno(f));
+                                std::fclose(f);
+                              },
+                              0.0, 1)
+                              .median_s;
+  const mrr::RouteShape shape{kExperts, kLayers, kTopK};
+  mrr::ExpertIds out;
+  std::vector<std::uint8_t> found;
+  std::vector<double> t_read, t_fread;
+  std::vector<unsigned char> back(raw.size());
+  for (int i = 0; i < 3; ++i) {
+    drop_cache(path);
+    auto t0 = std::chrono::steady_clock::now();
+    {
+      const auto store = mrr::FileRouteStore::open(path, shape);
+      std::size_t hits = 0;
+      for (int r = 0; r < reps; ++r)
+        for (std::size_t mb = 0; mb < micro_batches; ++mb) {
+          const auto lay = layout(r, mb);
+          for (int l = 0; l < kLayers; ++l) hits += store.lookup(l, lay, out, found);
+          store.release_cache();
+        }
+      mrr::bench::do_not_optimize(hits);
+    }
+    t_read.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    drop_cache(raw_path);
+    t0 = std::chrono::steady_clock::now();
+    std::FILE* f = std::fopen(raw_path.c_str(), "rb");
+    for (int r = 0; r < reps; ++r)
+      for (std::size_t at = 0; at < back.size(); at += chunk) mrr::bench::do_not_optimize(std::fread(back.data() + at, 1, chunk, f));
+    std::fclose(f);
+    t_fread.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t_read.begin(), t_read.end());
+  std::sort(t_fread.begin(), t_fread.end());
+  // numpy: np.save (fsync'd) and a cold np.load of the same bytes, [rows, layers, k] uint8.
+  const std::string script = "import os, time, numpy as np\n"
+                             "a = np.fromfile('" + raw_path.string() + "', dtype=np.uint8).reshape(-1, " +
+                             std::to_string(kLayers) + ", " + std::to_string(kTopK) + ")\n"
+                             "def drop(p):\n"
+                             "    fd = os.open(p, os.O_RDONLY); os.fdatasync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)\n"
+                             "t0 = time.perf_counter()\n"
+                             "with open('" + npy_path.string() + "', 'wb') as f:\n"
+                             "    np.save(f, a); f.flush(); os.fsync(f.fileno())\n"
+                             "s = time.perf_counter() - t0\n"
+                             "del a\n"
+                             "t = []\n"
+                             "for _ in range(3):\n"
+                             "    drop('" + npy_path.string() + "'); t0 = time.perf_counter(); b = np.load('" +
+                             npy_path.string() + "'); t.append(time.perf_counter() - t0); del b\n"
+                             "print(s, sorted(t)[1])\n";
+  const auto script_path = dir / "np_cold.py";
+  if (std::FILE* f = std::fopen(script_path.c_str(), "w")) {
+    std::fputs(script.c_str(), f);
+    std::fclose(f);
+  }
+  double np_save = 0, np_load = 0;
+  if (std::FILE* p = ::popen(("/usr/bin/python3 " + script_path.string() + " 2>/dev/null").c_str(), "r")) {
+    if (std::fscanf(p, "%lf %lf", &np_save, &np_load) != 2) np_save = np_load = 0;
+    ::pclose(p);
+  }
+  std::printf("\ncold (page cache dropped with posix_fadvise(DONTNEED) before each read), a %.2f GB route file"
+              " (%d copies of the data set); writes fsync'd; reads: median of 3\n",
+              static_cast<double>(std::filesystem::file_size(path)) / 1e9, reps);
+  std::printf("  (ratios: baseline time / mrr time, so above 1 means mrr is faster)\n");
+  std::printf("  write: mrr %.2f s (%.0f MB/s), fwrite %.2f s (%.2fx), np.save %.2f s (%.2fx)\n", t_write,
+              bytes / t_write / 1e6, t_fwrite, t_fwrite / t_write, np_save, np_save > 0 ? np_save / t_write : 0.0);
+  std::printf("  open + replay read: mrr %.2f s (%.0f MB/s), fread %.2f s (%.2fx), np.load %.2f s (%.2fx)\n",
+              t_read[1], bytes / t_read[1] / 1e6, t_fread[1], t_fread[1] / t_read[1], np_load,
+              np_load > 0 ? np_load / t_read[1] : 0.0);
+  std::filesystem::remove(path);
+  std::filesystem::remove(raw_path);
+  std::filesystem::remove(npy_path);
 }
 
 }  // namespace
@@ -162,6 +295,7 @@ int main() {
       0.5, 3);
   std::printf("    (first touch of %.1f MB of fresh memory: %.1f ms)\n", id_bytes / 1e6,
               touch.median_s * 1e3);
+  cold_case(dir, data, raw, chunk);
   std::filesystem::remove_all(dir);
   return 0;
 }
