@@ -228,6 +228,8 @@ struct StepMetrics {
   // The same-engine floor: k3 between two no-gradient training passes on the same weights and
   // tokens in different micro-batch compositions (sequences reversed), both routed natively.
   double floor_k3 = 0;
+  double grad_norm = 0;  // global L2 norm of each update's gradient, mean over the step's updates
+  double entropy = 0;    // mean entropy of the policy over response tokens (old-log-prob pass)
   // The paired measurement, the same in every mode: on the step's weights (before any update) and
   // the rollout's tokens, a no-gradient pass of the training engine routed natively and one
   // replaying the rollout's routes (R3-style), each against the rollout: routing mismatch over the
@@ -406,6 +408,7 @@ class Trainer {
     // 3. Old-log-prob pass (R2 records, R3 replays the rollout's routes), compared with the rollout;
     //    then the paired passes (native and replayed, no gradient) on the same weights.
     detail::RolloutComparison own, native, replayed, floor;
+    double entropy_sum = 0, entropy_tokens = 0;
     std::uint64_t paired_replayed_rows = 0;
     std::vector<std::vector<std::int64_t>> load(static_cast<std::size_t>(L), std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.model.experts), 0));
     for (int b = 0; b < mb; ++b) {
@@ -423,6 +426,7 @@ class Trainer {
       typename Engine<Comm>::Cache cache;
       const auto logits = train_->forward(batch.tokens, batch.lengths, batch.uids, cache, &batch.old_routes);
       batch.old_log_prob = log_probs(batch, logits);
+      accumulate_entropy(batch, logits, entropy_sum, entropy_tokens);
       if (cfg_.rollout_tis) {
         mrr::ppo::RolloutIsOptions is;
         is.threshold = mrr::ppo::RolloutIsThreshold::truncate_at(cfg_.rollout_is_threshold);
@@ -474,7 +478,7 @@ class Trainer {
 
     // 4. PPO updates, mini-batch by mini-batch (weights change between them).
     std::int64_t update_decisions = 0, update_differing = 0;
-    double loss_sum = 0, clip_sum = 0, ppo_kl_sum = 0, kl_loss_sum = 0;
+    double loss_sum = 0, clip_sum = 0, ppo_kl_sum = 0, kl_loss_sum = 0, grad_norm_sum = 0;
     int updates = 0;
     for (int epoch = 0; epoch < cfg_.ppo_epochs; ++epoch)
       for (int b = 0; b < mb; ++b) {
@@ -504,7 +508,7 @@ class Trainer {
         ++updates;
         std::vector<Mat> dlogits = logit_grads(batch, logits, lo.grad_log_prob);
         auto g = train_->backward(batch.tokens, cache, dlogits);
-        apply(g);
+        grad_norm_sum += apply(g);
       }
 
     // 5. Metrics over every rank (sums added in rank order: the same for any number of ranks).
@@ -581,6 +585,14 @@ class Trainer {
     m.pg_clipfrac = clip_sum / updates;
     m.ppo_kl = ppo_kl_sum / updates;
     m.kl_loss = kl_loss_sum / updates;
+    m.grad_norm = grad_norm_sum / updates;
+    {  // the policy's entropy over every rank's response tokens (old-log-prob pass)
+      std::vector<double> e{entropy_sum, entropy_tokens}, all_e(2 * static_cast<std::size_t>(ranks));
+      comm_.all_gather(std::span<const double>(e), std::span<double>(all_e));
+      double sum = 0, tokens = 0;
+      for (std::size_t r = 0; r < static_cast<std::size_t>(ranks); ++r) sum += all_e[2 * r], tokens += all_e[2 * r + 1];
+      m.entropy = tokens > 0 ? sum / tokens : 0;
+    }
     const auto& st = train_->replay().stats();
     std::vector<std::int64_t> rows = {static_cast<std::int64_t>(st.replayed_rows - stats0.replayed_rows),
                                       static_cast<std::int64_t>(st.native_rows - stats0.native_rows),
@@ -832,6 +844,24 @@ class Trainer {
     }
   }
 
+  // Sum over the response tokens (mask 1) of the policy's entropy at that position, of
+  // softmax(logits / temperature) as the log-probs use it, and the number of tokens.
+  void accumulate_entropy(const Batch& batch, const std::vector<Mat>& logits, double& sum, double& tokens) const {
+    const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
+    const double t = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
+    for (int i = 0; i < n; ++i)
+      for (int j = 0; j < R; ++j) {
+        if (batch.mask(i, j) == 0) continue;
+        const auto z = logits[static_cast<std::size_t>(i)].row(kPromptLength - 1 + j).cast<double>() / t;
+        const double mx = z.maxCoeff();
+        const auto e = (z.array() - mx).exp();
+        const double total = e.sum();
+        // H = log sum exp(z) - sum p z
+        sum += (mx + std::log(total)) - (e * z.array()).sum() / total;
+        tokens += 1;
+      }
+  }
+
   // log p of each response token (verl: logits / rollout temperature), [n, response_length].
   Mat log_probs(const Batch& batch, const std::vector<Mat>& logits) const {
     const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
@@ -922,7 +952,9 @@ class Trainer {
 
   // Replicated gradient = per-sequence gradients of every rank added in global order, plus the
   // gates'; experts are local. Then AdamW, and the training engine reloads.
-  void apply(typename Engine<Comm>::Gradients& g) {
+  // Applies one update's gradients; returns their global L2 norm (dense parameters, the same on
+  // every rank after the gather, plus every rank's experts, summed in rank order).
+  double apply(typename Engine<Comm>::Gradients& g) {
     const int ranks = static_cast<int>(comm_.size());
     const Eigen::Index d = train_->layout().size;
     const auto n = g.dense_per_sequence.size();
@@ -935,9 +967,15 @@ class Trainer {
     for (std::size_t s = 0; s < n * static_cast<std::size_t>(ranks); ++s)
       dense += Eigen::Map<const Vec>(all.data() + s * static_cast<std::size_t>(d), d);
     dense += g.gates;
+    std::vector<double> expert_sq{static_cast<double>(g.experts.squaredNorm())},
+        all_sq(static_cast<std::size_t>(ranks));
+    comm_.all_gather(std::span<const double>(expert_sq), std::span<double>(all_sq));
+    double norm_sq = static_cast<double>(dense.squaredNorm());
+    for (const double v : all_sq) norm_sq += v;
     dense_opt_.step(params_.dense, dense);
     expert_opt_.step(params_.experts, g.experts);
     train_->load(params_);
+    return std::sqrt(norm_sq);
   }
 
   TrainConfig cfg_;

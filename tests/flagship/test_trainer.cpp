@@ -105,6 +105,10 @@ TEST_CASE("paired passes: replaying the rollout's routes matches them exactly, n
       // The same-engine floor: the training engine is batch-invariant (per-token fixed-shape
       // reductions, slot-order combine), so two compositions of the same tokens give the same bits.
       CHECK(m.floor_k3 == 0.0);
+      CHECK(std::isfinite(m.grad_norm));
+      CHECK(m.grad_norm > 0);
+      CHECK(m.entropy > 0);
+      CHECK(m.entropy <= std::log(static_cast<double>(c.model.vocab)) + 1e-9);  // at most uniform
       if (mode == mrr::ReplayMode::R3) CHECK(m.rollout_decisions_differing == 0.0);
       // Where the mode's own old-log-prob pass is one of the paired passes, it is the same numbers.
       if (mode == mrr::ReplayMode::R3) {
