@@ -16,6 +16,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>
@@ -50,6 +51,28 @@ Data make_data() {
     }
   }
   return d;
+}
+
+// The start of a numpy baseline script: the raw id bytes as `a`, a [rows, layers, k] uint8 array.
+std::string numpy_ids(const std::filesystem::path& raw_path) {
+  return "import time, numpy as np\n"
+         "a = np.fromfile('" + raw_path.string() + "', dtype=np.uint8).reshape(-1, " + std::to_string(kLayers) + ", " +
+         std::to_string(kTopK) + ")\n";
+}
+
+// Runs a numpy timing script with /usr/bin/python3 and reads the two times it prints (seconds);
+// {0, 0} when there is no such Python or the script fails.
+std::pair<double, double> run_numpy(const std::filesystem::path& script_path, const std::string& script) {
+  if (std::FILE* f = std::fopen(script_path.c_str(), "w")) {
+    std::fputs(script.c_str(), f);
+    std::fclose(f);
+  }
+  double first = 0, second = 0;
+  if (std::FILE* p = ::popen(("/usr/bin/python3 " + script_path.string() + " 2>/dev/null").c_str(), "r")) {
+    if (std::fscanf(p, "%lf %lf", &first, &second) != 2) first = second = 0;
+    ::pclose(p);
+  }
+  return {first, second};
 }
 
 // Drops a file's pages from the page cache (clean pages only: the writers below fsync first), so
@@ -141,9 +164,8 @@ void cold_case(const std::filesystem::path& dir, const Data& data, const std::ve
   std::sort(t_read.begin(), t_read.end());
   std::sort(t_fread.begin(), t_fread.end());
   // numpy: np.save (fsync'd) and a cold np.load of the same bytes, [rows, layers, k] uint8.
-  const std::string script = "import os, time, numpy as np\n"
-                             "a = np.fromfile('" + raw_path.string() + "', dtype=np.uint8).reshape(-1, " +
-                             std::to_string(kLayers) + ", " + std::to_string(kTopK) + ")\n"
+  const std::string script = numpy_ids(raw_path) +
+                             "import os\n"
                              "def drop(p):\n"
                              "    fd = os.open(p, os.O_RDONLY); os.fdatasync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)\n"
                              "t0 = time.perf_counter()\n"
@@ -156,16 +178,7 @@ void cold_case(const std::filesystem::path& dir, const Data& data, const std::ve
                              "    drop('" + npy_path.string() + "'); t0 = time.perf_counter(); b = np.load('" +
                              npy_path.string() + "'); t.append(time.perf_counter() - t0); del b\n"
                              "print(s, sorted(t)[1])\n";
-  const auto script_path = dir / "np_cold.py";
-  if (std::FILE* f = std::fopen(script_path.c_str(), "w")) {
-    std::fputs(script.c_str(), f);
-    std::fclose(f);
-  }
-  double np_save = 0, np_load = 0;
-  if (std::FILE* p = ::popen(("/usr/bin/python3 " + script_path.string() + " 2>/dev/null").c_str(), "r")) {
-    if (std::fscanf(p, "%lf %lf", &np_save, &np_load) != 2) np_save = np_load = 0;
-    ::pclose(p);
-  }
+  const auto [np_save, np_load] = run_numpy(dir / "np_cold.py", script);
   std::printf("\ncold (page cache dropped with posix_fadvise(DONTNEED) before each read), a %.2f GB route file"
               " (%d copies of the data set); writes fsync'd; reads: median of 3\n",
               static_cast<double>(std::filesystem::file_size(path)) / 1e9, reps);
@@ -255,9 +268,7 @@ int main() {
 
   // numpy on the same bytes, a [sequences * tokens, layers, k] uint8 array (median of 7 calls).
   const auto npy_path = dir / "raw.npy";
-  const std::string script = "import time, numpy as np\n"
-                             "a = np.fromfile('" + raw_path.string() + "', dtype=np.uint8).reshape(-1, " +
-                             std::to_string(kLayers) + ", " + std::to_string(kTopK) + ")\n"
+  const std::string script = numpy_ids(raw_path) +
                              "def med(f):\n"
                              "    f(); t = []\n"
                              "    for _ in range(7):\n"
@@ -266,16 +277,7 @@ int main() {
                              "s = med(lambda: np.save('" + npy_path.string() + "', a))\n"
                              "l = med(lambda: np.load('" + npy_path.string() + "'))\n"
                              "print(s, l)\n";
-  const auto script_path = dir / "np_baseline.py";
-  if (std::FILE* f = std::fopen(script_path.c_str(), "w")) {
-    std::fputs(script.c_str(), f);
-    std::fclose(f);
-  }
-  double np_save = 0, np_load = 0;
-  if (std::FILE* p = ::popen(("/usr/bin/python3 " + script_path.string() + " 2>/dev/null").c_str(), "r")) {
-    if (std::fscanf(p, "%lf %lf", &np_save, &np_load) != 2) np_save = np_load = 0;
-    ::pclose(p);
-  }
+  const auto [np_save, np_load] = run_numpy(dir / "np_baseline.py", script);
   if (np_save > 0) {
     mrr::bench::print_row("write vs np.save", write.median_s, np_save, 2 * id_bytes, bw);
     mrr::bench::print_row("replay read vs np.load", read.median_s, np_load, 2 * id_bytes, bw);
