@@ -270,14 +270,6 @@ inline std::uint64_t hash_floats(const float* p, Eigen::Index n, std::uint64_t h
   return h;
 }
 
-// Experts in the two id sets that differ: k - |intersection|.
-inline int differing(const std::int32_t* a, const std::int32_t* b, int k) {
-  int same = 0;
-  for (int i = 0; i < k; ++i)
-    for (int j = 0; j < k; ++j) same += a[i] == b[j];
-  return k - same;
-}
-
 // One training-engine pass compared with the rollout: routing counts over the rows the rollout
 // has a route for, and the log-prob divergence sums (token-weighted).
 struct RolloutComparison {
@@ -493,7 +485,7 @@ class Trainer {
             for (int t = 0; t + 1 < batch.lengths[static_cast<std::size_t>(i)]; ++t) {
               const Eigen::Index r = static_cast<Eigen::Index>(i) * S + t;
               update_decisions += k;
-              update_differing += detail::differing(&routes[static_cast<std::size_t>(l)](r, 0),
+              update_differing += mrr::kernels::differing_experts(&routes[static_cast<std::size_t>(l)](r, 0),
                                                     &batch.old_routes[static_cast<std::size_t>(l)](r, 0), k);
             }
         for (int i = 0; i < local_n; ++i)
@@ -743,37 +735,25 @@ class Trainer {
   detail::RolloutComparison compare_with_rollout(const Batch& batch, const mrr::TokenLayout& layout,
                                                  const std::vector<mrr::ExpertIds>& routes, const Mat& log_prob) const {
     detail::RolloutComparison c;
-    const int L = cfg_.model.layers, k = cfg_.model.topk;
+    const int L = cfg_.model.layers;
     const auto lm = mrr::ppo::logprob_mismatch<float>(log_prob, batch.rollout_log_prob, batch.mask);
     c.lp_tokens = static_cast<double>(lm.tokens);
     c.k3_sum = static_cast<double>(lm.k3) * c.lp_tokens;
     c.k1_sum = static_cast<double>(lm.k1) * c.lp_tokens;
     c.abs_sum = static_cast<double>(lm.mean_abs_diff) * c.lp_tokens;
     c.max_abs = static_cast<double>(lm.max_abs_diff);
-    // Routes: the rollout has one for every position it fed (all but each sequence's last).
-    std::vector<std::uint8_t> any(layout.size(), 0);
-    for (int l = 0; l < L; ++l) {
-      mrr::ExpertIds rollout_ids;
-      std::vector<std::uint8_t> found;
-      rollout_store_->lookup(l, layout, rollout_ids, found);
-      const auto& used = routes[static_cast<std::size_t>(l)];
-      for (std::size_t r = 0; r < layout.size(); ++r) {
-        if (layout[r].is_padding() || !found[r]) continue;
-        const int d = detail::differing(&used(static_cast<Eigen::Index>(r), 0), &rollout_ids(static_cast<Eigen::Index>(r), 0), k);
-        c.decisions += k;
-        c.differing_decisions += d;
-        if (d > 0) any[r] = 1;
-        if (l == 0) ++c.tokens;
-      }
-    }
-    for (std::size_t r = 0; r < layout.size(); ++r) c.differing_tokens += any[r];
-    // The paper's definitions, through the library's diagnostics: real rows the rollout has a
-    // route for, every layer.
+    // Routes: the rollout has one for every position it fed (all but each sequence's last); real
+    // rows it has a route for are compared in every layer (mrr/diagnostics.hpp). The expert-level
+    // columns are the same counts' differing experts.
     std::vector<std::uint8_t> real(layout.size());
     for (std::size_t r = 0; r < layout.size(); ++r) real[r] = layout[r].is_padding() ? 0 : 1;
     mrr::RoutingMismatchCounter counter(L, static_cast<long>(layout.size()), real);
     for (int l = 0; l < L; ++l) mrr::add_layer_against_store(counter, *rollout_store_, l, layout, routes[static_cast<std::size_t>(l)]);
     c.routing = counter.result();
+    c.decisions = c.routing.experts;
+    c.differing_decisions = c.routing.differing_experts;
+    c.tokens = c.routing.tokens;
+    c.differing_tokens = c.routing.differing_tokens;
     for (Eigen::Index i = 0; i < log_prob.rows(); ++i)
       for (Eigen::Index j = 0; j < log_prob.cols(); ++j)
         if (batch.mask(i, j) != 0)
@@ -832,16 +812,13 @@ class Trainer {
     paired_->replay().set_action(mrr::RouterAction::native);
     typename Engine<Comm>::Cache cache;
     const Mat lp_rev = log_probs(rev, paired_->forward(rev.tokens, rev.lengths, rev.uids, cache, nullptr));
-    for (std::size_t i = 0; i < n; ++i) {
-      const auto a = static_cast<Eigen::Index>(i), b = static_cast<Eigen::Index>(n - 1 - i);
-      for (Eigen::Index j = 0; j < native_lp.cols(); ++j) {
-        if (batch.mask(a, j) == 0) continue;
-        const double d = static_cast<double>(lp_rev(b, j)) - static_cast<double>(native_lp(a, j));
-        into.k3_sum += std::exp(-d) + d - 1.0;
-        into.lp_tokens += 1;
-        into.abs_dlogp.push_back(std::abs(d));
-      }
-    }
+    Mat lp_back(native_lp.rows(), native_lp.cols());  // lp_rev in the batch's order
+    for (std::size_t i = 0; i < n; ++i)
+      lp_back.row(static_cast<Eigen::Index>(i)) = lp_rev.row(static_cast<Eigen::Index>(n - 1 - i));
+    const auto span = [](const Mat& m) { return std::span<const float>(m.data(), static_cast<std::size_t>(m.size())); };
+    const auto d = mrr::logprob_divergence<float>(span(lp_back), span(native_lp), span(batch.mask));
+    into.k3_sum += d.k3 * static_cast<double>(d.tokens);
+    into.lp_tokens += static_cast<double>(d.tokens);
   }
 
   // Sum over the response tokens (mask 1) of the policy's entropy at that position, of

@@ -17,6 +17,7 @@
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/kl.hpp>
 #include <mrr/replay/layout.hpp>
 #include <mrr/tensor.hpp>
 
@@ -185,8 +186,9 @@ void add_layer_against_store(RoutingMismatchCounter& counter, const Store& store
 
 // How far log p (one engine, e.g. training) is from log q (the other, e.g. rollout) on the same
 // sampled tokens, over the tokens whose mask is non-zero (weights are not used: a token counts or
-// not). k1 = mean(log p - log q); k3 = mean(q/p - log(q/p) - 1) (verl's low_var_kl(p || q), as
-// mrr::ppo::logprob_mismatch); F(tau) = fraction with |log p - log q| > log tau; quantiles of
+// not). k1 = mean(log p - log q); k3 = mean(q/p - log(q/p) - 1) per token as verl's low_var_kl(p || q)
+// computes it (log q/p clamped to +-20, each token's value to 10), the same k3 as
+// mrr::ppo::logprob_mismatch; F(tau) = fraction with |log p - log q| > log tau; quantiles of
 // |log p - log q| by the nearest-rank rule (p50, p99; max is the largest).
 struct LogProbDivergence {
   std::int64_t tokens = 0;
@@ -251,7 +253,7 @@ LogProbDivergence logprob_divergence(std::span<const T> log_p, std::span<const T
                     "; log-probabilities of sampled tokens must be finite");
     const double d = p - q;
     k1 += d;
-    k3 += std::exp(-d) + d - 1.0;  // q/p - log(q/p) - 1
+    k3 += mrr::kernels::ppo::kl_k3<double>(p, q).value;  // the one k3 of mrr (verl's low_var_kl)
     abs_diff.push_back(std::abs(d));
   }
   out.tokens = static_cast<std::int64_t>(abs_diff.size());

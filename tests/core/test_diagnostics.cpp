@@ -79,7 +79,9 @@ TEST_CASE("log-prob divergence: k1, k3, F(tau) and quantiles by hand") {
   // d = p - q = {0, -1, 0, -2.8}; the fifth token is masked.
   CHECK(d.tokens == 4);
   CHECK(d.k1 == doctest::Approx(-3.8 / 4));
-  CHECK(d.k3 == doctest::Approx((std::exp(1.0) - 2.0 + std::exp(2.8) - 3.8) / 4));
+  // k3 per token: q/p - log(q/p) - 1, capped at 10 as verl's low_var_kl caps it:
+  // e - 2 for d = -1; e^2.8 - 3.8 = 12.64 for d = -2.8, capped to 10.
+  CHECK(d.k3 == doctest::Approx((std::exp(1.0) - 2.0 + 10.0) / 4));
   CHECK(d.mean_abs == doctest::Approx(3.8 / 4));
   CHECK(d.F(2.0) == doctest::Approx(0.5));   // |d| > log 2: 1 and 2.8
   CHECK(d.F(5.0) == doctest::Approx(0.25));  // |d| > log 5: 2.8

@@ -16,7 +16,6 @@
 
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -125,10 +124,9 @@ inline ExpertIds host_ids(const at::Tensor& ids, int num_experts, int k, const c
 template <class Derived>
 at::Tensor to_tensor(const Eigen::MatrixBase<Derived>& m, at::ScalarType dtype) {
   using T = typename Derived::Scalar;
-  const RowMatrix<T> rm = m;  // row-major, contiguous (no copy when it already is one)
-  at::Tensor out = at::empty({static_cast<std::int64_t>(rm.rows()), static_cast<std::int64_t>(rm.cols())},
+  at::Tensor out = at::empty({static_cast<std::int64_t>(m.rows()), static_cast<std::int64_t>(m.cols())},
                              at::TensorOptions().dtype(scalar_type_of<T>()));
-  if (rm.size() != 0) std::copy(rm.data(), rm.data() + rm.size(), out.data_ptr<T>());
+  if (m.size() != 0) Eigen::Map<RowMatrix<T>>(out.data_ptr<T>(), m.rows(), m.cols()) = m;  // one copy, any layout
   return dtype == out.scalar_type() ? out : out.to(dtype);
 }
 
