@@ -1,39 +1,74 @@
-// The MoE layer as a trainer runs it: T = 2048 tokens, hidden 256, SwiGLU experts of width 128,
-// 64 experts, top-8, float. Forward, backward (of a kept forward context) and forward + backward,
-// each with native routing (no replay) and with routes replayed through RoutingReplay in mode R2:
-// the old-log-prob pass records every layer's ids into a MemoryRouteStore, the actor update
-// replays them (every row has a route, so the controller hands the router no mask). Also the
-// record forward itself, and the same replayed step on an InProcessGroup of 2 ranks (each with
-// half the tokens and half the experts). Baseline: native routing in the same run; the replayed
-// step should cost no more than it (replay skips the top-k selection). Prints the median wall
-// time and this thread's CPU time per call; run with OMP_NUM_THREADS=1 on a shared machine, where
-// only the CPU time is stable.
+// The whole MoE layer as a trainer runs it, beside PyTorch and the GEMM limit, from one run.
 //
-// Uses only the API every version of MoELayer since the expert-parallel layer has (forward,
-// backward, RoutingReplay's passes), so the same source times the layer before and after a change.
+// Per shape (Qwen3-, Mixtral- and DeepSeek-like ratios at laptop scale, float32) and per thread
+// count (1 and 2, MRR_BENCH_THREADS): forward, backward and forward + backward of
+//   - mrr's MoELayer<TopKRouter, SwiGLUExperts, SingleProcess, MemoryRouteStore>, with native
+//     routing and with routes replayed through RoutingReplay in mode R2 (the old-log-prob pass
+//     records, the actor update replays), in steady state as a training loop runs it: a kept
+//     forward context (forward(x, f)) and kept gradients (backward_accumulate);
+//   - (a) the Hugging Face Qwen2/Qwen3-MoE SparseMoeBlock (a loop over the experts hit, each
+//     gathering its tokens, index_add_ back) and (b) a grouped block (tokens sorted by expert, one
+//     matmul chain per expert, one scatter back, as Megatron's grouped MLP), in PyTorch with
+//     autograd, native and replayed, run by bench/references/reference_bench.py --suite moe in the
+//     same run with the same thread count (OPENBLAS_NUM_THREADS set too; the BLAS it loaded is
+//     printed);
+//   - the GEMM limit: the forward's expert FLOPs (6 R H I for R routed rows) and the forward +
+//     backward's (18 R H I: what autograd needs; mrr recomputes the activations, 22 R H I) at the
+//     best GEMM rate measured on this machine at the shape's rows per expert, Eigen's (this build)
+//     or PyTorch's BLAS.
+// Then the replayed step on P = 2 and 4 in-process ranks (threads; each rank its token chunk).
+// Wall-time medians. MRR_BENCH_SHAPES=qwen3,mixtral,deepseek picks shapes, MRR_BENCH_REPS the
+// repetitions, MRR_BENCH_NO_REFERENCE=1 skips PyTorch.
 #include <mrr/comm/in_process.hpp>
 #include <mrr/moe.hpp>
 #include <mrr/replay.hpp>
 #include <mrr/router.hpp>
 
-#include "harness.hpp"
+#include <harness.hpp>
+#include <reference_runner.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <ctime>
+#include <map>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
 using Scalar = float;
 using Matrix = mrr::RowMatrix<Scalar>;
 
-constexpr int kTokens = 2048, kHidden = 256, kIntermediate = 128, kExperts = 64, kTopk = 8;
-constexpr int kSequenceLength = 256;
+struct Shape {
+  std::string name;
+  int tokens, hidden, intermediate, experts, topk;
+  mrr::RouterConfig router;
+  const char* torch_router;  // reference_bench.py's routing: softmax_norm or deepseek
+  double rows_per_expert() const { return static_cast<double>(tokens) * topk / experts; }
+  double expert_flops(double per_row_hi) const { return per_row_hi * tokens * topk * double(hidden) * intermediate; }
+};
+
+std::vector<Shape> all_shapes() {
+  auto deepseek = mrr::presets::deepseek_v3(256, 8, 8, 4);
+  return {{"qwen3", 2048, 256, 128, 64, 8, mrr::presets::qwen3_moe(64, 8), "softmax_norm"},
+          {"mixtral", 2048, 256, 896, 8, 2, mrr::presets::mixtral(8, 2), "softmax_norm"},
+          {"deepseek", 2048, 256, 64, 256, 8, deepseek, "deepseek"}};
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, sep);)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
 
 Matrix random_matrix(Eigen::Index rows, Eigen::Index cols, unsigned seed, Scalar stddev) {
   std::mt19937 rng(seed);
@@ -50,34 +85,31 @@ std::vector<Scalar> random_vector(std::size_t n, unsigned seed, Scalar stddev) {
 
 // The whole model (gate and every expert in torch layout) and one batch.
 struct Model {
-  Matrix gate = random_matrix(kExperts, kHidden, 1, 0.5f);
-  std::vector<Scalar> w_gate = random_vector(std::size_t{kExperts} * kIntermediate * kHidden, 2, 0.05f);
-  std::vector<Scalar> w_up = random_vector(std::size_t{kExperts} * kIntermediate * kHidden, 3, 0.05f);
-  std::vector<Scalar> w_down = random_vector(std::size_t{kExperts} * kHidden * kIntermediate, 4, 0.05f);
-  Matrix input = random_matrix(kTokens, kHidden, 5, 1.0f);
-  Matrix grad_output = random_matrix(kTokens, kHidden, 6, 1.0f);
-
-  static mrr::RouterConfig router_config() {
-    mrr::RouterConfig c;
-    c.num_experts = kExperts;
-    c.topk = kTopk;
-    return c;
+  Shape s;
+  Matrix gate, input, grad_output;
+  std::vector<Scalar> w_gate, w_up, w_down;
+  explicit Model(Shape shape) : s(std::move(shape)) {
+    const auto n = static_cast<std::size_t>(s.experts) * s.intermediate * s.hidden;
+    gate = random_matrix(s.experts, s.hidden, 1, 0.5f);
+    w_gate = random_vector(n, 2, 0.05f);
+    w_up = random_vector(n, 3, 0.05f);
+    w_down = random_vector(n, 4, 0.05f);
+    input = random_matrix(s.tokens, s.hidden, 5, 1.0f);
+    grad_output = random_matrix(s.tokens, s.hidden, 6, 1.0f);
   }
-
-  // Rank `rank` of `ranks`'s experts (contiguous blocks, as MoELayer places them).
   mrr::SwiGLUExperts<Scalar> experts(int ranks, int rank) const {
-    const int per = kExperts / ranks;
-    mrr::SwiGLUExperts<Scalar> x(kHidden, kIntermediate, per, rank * per);
+    const int per = s.experts / ranks;
+    mrr::SwiGLUExperts<Scalar> x(s.hidden, s.intermediate, per, rank * per);
     x.load_torch(w_gate, w_up, w_down);
     return x;
   }
+  mrr::RouteShape route_shape() const { return {.num_experts = s.experts, .num_layers = 1, .topk = s.topk}; }
 };
 
-// Rows [begin, end) of the batch: sequence 1000 + t / kSequenceLength, position t % kSequenceLength.
+// Rows [begin, end) of the batch: sequence 1000 + t / 256, position t % 256.
 mrr::TokenLayout layout_of(Eigen::Index begin, Eigen::Index end) {
   std::vector<mrr::TokenKey> rows;
-  for (Eigen::Index t = begin; t < end; ++t)
-    rows.push_back({static_cast<mrr::SequenceId>(1000 + t / kSequenceLength), t % kSequenceLength});
+  for (Eigen::Index t = begin; t < end; ++t) rows.push_back({static_cast<mrr::SequenceId>(1000 + t / 256), t % 256});
   return mrr::TokenLayout(std::move(rows));
 }
 
@@ -86,94 +118,76 @@ int reps() {
   return env ? std::max(1, std::atoi(env)) : 7;
 }
 
-// This thread's CPU time in ms: with OMP_NUM_THREADS=1 it is all of a single-process step's work,
-// and unlike wall time it does not grow when other processes share the cores.
-double thread_cpu_ms() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
-}
-
-struct Time {
-  double wall_ms = 0, cpu_ms = 0;
-};
-
-// Medians of reps() calls after one warm-up call.
+// Median wall seconds of reps() calls after one warm-up call.
 template <class F>
-Time median_time(F&& f) {
+double median_s(F&& f) {
   f();
-  std::vector<double> wall, cpu;
+  std::vector<double> t;
   for (int i = 0; i < reps(); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    const double c0 = thread_cpu_ms();
     f();
-    cpu.push_back(thread_cpu_ms() - c0);
-    wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::sort(wall.begin(), wall.end());
-  std::sort(cpu.begin(), cpu.end());
-  return {wall[wall.size() / 2], cpu[cpu.size() / 2]};
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
 }
 
-struct Row {
-  std::string name;
-  Time time;
-  Time baseline;  // native routing, same phase (zero: none)
+using Layer = mrr::MoELayer<mrr::TopKRouter<Scalar>, mrr::SwiGLUExperts<Scalar>, mrr::SingleProcess, mrr::MemoryRouteStore>;
+template <class Comm>
+using EpLayer = mrr::MoELayer<mrr::TopKRouter<Scalar>, mrr::SwiGLUExperts<Scalar>, Comm, mrr::MemoryRouteStore>;
+
+struct Phases {
+  double forward = 0, backward = 0, step = 0;
 };
 
-void print(const std::vector<Row>& rows) {
-  std::printf("%-44s %10s %10s %14s %9s\n", "case", "wall ms", "cpu ms", "native cpu ms", "cpu ratio");
-  for (const Row& r : rows) {
-    if (r.baseline.cpu_ms > 0)
-      std::printf("%-44s %10.2f %10.2f %14.2f %8.2fx\n", r.name.c_str(), r.time.wall_ms, r.time.cpu_ms,
-                  r.baseline.cpu_ms, r.time.cpu_ms / r.baseline.cpu_ms);
-    else
-      std::printf("%-44s %10.2f %10.2f %14s %9s\n", r.name.c_str(), r.time.wall_ms, r.time.cpu_ms, "-", "-");
-  }
-}
-
-using NativeLayer = mrr::MoELayer<mrr::TopKRouter<Scalar>, mrr::SwiGLUExperts<Scalar>>;
-template <class Comm>
-using ReplayLayer = mrr::MoELayer<mrr::TopKRouter<Scalar>, mrr::SwiGLUExperts<Scalar>, Comm, mrr::MemoryRouteStore>;
-
-// forward, backward of a kept context, and both, for one layer.
-template <class Layer>
-void time_phases(Layer& layer, const Matrix& x, const Matrix& dy, const char* label, std::vector<Row>& rows,
-                 const std::vector<Row>* native) {
-  const Time fwd = median_time([&] { mrr::bench::do_not_optimize(layer.forward(x).output.data()); });
-  const auto kept = layer.forward(x);
-  const Time bwd = median_time([&] { mrr::bench::do_not_optimize(layer.backward(kept, dy).input.data()); });
-  const Time both = median_time([&] {
-    const auto f = layer.forward(x);
-    mrr::bench::do_not_optimize(layer.backward(f, dy).input.data());
+// forward, backward of a kept context, and both, in steady state (kept context and gradients).
+Phases time_layer(Layer& layer, const Model& m) {
+  Layer::Forward f;
+  Layer::Gradients g{Matrix(), Matrix(), layer.experts().zero_gradients()};
+  Phases p;
+  p.forward = median_s([&] { layer.forward(m.input, f); });
+  layer.forward(m.input, f);
+  p.backward = median_s([&] { layer.backward_accumulate(f, m.grad_output, g); });
+  p.step = median_s([&] {
+    layer.forward(m.input, f);
+    layer.backward_accumulate(f, m.grad_output, g);
   });
-  const Time base[3] = {native ? (*native)[0].time : Time{}, native ? (*native)[1].time : Time{},
-                        native ? (*native)[2].time : Time{}};
-  rows.push_back({std::string(label) + " forward", fwd, base[0]});
-  rows.push_back({std::string(label) + " backward", bwd, base[1]});
-  rows.push_back({std::string(label) + " forward+backward", both, base[2]});
+  mrr::bench::do_not_optimize(g.input.data());
+  return p;
 }
 
-// The replayed training step on P ranks of an InProcessGroup (threads): each rank its contiguous
-// token chunk, timed between barriers on rank 0 (CPU time: rank 0's thread, half the work).
-Time replay_step_ep(const Model& model, int ranks) {
-  Time median;
+// Eigen's GEMM rate (FLOP/s) at one expert's forward product: [n, H] x [H, I].
+double eigen_gemm_flops(const Shape& s) {
+  const auto n = static_cast<Eigen::Index>(std::max(1.0, s.rows_per_expert()));
+  const Matrix a = random_matrix(n, s.hidden, 8, 1.0f), b = random_matrix(s.intermediate, s.hidden, 9, 1.0f);
+  Matrix c(n, s.intermediate);
+  const mrr::bench::Timing t = mrr::bench::time_it([&] {
+    c.noalias() = a * b.transpose();
+    mrr::bench::do_not_optimize(c.data());
+  }, 0.3, 20);
+  return 2.0 * double(n) * s.hidden * s.intermediate / t.min_s;
+}
+
+// The replayed training step on P in-process ranks (threads), rank 0's wall time between barriers.
+double replay_step_ep(const Model& m, int ranks) {
+  double median = 0;
   mrr::InProcessGroup(ranks).run([&](const mrr::InProcessComm& comm) {
-    const Eigen::Index per = kTokens / ranks, begin = comm.rank() * per;
-    const Matrix x = model.input.middleRows(begin, per), dy = model.grad_output.middleRows(begin, per);
-    mrr::MemoryRouteStore store({.num_experts = kExperts, .num_layers = 1, .topk = kTopk});
+    const Eigen::Index per = m.s.tokens / ranks, begin = comm.rank() * per;
+    const Matrix x = m.input.middleRows(begin, per), dy = m.grad_output.middleRows(begin, per);
+    mrr::MemoryRouteStore store(m.route_shape());
     mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
-    ReplayLayer<mrr::InProcessComm> layer(mrr::TopKRouter<Scalar>(Model::router_config()),
-                                          model.experts(ranks, comm.rank()), comm, replay, 0);
-    layer.set_gate_weight(model.gate);
+    EpLayer<mrr::InProcessComm> layer(mrr::TopKRouter<Scalar>(m.s.router), m.experts(ranks, comm.rank()), comm, replay, 0);
+    layer.set_gate_weight(m.gate);
     replay.set_micro_batch(layout_of(begin, begin + per));
     replay.begin_pass(mrr::TrainingPass::old_log_prob);
     (void)layer.forward(x);
     replay.begin_pass(mrr::TrainingPass::actor_update);
-    const Time t = median_time([&] {
+    decltype(layer)::Forward f;
+    decltype(layer)::Gradients g{Matrix(), Matrix(), layer.experts().zero_gradients()};
+    const double t = median_s([&] {
       comm.barrier();
-      const auto f = layer.forward(x);
-      mrr::bench::do_not_optimize(layer.backward(f, dy).input.data());
+      layer.forward(x, f);
+      layer.backward_accumulate(f, dy, g);
       comm.barrier();
     });
     if (comm.rank() == 0) median = t;
@@ -181,38 +195,101 @@ Time replay_step_ep(const Model& model, int ranks) {
   return median;
 }
 
+void set_threads(int n) {
+#ifdef _OPENMP
+  omp_set_num_threads(n);
+#else
+  (void)n;
+#endif
+}
+
+double ref(const std::map<std::string, double>& r, const std::string& key) {
+  const auto it = r.find(key);
+  return it == r.end() ? 0.0 : it->second;
+}
+
+void print_row(const char* phase, const char* mode, double ours, double hf, double grouped, double limit) {
+  std::printf("  %-9s %-7s %9.1f", phase, mode, ours * 1e3);
+  if (hf > 0)
+    std::printf(" %9.1f %9.1f %7.2fx %7.2fx", hf * 1e3, grouped * 1e3, hf / ours, grouped / ours);
+  else
+    std::printf(" %9s %9s %8s %8s", "-", "-", "-", "-");
+  std::printf(" %9.1f %7.2fx\n", limit * 1e3, ours / limit);
+}
+
 }  // namespace
 
 int main() {
-  std::printf("MoE layer: T=%d H=%d I=%d E=%d k=%d float, SwiGLUExperts, median of %d runs\n", kTokens, kHidden,
-              kIntermediate, kExperts, kTopk, reps());
-  const Model model;
-  std::vector<Row> native, replayed;
+  const char* shapes_env = std::getenv("MRR_BENCH_SHAPES");
+  const char* threads_env = std::getenv("MRR_BENCH_THREADS");
+  const auto wanted = split(shapes_env ? shapes_env : "qwen3,mixtral,deepseek", ',');
+  std::vector<int> thread_counts;
+  for (const auto& t : split(threads_env ? threads_env : "1,2", ',')) thread_counts.push_back(std::max(1, std::atoi(t.c_str())));
+  std::vector<Shape> shapes;
+  for (const auto& s : all_shapes())
+    if (std::find(wanted.begin(), wanted.end(), s.name) != wanted.end()) shapes.push_back(s);
+  std::string torch_shapes;
+  for (const auto& s : shapes) {
+    if (!torch_shapes.empty()) torch_shapes += ';';
+    torch_shapes += s.name + "," + std::to_string(s.tokens) + "," + std::to_string(s.hidden) + "," +
+                    std::to_string(s.intermediate) + "," + std::to_string(s.experts) + "," + std::to_string(s.topk) +
+                    "," + s.torch_router;
+  }
+  std::printf("MoE layer, float32, median of %d runs; mrr = MoELayer<TopKRouter, SwiGLUExperts, SingleProcess, "
+              "MemoryRouteStore>\nratio = reference / mrr (> 1: mrr faster); of limit = mrr / GEMM limit\n",
+              reps());
+  std::vector<Model> models;
+  for (const auto& s : shapes) models.emplace_back(s);
 
-  NativeLayer plain(mrr::TopKRouter<Scalar>(Model::router_config()), model.experts(1, 0));
-  plain.set_gate_weight(model.gate);
-  time_phases(plain, model.input, model.grad_output, "native", native, nullptr);
+  for (const int threads : thread_counts) {
+    set_threads(threads);
+    const auto reference = mrr::bench::run_reference("moe", threads, "--moe-shapes '" + torch_shapes + "'");
+    for (const Model& m : models) {
+      const Shape& s = m.s;
+      std::printf("\n== %s: T=%d H=%d I=%d E=%d k=%d (%.0f rows per expert), %d thread%s\n", s.name.c_str(), s.tokens,
+                  s.hidden, s.intermediate, s.experts, s.topk, s.rows_per_expert(), threads, threads > 1 ? "s" : "");
+      const double eigen_rate = eigen_gemm_flops(s);
+      const double torch_rate = ref(reference, "moe_" + s.name + "_gemm_flops") * 1e6 * 1e6;  // MFLOP/s in seconds' slot
+      const double rate = std::max(eigen_rate, torch_rate);
+      std::printf("  GEMM rate at [%.0f, %d] x [%d, %d]: Eigen %.1f GFLOP/s, PyTorch's BLAS %s GFLOP/s; limit uses %.1f\n",
+                  std::max(1.0, s.rows_per_expert()), s.hidden, s.hidden, s.intermediate, eigen_rate * 1e-9,
+                  torch_rate > 0 ? std::to_string(torch_rate * 1e-9).substr(0, 5).c_str() : "-", rate * 1e-9);
+      const double limit_fwd = s.expert_flops(6) / rate, limit_step = s.expert_flops(18) / rate;
 
-  // R2 as a trainer runs it: the old-log-prob pass records, the actor update replays.
-  mrr::MemoryRouteStore store({.num_experts = kExperts, .num_layers = 1, .topk = kTopk});
-  mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
-  ReplayLayer<mrr::SingleProcess> layer(mrr::TopKRouter<Scalar>(Model::router_config()), model.experts(1, 0),
-                                        mrr::SingleProcess{}, replay, 0);
-  layer.set_gate_weight(model.gate);
-  replay.set_micro_batch(layout_of(0, kTokens));
-  replay.begin_pass(mrr::TrainingPass::old_log_prob);
-  const Time record = median_time([&] { mrr::bench::do_not_optimize(layer.forward(model.input).output.data()); });
-  replayed.push_back({"R2 record forward (old_log_prob)", record, native[0].time});
-  replay.begin_pass(mrr::TrainingPass::actor_update);
-  time_phases(layer, model.input, model.grad_output, "R2 replay", replayed, &native);
-  const bool mask_free = replay.stats().mask_free_replays > 0;
+      mrr::MemoryRouteStore store(m.route_shape());
+      mrr::RoutingReplay<mrr::MemoryRouteStore> native_replay(mrr::ReplayMode::disabled, store);
+      Layer native(mrr::TopKRouter<Scalar>(s.router), m.experts(1, 0), mrr::SingleProcess{}, native_replay, 0);
+      native.set_gate_weight(m.gate);
+      const Phases pn = time_layer(native, m);
 
-  const Time ep2 = replay_step_ep(model, 2);
-  replayed.push_back({"R2 replay forward+backward, P=2 (rank 0)", ep2, native[2].time});
+      mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
+      Layer layer(mrr::TopKRouter<Scalar>(s.router), m.experts(1, 0), mrr::SingleProcess{}, replay, 0);
+      layer.set_gate_weight(m.gate);
+      replay.set_micro_batch(layout_of(0, s.tokens));
+      replay.begin_pass(mrr::TrainingPass::old_log_prob);
+      const double record = median_s([&] { mrr::bench::do_not_optimize(layer.forward(m.input).output.data()); });
+      replay.begin_pass(mrr::TrainingPass::actor_update);
+      const Phases pr = time_layer(layer, m);
 
-  std::vector<Row> all = native;
-  all.insert(all.end(), replayed.begin(), replayed.end());
-  print(all);
-  std::printf("replays that took the mask-free path: %s\n", mask_free ? "yes" : "no");
+      std::printf("  %-9s %-7s %9s %9s %9s %8s %8s %9s %8s\n", "phase", "routes", "mrr ms", "HF ms", "group ms",
+                  "HF/mrr", "grp/mrr", "limit ms", "of limit");
+      const std::string k = "moe_" + s.name;
+      for (const auto& [mode, p] : {std::pair<const char*, const Phases&>{"native", pn}, {"replay", pr}}) {
+        auto r = [&](const char* block, const char* phase) { return ref(reference, k + "_" + block + "_" + mode + "_" + phase); };
+        print_row("forward", mode, p.forward, r("hf", "forward"), r("grouped", "forward"), limit_fwd);
+        print_row("backward", mode, p.backward, r("hf", "backward"), r("grouped", "backward"), limit_step - limit_fwd);
+        print_row("fwd+bwd", mode, p.step, r("hf", "step"), r("grouped", "step"), limit_step);
+      }
+      std::printf("  R2 record forward (old-log-prob pass, fresh context): %.1f ms; replays on the mask-free path: %s\n",
+                  record * 1e3, replay.stats().mask_free_replays > 0 ? "yes" : "no");
+    }
+  }
+  set_threads(1);
+  for (const Model& m : models) {
+    if (m.s.experts % 4 != 0) continue;
+    std::printf("\n%s replayed forward+backward on in-process ranks, 1 thread each (rank 0, wall):", m.s.name.c_str());
+    for (int ranks : {2, 4}) std::printf("  P=%d %.1f ms", ranks, replay_step_ep(m, ranks) * 1e3);
+    std::printf("\n");
+  }
   return 0;
 }

@@ -25,7 +25,7 @@ It prints the BLAS library PyTorch's matrix products actually load (read from th
 mapped libraries after a GEMM: Debian's python3-torch uses whichever libblas.so.3 the alternatives
 system selects, the reference BLAS unless OpenBLAS is installed) and PyTorch's build configuration.
 
-Usage: reference_bench.py --suite routing|permute|ppo|all [--threads N] [--workdir DIR]
+Usage: reference_bench.py --suite routing|permute|ppo|moe|all [--threads N] [--workdir DIR]
                           [--megatron PATH] [--verl PATH]
 A fresh machine needs only (Debian): apt-get install python3-torch libopenblas0-pthread
 """
@@ -327,9 +327,108 @@ def ppo_suite(torch, ca):
                 lambda: ca.compute_policy_loss_vanilla(ref, logprob, adv, mask, "token-mean", cfg)))
 
 
+# ---- the whole MoE block (suite moe; pure PyTorch, needs neither Megatron nor verl) -------------
+
+def _route_torch(torch, logits, router, k, ids=None):
+    """Gating weights [T, k] and expert ids [T, k] as the Hugging Face blocks compute them; with
+    `ids` given, the weights at those ids (replayed routes, as Megatron's precomputed_indices)."""
+    if router == "deepseek":  # DeepseekV3TopkRouter: sigmoid, bias for selection, 8 groups top-4, x2.5
+        scores = logits.sigmoid()
+        if ids is None:
+            E = logits.shape[1]
+            choice = scores.detach() + 0.0  # the bias is zero in this benchmark, as in a fresh model
+            group = choice.view(-1, 8, E // 8).topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group).scatter_(1, group.topk(4, dim=-1)[1], 1)
+            keep = keep.unsqueeze(-1).expand(-1, 8, E // 8).reshape(-1, E)
+            ids = choice.masked_fill(keep == 0, 0.0).topk(k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        return w / (w.sum(-1, keepdim=True) + 1e-20) * 2.5, ids
+    probs = torch.softmax(logits, dim=1, dtype=torch.float)
+    if ids is None:
+        w, ids = torch.topk(probs, k, dim=-1)
+    else:
+        w = probs.gather(1, ids)
+    if router == "softmax_norm":  # Qwen3 (norm_topk_prob), Mixtral (softmax over the top-k logits)
+        w = w / w.sum(-1, keepdim=True)
+    return w, ids
+
+
+class _Experts:
+    def __init__(self, torch, E, H, I, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.w_gate = (torch.randn(E, I, H, generator=g) * 0.05).requires_grad_()
+        self.w_up = (torch.randn(E, I, H, generator=g) * 0.05).requires_grad_()
+        self.w_down = (torch.randn(E, H, I, generator=g) * 0.05).requires_grad_()
+        self.gate = (torch.randn(E, H, generator=g) * 0.5).requires_grad_()
+
+    def mlp(self, torch, e, x):
+        F = torch.nn.functional
+        return F.linear(F.silu(F.linear(x, self.w_gate[e])) * F.linear(x, self.w_up[e]), self.w_down[e])
+
+
+def hf_block(torch, ex, x, router, k, ids=None):
+    """Qwen2/Qwen3-MoE's SparseMoeBlock (transformers): gate, routing, a loop over the experts that
+    were hit, each gathering its tokens and adding its weighted output back with index_add_."""
+    E = ex.gate.shape[0]
+    w, ids = _route_torch(torch, torch.nn.functional.linear(x, ex.gate), router, k, ids)
+    w = w.to(x.dtype)
+    out = torch.zeros_like(x)
+    mask = torch.nn.functional.one_hot(ids, num_classes=E).permute(2, 1, 0)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist():
+        slot, tok = torch.where(mask[e])
+        out.index_add_(0, tok, ex.mlp(torch, e, x[tok]) * w[tok, slot, None])
+    return out
+
+
+def grouped_block(torch, ex, x, router, k, ids=None):
+    """Megatron-style grouped MLP on the CPU: the (token, slot) pairs sorted by expert (a stable
+    sort: token order within an expert), one gather, one matmul chain per expert on its contiguous
+    rows, then the weighted rows scattered back with one index_add_."""
+    E = ex.gate.shape[0]
+    w, ids = _route_torch(torch, torch.nn.functional.linear(x, ex.gate), router, k, ids)
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True)[1]
+    tokens = order // k
+    counts = torch.bincount(flat, minlength=E).tolist()
+    rows = x.index_select(0, tokens)
+    outs = [ex.mlp(torch, e, chunk) for e, chunk in enumerate(torch.split(rows, counts)) if counts[e] > 0]
+    y = torch.cat(outs) * w.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
+    return torch.zeros_like(x).index_add_(0, tokens, y)
+
+
+def moe_suite(torch, shapes):
+    """shapes: 'name,T,H,I,E,k,router;...' (router: softmax, softmax_norm or deepseek). Per shape
+    and block: forward (autograd on, as in training), backward of a kept graph, forward +
+    backward, with native routing and with replayed ids; and the GEMM throughput of one expert's
+    matmul at the shape's mean rows per expert, the limit the C++ benchmark compares against."""
+    for spec in shapes.split(";"):
+        name, T, H, I, E, k, router = spec.split(",")
+        T, H, I, E, k = int(T), int(H), int(I), int(E), int(k)
+        ex = _Experts(torch, E, H, I, seed=E + H)
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(T, H, generator=g).requires_grad_()
+        dy = torch.randn(T, H, generator=g)
+        with torch.no_grad():
+            _, ids = _route_torch(torch, torch.nn.functional.linear(x, ex.gate), router, k)
+        for label, block in (("hf", hf_block), ("grouped", grouped_block)):
+            for mode, given in (("native", None), ("replay", ids)):
+                fwd = lambda: block(torch, ex, x, router, k, given)
+                report(f"moe_{name}_{label}_{mode}_forward", time_us(fwd, min_seconds=1.0, min_reps=5))
+                out = fwd()
+                report(f"moe_{name}_{label}_{mode}_backward",
+                       time_us(lambda: out.backward(dy, retain_graph=True), min_seconds=1.0, min_reps=5))
+                report(f"moe_{name}_{label}_{mode}_step", time_us(lambda: fwd().backward(dy), min_seconds=1.0, min_reps=5))
+        n = max(1, T * k // E)
+        a, b = torch.randn(n, H, generator=g), torch.randn(I, H, generator=g)
+        gemm = time_us(lambda: torch.mm(a, b.t()), min_seconds=0.5, min_reps=20, stat="min")
+        report(f"moe_{name}_gemm_flops", 2.0 * n * H * I / (gemm * 1e-6) * 1e-6)  # MFLOP/s in the us column
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--suite", default="all", choices=["routing", "permute", "ppo", "all"])
+    parser.add_argument("--suite", default="all", choices=["routing", "permute", "ppo", "moe", "all"])
+    parser.add_argument("--moe-shapes", default="qwen3,2048,256,128,64,8,softmax_norm",
+                        help="suite moe: 'name,T,H,I,E,k,router;...' (router: softmax, softmax_norm, deepseek)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--megatron", default=os.environ.get("MRR_MEGATRON_SRC"),
@@ -338,14 +437,23 @@ def main():
                         help="a verl git repository or directory tree (default: download at the pinned commit)")
     args = parser.parse_args()
     import tempfile
+    # Debian's torch is built against the generic BLAS interface (BLAS_INFO=generic), so
+    # torch.set_num_threads does not reach OpenBLAS, whose pthread build would otherwise use every
+    # core: its thread count is set here, before the library loads.
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
     import torch
     torch.set_num_threads(args.threads)
     workdir = args.workdir or tempfile.mkdtemp(prefix="mrr-references-")
-    mu, ca = load_references(workdir, args.megatron, args.verl)
     blas, built = blas_in_use(torch)
+    print(f"REFINFO blas {blas} ({built}), OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}", flush=True)
+    if args.suite == "moe":  # pure PyTorch: no reference sources needed
+        print(f"REFINFO torch {torch.__version__} threads {torch.get_num_threads()}", flush=True)
+        moe_suite(torch, args.moe_shapes)
+        return
+    mu, ca = load_references(workdir, args.megatron, args.verl)
     print(f"REFINFO torch {torch.__version__} threads {torch.get_num_threads()} megatron {MEGATRON_COMMIT[:12]} "
           f"verl {VERL_COMMIT[:12]}", flush=True)
-    print(f"REFINFO blas {blas} ({built})", flush=True)
     if args.suite in ("routing", "all"):
         routing_suite(torch, mu)
     if args.suite in ("permute", "all"):

@@ -24,13 +24,15 @@ inline int bench_threads() {
 }
 
 // Reference times in seconds by case name; empty when the script could not run.
-inline std::map<std::string, double> run_reference(const char* suite) {
+// `threads` overrides bench_threads(); `extra` is appended to the script's arguments.
+inline std::map<std::string, double> run_reference(const char* suite, int threads = 0, const std::string& extra = "") {
   std::map<std::string, double> out;
   if (const char* skip = std::getenv("MRR_BENCH_NO_REFERENCE"); skip != nullptr && *skip != '\0') return out;
   const char* python = std::getenv("MRR_BENCH_PYTHON");
   const std::string command = std::string(python != nullptr ? python : "/usr/bin/python3") + " " +
                               MRR_REFERENCE_SCRIPT + " --suite " + suite + " --threads " +
-                              std::to_string(bench_threads()) + " --workdir " + MRR_REFERENCE_WORKDIR + " 2>&1";
+                              std::to_string(threads > 0 ? threads : bench_threads()) + " --workdir " + MRR_REFERENCE_WORKDIR + " " + extra +
+                              " 2>&1";
   std::FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return out;
   char line[512];

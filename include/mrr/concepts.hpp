@@ -87,6 +87,18 @@ concept Expert = requires(const X& x, int e, MatrixRef<typename X::scalar_type> 
   { x.zero_gradients() } -> std::same_as<typename X::gradients_type>;
 };
 
+// Optional, for speed: experts that also write into caller memory (forward_into(e, rows, out),
+// backward_into(e, rows, grad_out, grad_in, grads), with out and grad_in [n, hidden] views) and
+// may be called concurrently for different experts. MoELayer then runs them in parallel over
+// experts into buffers it keeps, instead of collecting a fresh matrix from each.
+template <class X>
+concept ExpertWritingInto =
+    Expert<X> && requires(const X& x, int e, MatrixRef<typename X::scalar_type> rows,
+                          Eigen::Ref<RowMatrix<typename X::scalar_type>> out, typename X::gradients_type& grads) {
+      x.forward_into(e, rows, out);
+      x.backward_into(e, rows, rows, out, grads);
+    };
+
 // Where tensors live and which kernels run (CPU with Eigen, CUDA with Thrust).
 template <class B>
 concept Backend = requires {

@@ -61,5 +61,33 @@ void parallel_tiles(std::int64_t rows, std::int64_t tile, std::int64_t work, Bod
   for (std::int64_t i = 0; i < tiles; ++i) body(i, i * tile, std::min(rows, (i + 1) * tile));
 }
 
+// Calls body(i) for i in [0, n) on OpenMP threads (dynamic schedule: tasks of uneven size, such
+// as one expert each) whenever more than one thread is available, even for n == 1: inside the
+// region Eigen runs its products on one thread, with the blocking of a one-thread product, so a
+// task's bits never depend on the thread count. Exceptions are rethrown as parallel_tiles does.
+template <class Body>
+void parallel_tasks(std::int64_t n, Body&& body) {
+#ifdef _OPENMP
+  if (n > 0 && omp_get_max_threads() > 1 && !omp_in_parallel()) {
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+    bool failed = false;
+#pragma omp parallel for schedule(dynamic, 1) reduction(|| : failed)
+    for (std::int64_t i = 0; i < n; ++i) {
+      try {
+        body(i);
+      } catch (...) {
+        errors[static_cast<std::size_t>(i)] = std::current_exception();
+        failed = true;
+      }
+    }
+    if (failed)
+      for (const auto& e : errors)
+        if (e) std::rethrow_exception(e);
+    return;
+  }
+#endif
+  for (std::int64_t i = 0; i < n; ++i) body(i);
+}
+
 }  // namespace detail
 MRR_NAMESPACE_END

@@ -22,6 +22,9 @@ struct DispatchPlan {
   // the other way.
   std::vector<std::size_t> send_counts;  // this rank's permuted rows, by the owner of their expert
   std::vector<std::size_t> recv_counts;  // the rows every rank sends this one
+  // [local experts + 1]: local expert e's received rows are [local_offsets[e], local_offsets[e + 1])
+  // of the expert-major matrix the exchange hands the experts.
+  std::vector<std::int64_t> local_offsets;
   int experts_per_rank = 0;
   int hidden = 0;
 
@@ -29,6 +32,7 @@ struct DispatchPlan {
   std::int64_t rows_from(int rank, int local_expert) const {
     return recv_rows[static_cast<std::size_t>(rank * experts_per_rank + local_expert)];
   }
+  std::int64_t local_rows() const { return local_offsets.empty() ? 0 : local_offsets.back(); }
   std::size_t received_elements() const {
     std::size_t total = 0;
     for (auto c : recv_counts) total += c;

@@ -3,11 +3,13 @@
 // the batch size and of how the global batch is split over expert-parallel ranks:
 //   - logits and input gradients are per-token GEMVs on aligned copies, the same kernel, shape and
 //     alignment for every token (a batch GEMM's result per row depends on its blocking);
-//   - the weight gradient is one GEMM over the gathered global batch, the same on every rank.
+//   - the weight gradient is one product over the gathered global batch, the same on every rank,
+//     in fixed column tiles (single-threaded each), so also the same for any thread count.
 #pragma once
 
 #include <mrr/concepts.hpp>
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
 #include <mrr/tensor.hpp>
 
@@ -45,28 +47,44 @@ class Gate {
 
   // input [tokens, hidden] -> logits [tokens, padded_experts()], the padding zero.
   RowMatrix<Scalar> logits(MatrixRef<Scalar> input) const {
-    const Eigen::Index tokens = input.rows();
-    RowMatrix<Scalar> out = RowMatrix<Scalar>::Zero(tokens, padded_experts());
-    Vector<Scalar> x(hidden_size()), z(num_experts());
-    for (Eigen::Index t = 0; t < tokens; ++t) {
-      x = input.row(t).transpose();
-      z.noalias() = weight_ * x;
-      out.row(t).head(num_experts()) = z.transpose();
-    }
+    RowMatrix<Scalar> out;
+    logits_into(out, input);
     return out;
+  }
+
+  // The same into `out` (its storage reused when the shape matches); tiles of tokens on threads.
+  void logits_into(RowMatrix<Scalar>& out, MatrixRef<Scalar> input) const {
+    const Eigen::Index tokens = input.rows();
+    out.resize(tokens, padded_experts());
+    detail::parallel_tiles(tokens, 64, tokens * num_experts() * hidden_size(), [&](std::int64_t, std::int64_t lo, std::int64_t hi) {
+      Vector<Scalar> x(hidden_size()), z(num_experts());
+      for (Eigen::Index t = lo; t < hi; ++t) {
+        x = input.row(t).transpose();
+        z.noalias() = weight_ * x;
+        out.row(t).head(num_experts()) = z.transpose();
+        out.row(t).tail(padded_experts() - num_experts()).setZero();
+      }
+    });
   }
 
   // grad_logits [tokens, num_experts] -> d input [tokens, hidden] = grad_logits @ weight.
   RowMatrix<Scalar> input_gradient(MatrixRef<Scalar> grad_logits) const {
-    const Eigen::Index tokens = grad_logits.rows();
-    RowMatrix<Scalar> out(tokens, hidden_size());
-    Vector<Scalar> dz(num_experts()), dx(hidden_size());
-    for (Eigen::Index t = 0; t < tokens; ++t) {
-      dz = grad_logits.row(t).transpose();
-      dx.noalias() = weight_.transpose() * dz;
-      out.row(t) = dx.transpose();
-    }
+    RowMatrix<Scalar> out = RowMatrix<Scalar>::Zero(grad_logits.rows(), hidden_size());
+    add_input_gradient(out, grad_logits);
     return out;
+  }
+
+  // grad [tokens, hidden] += grad_logits @ weight (each token's term computed on its own, then added).
+  void add_input_gradient(RowMatrix<Scalar>& grad, MatrixRef<Scalar> grad_logits) const {
+    const Eigen::Index tokens = grad_logits.rows();
+    detail::parallel_tiles(tokens, 64, tokens * num_experts() * hidden_size(), [&](std::int64_t, std::int64_t lo, std::int64_t hi) {
+      Vector<Scalar> dz(num_experts()), dx(hidden_size());
+      for (Eigen::Index t = lo; t < hi; ++t) {
+        dz = grad_logits.row(t).transpose();
+        dx.noalias() = weight_.transpose() * dz;
+        grad.row(t) += dx.transpose();
+      }
+    });
   }
 
   // d weight = grad_logits^T @ input over the global batch. Every rank gathers the per-token terms
@@ -101,7 +119,15 @@ class Gate {
         for (int e = 0; e < num_e; ++e) dz(row, e) = src[e];
         for (int h = 0; h < hidden; ++h) x(row, h) = src[num_e + h];
       }
-    return dz.transpose() * x;
+    // Column tiles of 64, each one single-threaded product: Eigen's threaded GEMM blocks its
+    // reduction by the thread count, which would change the bits with OMP_NUM_THREADS.
+    constexpr Eigen::Index tile = 64;
+    RowMatrix<Scalar> grad(num_e, hidden);
+    detail::parallel_tasks(detail::tile_count(hidden, tile), [&](std::int64_t i) {
+      const Eigen::Index c0 = i * tile, w = std::min<Eigen::Index>(tile, hidden - c0);
+      grad.middleCols(c0, w).noalias() = dz.transpose() * x.middleCols(c0, w);
+    });
+    return grad;
   }
 
  private:

@@ -12,7 +12,13 @@
 //   - each expert sees the same rows in the same order for any P: dispatch orders them by
 //     (source rank, token), which is global token order;
 //   - the gate-weight gradient is one GEMM over the gathered global batch, the same on every rank;
-//   - each token's k expert outputs are summed in slot order (in at least fp32).
+//   - each token's k expert outputs are summed in slot order (in at least fp32);
+//   - and for any OpenMP thread count: experts run in parallel, each on one thread (Eigen's
+//     threaded GEMM would block by the thread count); row loops use fixed tiles.
+// Workspace (the exchange's staging, the experts' outputs, the backward's intermediates) is kept
+// by the layer and reused; forward(hidden, f) and backward_accumulate(f, dy, g) also reuse the
+// caller's context and gradients, so a training step allocates nothing once warm. With one rank
+// the experts read and write the permuted rows in place (no exchange copies).
 #pragma once
 
 #include <mrr/comm/agreement.hpp>
@@ -60,8 +66,15 @@ struct MoEForward : DispatchPlan {
   RowMatrix<Scalar> input;   // [tokens, hidden]
   RowMatrix<Scalar> logits;  // [tokens, padded experts]: every row starts at the buffer's alignment
   int num_experts = 0;
-  std::vector<RowMatrix<Scalar>> expert_inputs;  // per local expert, rows in (source rank, token) order
-  RowMatrix<Scalar> expert_outputs;              // [permuted rows, hidden], this rank's slots
+  // [plan.local_rows(), hidden]: the local experts' input rows, expert-major, each expert's in
+  // (source rank, token) order; local expert e's are expert_input(e).
+  RowMatrix<Scalar> expert_inputs;
+  RowMatrix<Scalar> expert_outputs;  // [permuted rows, hidden], this rank's slots
+
+  auto expert_input(int local_expert) const {
+    const auto e = static_cast<std::size_t>(local_expert);
+    return expert_inputs.middleRows(local_offsets[e], local_offsets[e + 1] - local_offsets[e]);
+  }
 };
 
 template <class Scalar, class Experts>
@@ -122,22 +135,31 @@ class MoELayer {
   // hidden [tokens, hidden] (this rank's tokens) -> context with the output [tokens, hidden].
   // Collective: every rank of the group calls it.
   Forward forward(MatrixRef<Scalar> hidden) {
-    constexpr const char* fn = "MoELayer::forward";
     Forward f;
+    forward(hidden, f);
+    return f;
+  }
+
+  // The same into a context the caller keeps (one per micro-batch in flight): its matrices are
+  // reused when their shapes match, so a training loop allocates nothing per step. The results
+  // are the same bits as forward(hidden).
+  void forward(MatrixRef<Scalar> hidden, Forward& f) {
+    constexpr const char* fn = "MoELayer::forward";
     agree_on_step(comm_, fn, [&] {
       detail::require(hidden.cols() == hidden_size(), fn, "'hidden' has shape ", detail::shape_of(hidden),
                       " but the layer's hidden_size is ", hidden_size());
       f.input = hidden;
       f.num_experts = num_experts();
-      f.logits = gate_.logits(f.input);
+      gate_.logits_into(f.logits, f.input);
       f.routing = router_.forward(f.router_logits());
       static_cast<DispatchPlan&>(f) = make_dispatch_plan(f.routing, placement_, hidden_size());
     });
     dispatch(f);
-    std::vector<RowMatrix<Scalar>> outputs(f.expert_inputs.size());
-    agree_on_step(comm_, fn, [&] { run_experts_forward(f.expert_inputs, outputs, fn); });
-    combine(f, outputs);
-    return f;
+    // With one rank the experts' rows are the permuted rows: they write f.expert_outputs directly.
+    RowMatrix<Scalar>& out = single_rank() ? f.expert_outputs : expert_rows_;
+    out.resize(f.local_rows(), hidden_size());
+    agree_on_step(comm_, fn, [&] { run_experts_forward(f, out, fn); });
+    combine(f, out);
   }
 
   // forward's communication steps on their own, so bench/ep can time dispatch + combine without
@@ -146,46 +168,60 @@ class MoELayer {
   // expert); f's matrices are reused when their shapes match.
   void dispatch(Forward& f) {
     TokenExchange<Scalar>::exchange_counts(comm_, f);
-    // Into the layer's buffer: a fresh [T k, hidden] matrix per forward costs page faults.
+    if (single_rank()) {  // the permuted order is the experts' order: no exchange
+      permute_tokens_into<Scalar>(f.expert_inputs, f.input, f.permutation);
+      return;
+    }
     permute_tokens_into<Scalar>(permuted_, f.input, f.permutation);
     exchange_.to_experts(comm_, permuted_, f, f.expert_inputs);
   }
 
   // combine: the local experts' outputs (rows as in f.expert_inputs) -> f.expert_outputs (back on
   // the tokens' ranks) and f.output (each token's slots summed in slot order).
-  void combine(Forward& f, const std::vector<RowMatrix<Scalar>>& outputs) {
-    exchange_.from_experts(comm_, outputs, f, f.expert_outputs);
-    f.output = mrr::combine<Scalar>(f.expert_outputs, f.routing, f.permutation);
+  void combine(Forward& f, MatrixRef<Scalar> outputs) {
+    if (!single_rank() || outputs.data() != f.expert_outputs.data()) exchange_.from_experts(comm_, outputs, f, f.expert_outputs);
+    combine_into<Scalar>(f.output, f.expert_outputs, f.routing, f.permutation);
   }
 
   // Gradients of sum(forward.output * grad_output) w.r.t. the input (this rank's tokens), the
   // gate weight (whole, identical on every rank) and this rank's experts. Collective.
   Gradients backward(const Forward& f, MatrixRef<Scalar> grad_output) {
+    Gradients g{RowMatrix<Scalar>(), RowMatrix<Scalar>(), experts_.zero_gradients()};
+    backward_accumulate(f, grad_output, g);
+    return g;
+  }
+
+  // The same into gradients the caller keeps: g.input and g.gate_weight are overwritten (their
+  // storage reused), the expert gradients are *added* to g.experts (start from
+  // experts().zero_gradients(); accumulating over micro-batches, as trainers do, adds each
+  // micro-batch's in call order). Collective.
+  void backward_accumulate(const Forward& f, MatrixRef<Scalar> grad_output, Gradients& g) {
     constexpr const char* fn = "MoELayer::backward";
     agree_on_step(comm_, fn, [&] {
-      detail::require(f.num_experts == num_experts() &&
-                          f.expert_inputs.size() == static_cast<std::size_t>(experts_per_rank()),
+      detail::require(f.num_experts == num_experts() && f.local_offsets.size() == static_cast<std::size_t>(experts_per_rank()) + 1 &&
+                          f.expert_inputs.rows() == f.local_rows(),
                       fn, "the forward context comes from another layer");
       detail::require(grad_output.rows() == f.input.rows() && grad_output.cols() == hidden_size(), fn,
                       "'grad_output' has shape ", detail::shape_of(grad_output), " for an output of shape ",
                       detail::shape_of(f.output));
     });
-    RowMatrix<Scalar> grad_weights, grad_expert_out;
-    combine_backward(f, grad_output, grad_weights, grad_expert_out);
-    std::vector<RowMatrix<Scalar>> grad_outputs;
-    exchange_.to_experts(comm_, grad_expert_out, f, grad_outputs);
-    Gradients g{RowMatrix<Scalar>(), RowMatrix<Scalar>(), experts_.zero_gradients()};
-    std::vector<RowMatrix<Scalar>> grad_inputs(grad_outputs.size());
-    RowMatrix<Scalar> grad_logits;
+    // d weights and d expert outputs (permuted order); with one rank, the experts' order.
+    combine_backward_into<Scalar>(grad_expert_out_, grad_weights_, grad_output, f.expert_outputs, f.routing,
+                                  f.permutation);
+    const RowMatrix<Scalar>* grad_rows = &grad_expert_out_;
+    if (!single_rank()) {
+      exchange_.to_experts(comm_, grad_expert_out_, f, grad_grouped_);
+      grad_rows = &grad_grouped_;
+    }
+    RowMatrix<Scalar>& grad_in = single_rank() ? grad_expert_in_ : expert_rows_;
+    grad_in.resize(f.local_rows(), hidden_size());
     agree_on_step(comm_, fn, [&] {
-      run_experts_backward(f.expert_inputs, grad_outputs, grad_inputs, g.experts, fn);
-      grad_logits = router_.backward(f.router_logits(), f.routing, grad_weights);
+      run_experts_backward(f, *grad_rows, grad_in, g.experts, fn);
+      grad_logits_ = router_.backward(f.router_logits(), f.routing, grad_weights_);
     });
-    RowMatrix<Scalar> grad_expert_in;
-    exchange_.from_experts(comm_, grad_inputs, f, grad_expert_in);
-    g.input = input_gradient(f, grad_expert_in, grad_logits);
-    g.gate_weight = gate_.weight_gradient(comm_, f.input, grad_logits);
-    return g;
+    if (!single_rank()) exchange_.from_experts(comm_, expert_rows_, f, grad_expert_in_);
+    input_gradient(f, grad_expert_in_, grad_logits_, g.input);
+    g.gate_weight = gate_.weight_gradient(comm_, f.input, grad_logits_);
   }
 
  private:
@@ -220,59 +256,61 @@ class MoELayer {
                                                 {"scalar size", static_cast<std::int64_t>(sizeof(Scalar))}}});
   }
 
-  void run_experts_forward(const std::vector<RowMatrix<Scalar>>& inputs, std::vector<RowMatrix<Scalar>>& outputs,
-                           const char* fn) const {
-    for (int e = 0; e < experts_per_rank(); ++e) {
-      const auto i = static_cast<std::size_t>(e);
-      outputs[i] = experts_.forward(e, inputs[i]);
-      detail::require(outputs[i].rows() == inputs[i].rows() && outputs[i].cols() == hidden_size(), fn,
-                      "local expert ", e, " returned shape ", detail::shape_of(outputs[i]), " for input ",
-                      detail::shape_of(inputs[i]));
-    }
+  bool single_rank() const { return comm_.size() == 1; }
+
+  // Local expert e's rows of a grouped matrix (rows as in f.expert_inputs).
+  template <class M>
+  static auto expert_block(M& rows, const Forward& f, int e) {
+    const auto i = static_cast<std::size_t>(e);
+    return rows.middleRows(f.local_offsets[i], f.local_offsets[i + 1] - f.local_offsets[i]);
   }
 
-  void run_experts_backward(const std::vector<RowMatrix<Scalar>>& inputs,
-                            const std::vector<RowMatrix<Scalar>>& grad_outputs,
-                            std::vector<RowMatrix<Scalar>>& grad_inputs, typename X::gradients_type& grads,
-                            const char* fn) const {
-    for (int e = 0; e < experts_per_rank(); ++e) {
-      const auto i = static_cast<std::size_t>(e);
-      grad_inputs[i] = experts_.backward(e, inputs[i], grad_outputs[i], grads);
-      detail::require(grad_inputs[i].rows() == inputs[i].rows() && grad_inputs[i].cols() == hidden_size(), fn,
-                      "local expert ", e, " returned an input gradient of shape ", detail::shape_of(grad_inputs[i]),
-                      " for input ", detail::shape_of(inputs[i]));
-    }
-  }
-
-  // combine's backward: d weights[t, j] = <grad_output[t], y[t, j]>, a fixed-order dot per slot
-  // (in at least fp32); d y[row(t, j)] = weights[t, j] * grad_output[t], in permuted order.
-  void combine_backward(const Forward& f, MatrixRef<Scalar> grad_output, RowMatrix<Scalar>& grad_weights,
-                        RowMatrix<Scalar>& grad_expert_out) const {
-    const Eigen::Index tokens = f.input.rows();
-    grad_weights = RowMatrix<Scalar>::Zero(tokens, topk());
-    grad_expert_out.resize(f.expert_outputs.rows(), hidden_size());
-    for (Eigen::Index t = 0; t < tokens; ++t)
-      for (int j = 0; j < topk(); ++j) {
-        const auto row = f.permutation.row_of_slot(t, j);
-        if (row < 0) continue;
-        Accum dot = 0;
-        for (int h = 0; h < hidden_size(); ++h)
-          dot += static_cast<Accum>(grad_output(t, h)) * static_cast<Accum>(f.expert_outputs(row, h));
-        grad_weights(t, j) = static_cast<Scalar>(dot);
-        grad_expert_out.row(row) = grad_output.row(t) * f.routing.weights(t, j);
+  // Experts that write into caller memory run in parallel over experts (each on one thread, so
+  // the bits do not depend on the thread count); others one after another, each returning its
+  // matrix.
+  void run_experts_forward(const Forward& f, RowMatrix<Scalar>& out, const char* fn) const {
+    if constexpr (ExpertWritingInto<X>) {
+      detail::parallel_tasks(experts_per_rank(), [&](std::int64_t e) {
+        experts_.forward_into(static_cast<int>(e), f.expert_input(static_cast<int>(e)),
+                              expert_block(out, f, static_cast<int>(e)));
+      });
+    } else {
+      for (int e = 0; e < experts_per_rank(); ++e) {
+        const auto rows = f.expert_input(e);
+        const RowMatrix<Scalar> y = experts_.forward(e, rows);
+        detail::require(y.rows() == rows.rows() && y.cols() == hidden_size(), fn, "local expert ", e,
+                        " returned shape ", detail::shape_of(y), " for input ", detail::shape_of(rows));
+        expert_block(out, f, e) = y;
       }
+    }
+  }
+
+  void run_experts_backward(const Forward& f, const RowMatrix<Scalar>& grad_out, RowMatrix<Scalar>& grad_in,
+                            typename X::gradients_type& grads, const char* fn) const {
+    if constexpr (ExpertWritingInto<X>) {
+      detail::parallel_tasks(experts_per_rank(), [&](std::int64_t e) {
+        const int i = static_cast<int>(e);
+        experts_.backward_into(i, f.expert_input(i), expert_block(grad_out, f, i), expert_block(grad_in, f, i), grads);
+      });
+    } else {
+      for (int e = 0; e < experts_per_rank(); ++e) {
+        const auto rows = f.expert_input(e);
+        const RowMatrix<Scalar> dx = experts_.backward(e, rows, expert_block(grad_out, f, e), grads);
+        detail::require(dx.rows() == rows.rows() && dx.cols() == hidden_size(), fn, "local expert ", e,
+                        " returned an input gradient of shape ", detail::shape_of(dx), " for input ",
+                        detail::shape_of(rows));
+        expert_block(grad_in, f, e) = dx;
+      }
+    }
   }
 
   // d input[t] = the sum over t's kept slots, in slot order, of the expert input gradients (a
   // combine with unit weights: multiplying by one is exact, so these are the plain sums) plus the
   // gate's term grad_logits[t] @ gate_weight; element-wise, so no result depends on P.
-  RowMatrix<Scalar> input_gradient(const Forward& f, const RowMatrix<Scalar>& grad_expert_in,
-                                   const RowMatrix<Scalar>& grad_logits) const {
-    Routing<Scalar> unit = f.routing;
-    unit.weights.setOnes();
-    RowMatrix<Scalar> grad = mrr::combine<Scalar>(grad_expert_in, unit, f.permutation);
-    grad += gate_.input_gradient(grad_logits);
-    return grad;
+  void input_gradient(const Forward& f, const RowMatrix<Scalar>& grad_expert_in, const RowMatrix<Scalar>& grad_logits,
+                      RowMatrix<Scalar>& grad) const {
+    permute_tokens_backward_into<Scalar>(grad, grad_expert_in, f.permutation);
+    gate_.add_input_gradient(grad, grad_logits);
   }
 
   ReplayRouter<R, Store> router_;  // the router bound to the replay controller (native without one)
@@ -280,8 +318,15 @@ class MoELayer {
   C comm_;
   ExpertPlacement placement_ = ExpertPlacement::contiguous(1, 1);
   Gate<Scalar> gate_;
-  TokenExchange<Scalar> exchange_;  // staging reused across calls
-  RowMatrix<Scalar> permuted_;      // this rank's rows in expert-major order, reused across calls
+  // Workspace reused across calls (a fresh matrix per call costs page faults, not only copies):
+  TokenExchange<Scalar> exchange_;    // the exchange's staging
+  RowMatrix<Scalar> permuted_;        // P > 1: this rank's rows in expert-major order
+  RowMatrix<Scalar> expert_rows_;     // P > 1: the experts' outputs, then their input gradients (grouped)
+  RowMatrix<Scalar> grad_expert_out_; // d expert outputs, permuted order
+  RowMatrix<Scalar> grad_grouped_;    // P > 1: the same, grouped
+  RowMatrix<Scalar> grad_expert_in_;  // d expert inputs, permuted order
+  RowMatrix<Scalar> grad_weights_;    // [tokens, k]
+  RowMatrix<Scalar> grad_logits_;     // [tokens, num_experts]
 };
 
 MRR_NAMESPACE_END

@@ -1,7 +1,8 @@
 // The reference expert: a SwiGLU MLP, y = w_down @ (silu(w_gate @ x) * (w_up @ x)), with the
 // parameters in torch's nn.Linear layout (w_gate, w_up [I, H]; w_down [H, I]) — the experts of
 // Qwen2/Qwen3-MoE, Mixtral and DeepSeek. SwiGLUExperts holds one rank's block of experts and
-// models mrr::Expert; forward and backward work on a block of rows [n, H] with Eigen GEMMs.
+// models mrr::Expert (and ExpertWritingInto: MoELayer runs its experts in parallel, into its own
+// buffers); forward and backward work on a block of rows [n, H] with Eigen GEMMs.
 #pragma once
 
 #include <mrr/concepts.hpp>
@@ -9,6 +10,7 @@
 #include <mrr/error.hpp>
 #include <mrr/tensor.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <span>
@@ -104,48 +106,119 @@ class SwiGLUExperts {
 
   // rows [n, H] -> [n, H] for local expert `local`.
   RowMatrix<Scalar> forward(int local, MatrixRef<Scalar> rows) const {
-    check_rows(local, rows, "SwiGLUExperts::forward");
+    RowMatrix<Scalar> out(rows.rows(), hidden_);
+    forward_into(local, rows, out);
+    return out;
+  }
+
+  // forward into caller memory: out [n, H] (a block of a larger matrix is fine). Rows are taken
+  // in blocks of row_block() from the first, so the activations of a block stay in cache and
+  // nothing is allocated after a thread's first call; each output row depends on its own input
+  // row only. Safe to call concurrently for different experts (scratch is per thread).
+  void forward_into(int local, MatrixRef<Scalar> rows, Eigen::Ref<RowMatrix<Scalar>> out) const {
+    constexpr const char* fn = "SwiGLUExperts::forward";
+    check_rows(local, rows, fn);
+    check_out(out, rows.rows(), "out", fn);
     const auto e = static_cast<std::size_t>(local);
-    if (rows.rows() == 0) return RowMatrix<Scalar>(0, hidden_);
-    const RowMatrix<Scalar> g = rows * w_gate_[e].transpose();
-    const RowMatrix<Scalar> u = rows * w_up_[e].transpose();
-    const RowMatrix<Scalar> a = (g.array() * sigmoid(g).array() * u.array()).matrix();
-    return a * w_down_[e].transpose();
+    Scratch& s = scratch(2);
+    for (Eigen::Index r0 = 0; r0 < rows.rows(); r0 += row_block()) {
+      const Eigen::Index n = std::min<Eigen::Index>(row_block(), rows.rows() - r0);
+      const auto x = rows.middleRows(r0, n);
+      auto g = s.block(0, n);
+      auto u = s.block(1, n);
+      g.noalias() = x * w_gate_[e].transpose();
+      u.noalias() = x * w_up_[e].transpose();
+      g.array() = g.array() * (Scalar(1) + (-g.array()).exp()).inverse() * u.array();  // silu(g) * u
+      out.middleRows(r0, n).noalias() = g * w_down_[e].transpose();
+    }
   }
 
   // Gradient w.r.t. `rows` of sum(forward(rows) * grad_out); adds the parameter gradients into
   // `grads`. Activations are recomputed from `rows` (only the expert's input is kept).
   RowMatrix<Scalar> backward(int local, MatrixRef<Scalar> rows, MatrixRef<Scalar> grad_out, Gradients& grads) const {
+    RowMatrix<Scalar> grad_in(rows.rows(), hidden_);
+    backward_into(local, rows, grad_out, grad_in, grads);
+    return grad_in;
+  }
+
+  // backward into caller memory: grad_in [n, H]. The parameter gradients add one block of
+  // row_block() rows at a time, in row order (a fixed order for given rows). Concurrent calls
+  // must name different experts (each adds into its own expert's gradients).
+  void backward_into(int local, MatrixRef<Scalar> rows, MatrixRef<Scalar> grad_out, Eigen::Ref<RowMatrix<Scalar>> grad_in,
+                     Gradients& grads) const {
     constexpr const char* fn = "SwiGLUExperts::backward";
     check_rows(local, rows, fn);
     detail::require(grad_out.rows() == rows.rows() && grad_out.cols() == hidden_, fn, "'grad_out' has shape ",
                     detail::shape_of(grad_out), " for rows ", detail::shape_of(rows));
+    check_out(grad_in, rows.rows(), "grad_in", fn);
     detail::require(grads.w_gate.size() == w_gate_.size() && grads.w_up.size() == w_up_.size() &&
                         grads.w_down.size() == w_down_.size(),
                     fn, "'grads' holds another number of experts (use zero_gradients())");
     const auto e = static_cast<std::size_t>(local);
-    if (rows.rows() == 0) return RowMatrix<Scalar>(0, hidden_);
-    const RowMatrix<Scalar> g = rows * w_gate_[e].transpose();
-    const RowMatrix<Scalar> u = rows * w_up_[e].transpose();
-    const RowMatrix<Scalar> s = sigmoid(g);
-    const RowMatrix<Scalar> silu = (g.array() * s.array()).matrix();
-    const RowMatrix<Scalar> a = (silu.array() * u.array()).matrix();
-    const RowMatrix<Scalar> da = grad_out * w_down_[e];
-    grads.w_down[e].noalias() += grad_out.transpose() * a;
-    const RowMatrix<Scalar> du = (da.array() * silu.array()).matrix();
-    // silu'(g) = s (1 + g (1 - s))
-    const RowMatrix<Scalar> dg =
-        (da.array() * u.array() * s.array() * (Scalar(1) + g.array() * (Scalar(1) - s.array()))).matrix();
-    grads.w_up[e].noalias() += du.transpose() * rows;
-    grads.w_gate[e].noalias() += dg.transpose() * rows;
-    RowMatrix<Scalar> dx = dg * w_gate_[e];
-    dx.noalias() += du * w_up_[e];
-    return dx;
+    Scratch& s = scratch(4);
+    for (Eigen::Index r0 = 0; r0 < rows.rows(); r0 += row_block()) {
+      const Eigen::Index n = std::min<Eigen::Index>(row_block(), rows.rows() - r0);
+      const auto x = rows.middleRows(r0, n);
+      const auto dy = grad_out.middleRows(r0, n);
+      auto g = s.block(0, n);   // w_gate x, then d gate
+      auto u = s.block(1, n);   // w_up x, then d up
+      auto sg = s.block(2, n);  // sigmoid(g)
+      auto a = s.block(3, n);   // silu(g) * u, then d a
+      g.noalias() = x * w_gate_[e].transpose();
+      u.noalias() = x * w_up_[e].transpose();
+      sg.array() = (Scalar(1) + (-g.array()).exp()).inverse();
+      a.array() = g.array() * sg.array() * u.array();
+      grads.w_down[e].noalias() += dy.transpose() * a;
+      a.noalias() = dy * w_down_[e];  // d a
+      // d g = d a * u * silu'(g), silu'(g) = s (1 + g (1 - s)); d u = d a * silu(g)
+      const Eigen::Index cols = g.cols();
+      for (Eigen::Index r = 0; r < n; ++r) {
+        Scalar* gr = g.row(r).data();
+        Scalar* ur = u.row(r).data();
+        const Scalar* sr = sg.row(r).data();
+        const Scalar* dar = a.row(r).data();
+        for (Eigen::Index c = 0; c < cols; ++c) {
+          const Scalar gv = gr[c], sv = sr[c], da = dar[c];
+          gr[c] = da * ur[c] * sv * (Scalar(1) + gv * (Scalar(1) - sv));
+          ur[c] = da * (gv * sv);
+        }
+      }
+      grads.w_up[e].noalias() += u.transpose() * x;
+      grads.w_gate[e].noalias() += g.transpose() * x;
+      auto dx = grad_in.middleRows(r0, n);
+      dx.noalias() = g * w_gate_[e];
+      dx.noalias() += u * w_up_[e];
+    }
+  }
+
+  // Rows per block of forward_into / backward_into: about 32K activations (128 KB in float), in
+  // multiples of 16 between 16 and 256. Fixed by the shape, so results depend on the rows only.
+  Eigen::Index row_block() const {
+    return std::clamp<Eigen::Index>((Eigen::Index{32768} / intermediate_) / 16 * 16, 16, 256);
   }
 
  private:
-  static RowMatrix<Scalar> sigmoid(const RowMatrix<Scalar>& x) {
-    return (Scalar(1) + (-x.array()).exp()).inverse().matrix();
+  // Per-thread activations of one row block: `count` [row_block, I] matrices in one allocation
+  // that only grows.
+  struct Scratch {
+    std::vector<Scalar> data;
+    Eigen::Index rows = 0, cols = 0;
+    Eigen::Map<RowMatrix<Scalar>> block(int i, Eigen::Index n) {
+      return {data.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(rows * cols), n, cols};
+    }
+  };
+  Scratch& scratch(int count) const {
+    thread_local Scratch s;
+    s.rows = row_block();
+    s.cols = intermediate_;
+    const auto need = static_cast<std::size_t>(count) * static_cast<std::size_t>(s.rows * s.cols);
+    if (s.data.size() < need) s.data.resize(need);
+    return s;
+  }
+
+  void check_out(const Eigen::Ref<RowMatrix<Scalar>>& out, Eigen::Index rows, const char* name, const char* fn) const {
+    detail::require(out.rows() == rows && out.cols() == hidden_, fn, "'", name, "' has shape ", detail::shape_of(out),
+                    ", expected [", rows, ", ", hidden_, "]");
   }
 
   void check_rows(int local, const MatrixRef<Scalar>& rows, const char* fn) const {
@@ -165,6 +238,6 @@ class SwiGLUExperts {
   std::vector<RowMatrix<Scalar>> w_gate_, w_up_, w_down_;
 };
 
-static_assert(Expert<SwiGLUExperts<float>> && Expert<SwiGLUExperts<double>>);
+static_assert(ExpertWritingInto<SwiGLUExperts<float>> && ExpertWritingInto<SwiGLUExperts<double>>);
 
 MRR_NAMESPACE_END

@@ -33,75 +33,75 @@ class TokenExchange {
                       std::span<const std::size_t>(counts), std::span<std::int64_t>(plan.recv_rows),
                       std::span<const std::size_t>(counts));
     plan.recv_counts.assign(p, 0);
+    plan.local_offsets.assign(per + 1, 0);
     for (std::size_t s = 0; s < p; ++s)
-      for (std::size_t e = 0; e < per; ++e)
+      for (std::size_t e = 0; e < per; ++e) {
         plan.recv_counts[s] += static_cast<std::size_t>(plan.recv_rows[s * per + e]) * static_cast<std::size_t>(plan.hidden);
+        plan.local_offsets[e + 1] += plan.recv_rows[s * per + e];
+      }
+    for (std::size_t e = 0; e < per; ++e) plan.local_offsets[e + 1] += plan.local_offsets[e];
   }
 
-  // permuted [plan rows, hidden] -> per_expert[e]: local expert e's rows in (source rank, token)
-  // order. Matrices already of the right shape are reused. Collective.
+  // permuted [plan rows, hidden] -> grouped [plan.local_rows(), hidden]: the local experts' rows,
+  // expert-major, each expert's in (source rank, token) order (plan.local_offsets). grouped keeps
+  // its storage when its shape does not change. With one rank the two orders are the same and
+  // this is a copy (MoELayer skips it). Collective.
   template <Communicator C>
-  void to_experts(const C& comm, MatrixRef<Scalar> permuted, const DispatchPlan& plan,
-                  std::vector<RowMatrix<Scalar>>& per_expert) {
+  void to_experts(const C& comm, MatrixRef<Scalar> permuted, const DispatchPlan& plan, RowMatrix<Scalar>& grouped) {
+    grouped.resize(plan.local_rows(), plan.hidden);
+    if (plan.ranks() == 1) {
+      exchange(comm, permuted.data(), plan.send_counts, grouped.data(), plan.recv_counts);
+      return;
+    }
     staging_.resize(plan.received_elements());
-    comm.all_to_all_v(std::span<const Scalar>(permuted.data(), static_cast<std::size_t>(permuted.size())),
-                      std::span<const std::size_t>(plan.send_counts), std::span<Scalar>(staging_),
-                      std::span<const std::size_t>(plan.recv_counts));
-    regroup(plan, per_expert);
+    exchange(comm, permuted.data(), plan.send_counts, staging_.data(), plan.recv_counts);
+    move_blocks(plan, staging_.data(), grouped.data(), /*src_is_staging=*/true);
   }
 
-  // The mirror: per_expert (rows as to_experts gave them) -> permuted [plan rows, hidden], back on
+  // The mirror: grouped (rows as to_experts gave them) -> permuted [plan rows, hidden], back on
   // the tokens' rank in its permuted order. Collective.
   template <Communicator C>
-  void from_experts(const C& comm, const std::vector<RowMatrix<Scalar>>& per_expert, const DispatchPlan& plan,
-                    RowMatrix<Scalar>& permuted) {
-    staging_.resize(plan.received_elements());
-    ungroup(plan, per_expert);
+  void from_experts(const C& comm, MatrixRef<Scalar> grouped, const DispatchPlan& plan, RowMatrix<Scalar>& permuted) {
     permuted.resize(plan.permutation.rows(), plan.hidden);
-    comm.all_to_all_v(std::span<const Scalar>(staging_), std::span<const std::size_t>(plan.recv_counts),
-                      std::span<Scalar>(permuted.data(), static_cast<std::size_t>(permuted.size())),
-                      std::span<const std::size_t>(plan.send_counts));
+    if (plan.ranks() == 1) {
+      exchange(comm, grouped.data(), plan.recv_counts, permuted.data(), plan.send_counts);
+      return;
+    }
+    staging_.resize(plan.received_elements());
+    move_blocks(plan, grouped.data(), staging_.data(), /*src_is_staging=*/false);
+    exchange(comm, staging_.data(), plan.recv_counts, permuted.data(), plan.send_counts);
   }
 
  private:
-  // staging_ (blocks by source rank, each expert-major) -> one matrix per local expert.
-  void regroup(const DispatchPlan& plan, std::vector<RowMatrix<Scalar>>& out) const {
+  template <Communicator C>
+  static void exchange(const C& comm, const Scalar* send, const std::vector<std::size_t>& send_counts, Scalar* recv,
+                       const std::vector<std::size_t>& recv_counts) {
+    std::size_t sent = 0, received = 0;
+    for (auto c : send_counts) sent += c;
+    for (auto c : recv_counts) received += c;
+    comm.all_to_all_v(std::span<const Scalar>(send, sent), std::span<const std::size_t>(send_counts),
+                      std::span<Scalar>(recv, received), std::span<const std::size_t>(recv_counts));
+  }
+
+  // Between staging (blocks by source rank, each expert-major) and grouped (expert-major, each
+  // expert's rows by source rank): one copy per (rank, expert) block, src -> dst either way.
+  static void move_blocks(const DispatchPlan& plan, const Scalar* src, Scalar* dst, bool src_is_staging) {
     const int per = plan.experts_per_rank;
-    out.resize(static_cast<std::size_t>(per));
-    for (int e = 0; e < per; ++e) {
-      std::int64_t n = 0;
-      for (int s = 0; s < plan.ranks(); ++s) n += plan.rows_from(s, e);
-      out[static_cast<std::size_t>(e)].resize(n, plan.hidden);
-    }
     const auto hidden = static_cast<std::size_t>(plan.hidden);
-    std::vector<std::int64_t> filled(static_cast<std::size_t>(per), 0);
-    const Scalar* src = staging_.data();
+    std::vector<std::int64_t> filled(plan.local_offsets.begin(), plan.local_offsets.end() - 1);
+    std::size_t staged = 0;
     for (int s = 0; s < plan.ranks(); ++s)
       for (int e = 0; e < per; ++e) {
         const auto n = static_cast<std::size_t>(plan.rows_from(s, e));
-        auto& dst = out[static_cast<std::size_t>(e)];
-        if (n > 0) std::copy_n(src, n * hidden, dst.row(filled[static_cast<std::size_t>(e)]).data());
+        const std::size_t grouped = static_cast<std::size_t>(filled[static_cast<std::size_t>(e)]) * hidden;
+        if (n > 0)
+          std::copy_n(src + (src_is_staging ? staged : grouped), n * hidden, dst + (src_is_staging ? grouped : staged));
         filled[static_cast<std::size_t>(e)] += static_cast<std::int64_t>(n);
-        src += n * hidden;
+        staged += n * hidden;
       }
   }
 
-  // per-expert rows -> staging_, in blocks by destination rank.
-  void ungroup(const DispatchPlan& plan, const std::vector<RowMatrix<Scalar>>& per_expert) {
-    const int per = plan.experts_per_rank;
-    const auto hidden = static_cast<std::size_t>(plan.hidden);
-    std::vector<std::int64_t> taken(static_cast<std::size_t>(per), 0);
-    Scalar* dst = staging_.data();
-    for (int s = 0; s < plan.ranks(); ++s)
-      for (int e = 0; e < per; ++e) {
-        const auto n = static_cast<std::size_t>(plan.rows_from(s, e));
-        if (n > 0) std::copy_n(per_expert[static_cast<std::size_t>(e)].row(taken[static_cast<std::size_t>(e)]).data(), n * hidden, dst);
-        taken[static_cast<std::size_t>(e)] += static_cast<std::int64_t>(n);
-        dst += n * hidden;
-      }
-  }
-
-  // Received rows before regrouping, ungrouped rows before sending; reused from call to call (a
+  // Received rows before regrouping, grouped rows before sending; reused from call to call (a
   // fresh 100 MB buffer per call costs more in page faults than the copy into it).
   std::vector<Scalar> staging_;
 };

@@ -269,18 +269,24 @@ RowMatrix<T> combine(MatrixRef<T> expert_out, const Routing<T>& routing, const E
 // Backward of permute_tokens: grad_tokens[t] = sum over t's kept slots, in slot order, of
 // grad_permuted[row_of_slot[t, j]] (in Accum); a token with every slot dropped gets zeros.
 template <class T, class Accum = kernels::accum_t<T>>
-RowMatrix<T> permute_tokens_backward(MatrixRef<T> grad_permuted, const ExpertPermutation& p) {
+void permute_tokens_backward_into(RowMatrix<T>& grad, MatrixRef<T> grad_permuted, const ExpertPermutation& p) {
   detail::require_permuted_rows(grad_permuted.rows(), p, "permute_tokens_backward", "grad_permuted");
   const std::int64_t tokens = p.row_of_slot.rows();
   const int k = static_cast<int>(p.row_of_slot.cols());
   const long cols = grad_permuted.cols();
-  RowMatrix<T> grad(tokens, cols);
+  grad.resize(tokens, cols);
   detail::parallel_tiles(tokens, 64, tokens * k * cols, [&](std::int64_t, std::int64_t first, std::int64_t end) {
     for (std::int64_t t = first; t < end; ++t)
       kernels::combine_row<T, T, std::int64_t, Accum>(grad_permuted.data(), grad_permuted.outerStride(),
                                                       p.row_of_slot.data() + t * k, nullptr, k, nullptr,
                                                       grad.row(t).data(), 0, cols);
   });
+}
+
+template <class T, class Accum = kernels::accum_t<T>>
+RowMatrix<T> permute_tokens_backward(MatrixRef<T> grad_permuted, const ExpertPermutation& p) {
+  RowMatrix<T> grad;
+  permute_tokens_backward_into<T, Accum>(grad, grad_permuted, p);
   return grad;
 }
 
@@ -291,9 +297,11 @@ struct CombineGradients {
   RowMatrix<T> weights;     // [tokens, k]: <grad_out[t], expert_out[row_of_slot[t, j]]>, 0 where dropped
 };
 
+// combine_backward into caller matrices (storage reused when the shapes match): grad_expert_out
+// [rows, hidden] (one row per kept slot, every one written) and grad_weights [tokens, k].
 template <class T, class Accum = kernels::accum_t<T>>
-CombineGradients<T> combine_backward(MatrixRef<T> grad_out, MatrixRef<T> expert_out, const Routing<T>& routing,
-                                     const ExpertPermutation& p) {
+void combine_backward_into(RowMatrix<T>& grad_expert_out, RowMatrix<T>& grad_weights, MatrixRef<T> grad_out,
+                           MatrixRef<T> expert_out, const Routing<T>& routing, const ExpertPermutation& p) {
   constexpr const char* fn = "combine_backward";
   detail::require_permuted_rows(expert_out.rows(), p, fn, "expert_out");
   detail::require(grad_out.rows() == routing.tokens() && grad_out.cols() == expert_out.cols(), fn, "'grad_out' has shape ",
@@ -301,13 +309,21 @@ CombineGradients<T> combine_backward(MatrixRef<T> grad_out, MatrixRef<T> expert_
   const std::int64_t tokens = routing.tokens();
   const int k = routing.topk();
   const long cols = expert_out.cols();
-  CombineGradients<T> g{RowMatrix<T>(p.rows(), cols), RowMatrix<T>(tokens, k)};
+  grad_expert_out.resize(p.rows(), cols);
+  grad_weights.resize(tokens, k);
   detail::parallel_tiles(tokens, 64, tokens * k * cols, [&](std::int64_t, std::int64_t first, std::int64_t end) {
     for (std::int64_t t = first; t < end; ++t)
       kernels::combine_backward_row<T, T, std::int64_t, Accum>(
           detail::row_ptr(grad_out, t), cols, expert_out.data(), expert_out.outerStride(), p.row_of_slot.data() + t * k,
-          routing.weights.data() + t * k, k, g.expert_out.data(), cols, g.weights.data() + t * k);
+          routing.weights.data() + t * k, k, grad_expert_out.data(), cols, grad_weights.data() + t * k);
   });
+}
+
+template <class T, class Accum = kernels::accum_t<T>>
+CombineGradients<T> combine_backward(MatrixRef<T> grad_out, MatrixRef<T> expert_out, const Routing<T>& routing,
+                                     const ExpertPermutation& p) {
+  CombineGradients<T> g;
+  combine_backward_into<T, Accum>(g.expert_out, g.weights, grad_out, expert_out, routing, p);
   return g;
 }
 
