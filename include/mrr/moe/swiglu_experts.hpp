@@ -191,10 +191,12 @@ class SwiGLUExperts {
     }
   }
 
-  // Rows per block of forward_into / backward_into: about 32K activations (128 KB in float), in
-  // multiples of 16 between 16 and 256. Fixed by the shape, so results depend on the rows only.
+  // Rows per block of forward_into / backward_into: 256 (the weight-gradient products reduce over
+  // a block's rows, and fewer make them inefficient), fewer for very wide experts so that one
+  // [rows, I] activation stays within 1 MiB of float (multiples of 16, at least 16). Fixed by the
+  // shape, so results depend on the rows only.
   Eigen::Index row_block() const {
-    return std::clamp<Eigen::Index>((Eigen::Index{32768} / intermediate_) / 16 * 16, 16, 256);
+    return std::clamp<Eigen::Index>((Eigen::Index{262144} / intermediate_) / 16 * 16, 16, 256);
   }
 
  private:
