@@ -108,3 +108,32 @@ TEST_CASE("MoELayer: a kept context and kept gradients give the fresh results; e
   }
   CHECK(bitwise_equal(grads.input, fresh_grad.input));  // overwritten, not added
 }
+
+TEST_CASE("MoELayer: saved expert activations give the bits of recomputing them, and cost what they say") {
+  using S = float;
+  const auto m = MoEModel<S>::random(mrr::presets::mixtral(8, 2), kHidden, kIntermediate, 31);
+  const RowMatrix<S> x = mrr::test::random_normal<S>(kTokens, kHidden, 32);
+  const RowMatrix<S> gy = mrr::test::random_normal<S>(kTokens, kHidden, 33);
+  auto saving = m.layer(mrr::SingleProcess{});
+  auto recomputing = m.layer(mrr::SingleProcess{});
+  recomputing.save_activations(false);
+  CHECK(saving.saves_activations());
+  CHECK(!recomputing.saves_activations());
+  const auto fs = saving.forward(x);
+  const auto fr = recomputing.forward(x);
+  CHECK(fs.expert_activations.rows() == fs.local_rows());
+  CHECK(fs.expert_activations.cols() == 2 * kIntermediate);
+  CHECK(fr.expert_activations.size() == 0);
+  CHECK(bitwise_equal(fs.output, fr.output));
+  const auto gs = saving.backward(fs, gy);
+  const auto gr = recomputing.backward(fr, gy);
+  CHECK(bitwise_equal(gs.input, gr.input));
+  CHECK(bitwise_equal(gs.gate_weight, gr.gate_weight));
+  for (std::size_t e = 0; e < 8; ++e) {
+    CAPTURE(e);
+    CHECK(bitwise_equal(gs.experts.w_gate[e], gr.experts.w_gate[e]));
+    CHECK(bitwise_equal(gs.experts.w_up[e], gr.experts.w_up[e]));
+    CHECK(bitwise_equal(gs.experts.w_down[e], gr.experts.w_down[e]));
+  }
+  CHECK(!gs.experts.w_gate.front().isZero());
+}

@@ -116,22 +116,21 @@ class SwiGLUExperts {
   // nothing is allocated after a thread's first call; each output row depends on its own input
   // row only. Safe to call concurrently for different experts (scratch is per thread).
   void forward_into(int local, MatrixRef<Scalar> rows, Eigen::Ref<RowMatrix<Scalar>> out) const {
-    constexpr const char* fn = "SwiGLUExperts::forward";
-    check_rows(local, rows, fn);
-    check_out(out, rows.rows(), "out", fn);
-    const auto e = static_cast<std::size_t>(local);
-    Scratch& s = scratch(2);
-    for (Eigen::Index r0 = 0; r0 < rows.rows(); r0 += row_block()) {
-      const Eigen::Index n = std::min<Eigen::Index>(row_block(), rows.rows() - r0);
-      const auto x = rows.middleRows(r0, n);
-      auto g = s.block(0, n);
-      auto u = s.block(1, n);
-      g.noalias() = x * w_gate_[e].transpose();
-      u.noalias() = x * w_up_[e].transpose();
-      g.array() = g.array() * (Scalar(1) + (-g.array()).exp()).inverse() * u.array();  // silu(g) * u
-      out.middleRows(r0, n).noalias() = g * w_down_[e].transpose();
-    }
+    forward_rows(local, rows, out, nullptr);
   }
+
+  // The same, also saving the activations backward needs into saved [n, activation_size()]
+  // (w_gate x | w_up x), so backward_into(..., saved) skips recomputing them (two of its six
+  // products per block). The bits are those of the recomputing path.
+  void forward_into(int local, MatrixRef<Scalar> rows, Eigen::Ref<RowMatrix<Scalar>> out,
+                    Eigen::Ref<RowMatrix<Scalar>> saved) const {
+    detail::require(saved.rows() == rows.rows() && saved.cols() == activation_size(), "SwiGLUExperts::forward",
+                    "'saved' has shape ", detail::shape_of(saved), ", expected [", rows.rows(), ", ", activation_size(), "]");
+    forward_rows(local, rows, out, &saved);
+  }
+
+  // Scalars per row that forward_into(..., saved) keeps: 2 x intermediate_size.
+  Eigen::Index activation_size() const { return Eigen::Index{2} * intermediate_; }
 
   // Gradient w.r.t. `rows` of sum(forward(rows) * grad_out); adds the parameter gradients into
   // `grads`. Activations are recomputed from `rows` (only the expert's input is kept).
@@ -146,49 +145,15 @@ class SwiGLUExperts {
   // must name different experts (each adds into its own expert's gradients).
   void backward_into(int local, MatrixRef<Scalar> rows, MatrixRef<Scalar> grad_out, Eigen::Ref<RowMatrix<Scalar>> grad_in,
                      Gradients& grads) const {
-    constexpr const char* fn = "SwiGLUExperts::backward";
-    check_rows(local, rows, fn);
-    detail::require(grad_out.rows() == rows.rows() && grad_out.cols() == hidden_, fn, "'grad_out' has shape ",
-                    detail::shape_of(grad_out), " for rows ", detail::shape_of(rows));
-    check_out(grad_in, rows.rows(), "grad_in", fn);
-    detail::require(grads.w_gate.size() == w_gate_.size() && grads.w_up.size() == w_up_.size() &&
-                        grads.w_down.size() == w_down_.size(),
-                    fn, "'grads' holds another number of experts (use zero_gradients())");
-    const auto e = static_cast<std::size_t>(local);
-    Scratch& s = scratch(4);
-    for (Eigen::Index r0 = 0; r0 < rows.rows(); r0 += row_block()) {
-      const Eigen::Index n = std::min<Eigen::Index>(row_block(), rows.rows() - r0);
-      const auto x = rows.middleRows(r0, n);
-      const auto dy = grad_out.middleRows(r0, n);
-      auto g = s.block(0, n);   // w_gate x, then d gate
-      auto u = s.block(1, n);   // w_up x, then d up
-      auto sg = s.block(2, n);  // sigmoid(g)
-      auto a = s.block(3, n);   // silu(g) * u, then d a
-      g.noalias() = x * w_gate_[e].transpose();
-      u.noalias() = x * w_up_[e].transpose();
-      sg.array() = (Scalar(1) + (-g.array()).exp()).inverse();
-      a.array() = g.array() * sg.array() * u.array();
-      grads.w_down[e].noalias() += dy.transpose() * a;
-      a.noalias() = dy * w_down_[e];  // d a
-      // d g = d a * u * silu'(g), silu'(g) = s (1 + g (1 - s)); d u = d a * silu(g)
-      const Eigen::Index cols = g.cols();
-      for (Eigen::Index r = 0; r < n; ++r) {
-        Scalar* gr = g.row(r).data();
-        Scalar* ur = u.row(r).data();
-        const Scalar* sr = sg.row(r).data();
-        const Scalar* dar = a.row(r).data();
-        for (Eigen::Index c = 0; c < cols; ++c) {
-          const Scalar gv = gr[c], sv = sr[c], da = dar[c];
-          gr[c] = da * ur[c] * sv * (Scalar(1) + gv * (Scalar(1) - sv));
-          ur[c] = da * (gv * sv);
-        }
-      }
-      grads.w_up[e].noalias() += u.transpose() * x;
-      grads.w_gate[e].noalias() += g.transpose() * x;
-      auto dx = grad_in.middleRows(r0, n);
-      dx.noalias() = g * w_gate_[e];
-      dx.noalias() += u * w_up_[e];
-    }
+    backward_rows(local, rows, grad_out, grad_in, grads, nullptr);
+  }
+
+  // The same from the activations forward_into(..., saved) kept for these rows.
+  void backward_into(int local, MatrixRef<Scalar> rows, MatrixRef<Scalar> grad_out, Eigen::Ref<RowMatrix<Scalar>> grad_in,
+                     Gradients& grads, MatrixRef<Scalar> saved) const {
+    detail::require(saved.rows() == rows.rows() && saved.cols() == activation_size(), "SwiGLUExperts::backward",
+                    "'saved' has shape ", detail::shape_of(saved), ", expected [", rows.rows(), ", ", activation_size(), "]");
+    backward_rows(local, rows, grad_out, grad_in, grads, &saved);
   }
 
   // Rows per block of forward_into / backward_into: 256 (the weight-gradient products reduce over
@@ -200,6 +165,96 @@ class SwiGLUExperts {
   }
 
  private:
+  void forward_rows(int local, const MatrixRef<Scalar>& rows, Eigen::Ref<RowMatrix<Scalar>>& out,
+                    Eigen::Ref<RowMatrix<Scalar>>* saved) const {
+    constexpr const char* fn = "SwiGLUExperts::forward";
+    check_rows(local, rows, fn);
+    check_out(out, rows.rows(), "out", fn);
+    const auto e = static_cast<std::size_t>(local);
+    Scratch& s = scratch(2);
+    const Eigen::Index I = intermediate_;
+    for (Eigen::Index r0 = 0; r0 < rows.rows(); r0 += row_block()) {
+      const Eigen::Index n = std::min<Eigen::Index>(row_block(), rows.rows() - r0);
+      const auto x = rows.middleRows(r0, n);
+      auto a = s.block(0, n);
+      if (saved != nullptr) {
+        auto g = saved->middleRows(r0, n).leftCols(I);
+        auto u = saved->middleRows(r0, n).rightCols(I);
+        g.noalias() = x * w_gate_[e].transpose();
+        u.noalias() = x * w_up_[e].transpose();
+        a.array() = g.array() * (Scalar(1) + (-g.array()).exp()).inverse() * u.array();  // silu(g) * u
+      } else {
+        auto u = s.block(1, n);
+        a.noalias() = x * w_gate_[e].transpose();
+        u.noalias() = x * w_up_[e].transpose();
+        a.array() = a.array() * (Scalar(1) + (-a.array()).exp()).inverse() * u.array();
+      }
+      out.middleRows(r0, n).noalias() = a * w_down_[e].transpose();
+    }
+  }
+
+  void backward_rows(int local, const MatrixRef<Scalar>& rows, const MatrixRef<Scalar>& grad_out,
+                     Eigen::Ref<RowMatrix<Scalar>>& grad_in, Gradients& grads, const MatrixRef<Scalar>* saved) const {
+    constexpr const char* fn = "SwiGLUExperts::backward";
+    check_rows(local, rows, fn);
+    detail::require(grad_out.rows() == rows.rows() && grad_out.cols() == hidden_, fn, "'grad_out' has shape ",
+                    detail::shape_of(grad_out), " for rows ", detail::shape_of(rows));
+    check_out(grad_in, rows.rows(), "grad_in", fn);
+    detail::require(grads.w_gate.size() == w_gate_.size() && grads.w_up.size() == w_up_.size() &&
+                        grads.w_down.size() == w_down_.size(),
+                    fn, "'grads' holds another number of experts (use zero_gradients())");
+    const auto e = static_cast<std::size_t>(local);
+    Scratch& s = scratch(6);
+    const Eigen::Index I = intermediate_;
+    for (Eigen::Index r0 = 0; r0 < rows.rows(); r0 += row_block()) {
+      const Eigen::Index n = std::min<Eigen::Index>(row_block(), rows.rows() - r0);
+      const auto x = rows.middleRows(r0, n);
+      const auto dy = grad_out.middleRows(r0, n);
+      const Scalar* g_rows;  // w_gate x and w_up x, row r at g_rows + r * stride (u at + I)
+      Eigen::Index stride;
+      if (saved != nullptr) {
+        g_rows = saved->data() + r0 * saved->outerStride();
+        stride = saved->outerStride();
+      } else {
+        auto gu = s.pair(0, n);  // [n, 2I] in scratch blocks 0 and 1
+        gu.leftCols(I).noalias() = x * w_gate_[e].transpose();
+        gu.rightCols(I).noalias() = x * w_up_[e].transpose();
+        g_rows = gu.data();
+        stride = 2 * I;
+      }
+      const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> gu(g_rows, n, 2 * I, Eigen::OuterStride<>(stride));
+      const auto g = gu.leftCols(I);
+      const auto u = gu.rightCols(I);
+      auto sg = s.block(2, n);  // sigmoid(g)
+      auto a = s.block(3, n);   // silu(g) * u, then d a
+      auto dg = s.block(4, n);
+      auto du = s.block(5, n);
+      sg.array() = (Scalar(1) + (-g.array()).exp()).inverse();
+      a.array() = g.array() * sg.array() * u.array();
+      grads.w_down[e].noalias() += dy.transpose() * a;
+      a.noalias() = dy * w_down_[e];  // d a
+      // d g = d a * u * silu'(g), silu'(g) = s (1 + g (1 - s)); d u = d a * silu(g)
+      for (Eigen::Index r = 0; r < n; ++r) {
+        const Scalar* gr = g_rows + r * stride;
+        const Scalar* ur = gr + I;
+        const Scalar* sr = sg.row(r).data();
+        const Scalar* dar = a.row(r).data();
+        Scalar* dgr = dg.row(r).data();
+        Scalar* dur = du.row(r).data();
+        for (Eigen::Index c = 0; c < I; ++c) {
+          const Scalar gv = gr[c], sv = sr[c], da = dar[c];
+          dgr[c] = da * ur[c] * sv * (Scalar(1) + gv * (Scalar(1) - sv));
+          dur[c] = da * (gv * sv);
+        }
+      }
+      grads.w_up[e].noalias() += du.transpose() * x;
+      grads.w_gate[e].noalias() += dg.transpose() * x;
+      auto dx = grad_in.middleRows(r0, n);
+      dx.noalias() = dg * w_gate_[e];
+      dx.noalias() += du * w_up_[e];
+    }
+  }
+
   // Per-thread activations of one row block: `count` [row_block, I] matrices in one allocation
   // that only grows.
   struct Scratch {
@@ -207,6 +262,10 @@ class SwiGLUExperts {
     Eigen::Index rows = 0, cols = 0;
     Eigen::Map<RowMatrix<Scalar>> block(int i, Eigen::Index n) {
       return {data.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(rows * cols), n, cols};
+    }
+    // Blocks i and i + 1 as one [n, 2 cols] matrix.
+    Eigen::Map<RowMatrix<Scalar>> pair(int i, Eigen::Index n) {
+      return {data.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(rows * cols), n, 2 * cols};
     }
   };
   Scratch& scratch(int count) const {
