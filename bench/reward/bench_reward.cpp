@@ -3,7 +3,9 @@
 // The cases take turns for a few rounds and each reports its median round, so that load from
 // elsewhere on a small machine biases no case. Bounded: it stops once the requests are done
 // (each has a 30 s read timeout).
-//   bench_reward [requests] [clients] [rounds]
+//   bench_reward [requests] [clients] [rounds] [worker delay ms]
+// With a worker delay (a sandbox or reward model takes milliseconds) and fewer clients than the
+// cores can serve, the comparison is the one a trainer meets: the proxy's added latency per request.
 #include <mrr/ppo/reward_rules.hpp>
 #include <mrr/reward/http_proxy.hpp>
 #include <mrr/reward/http_server.hpp>
@@ -24,8 +26,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Per-request service time of the worker beyond its scoring (a sandbox or a reward model takes
+// milliseconds); 0 = the rule alone.
+std::chrono::microseconds worker_delay{0};
+
 // A light rule-based reward worker: parses the JSON body and scores a GSM8K answer.
 mrr::reward::Response score(const mrr::reward::Request& request) {
+  if (worker_delay.count() > 0) std::this_thread::sleep_for(worker_delay);
   const auto body = nlohmann::json::parse(request.body);
   const double s =
       mrr::ppo::compute_gsm8k_score(body.at("solution").get<std::string>(), body.at("truth").get<std::string>());
@@ -93,10 +100,12 @@ int main(int argc, char** argv) {
   const std::size_t requests = argc > 1 ? std::strtoul(argv[1], nullptr, 10) : 20000;
   const std::size_t clients = argc > 2 ? std::strtoul(argv[2], nullptr, 10) : 64;
   const std::size_t rounds = argc > 3 ? std::strtoul(argv[3], nullptr, 10) : 3;
-  if (requests == 0 || clients == 0 || rounds == 0) {
-    std::fprintf(stderr, "usage: bench_reward [requests > 0] [clients > 0] [rounds > 0]\n");
+  const double delay_ms = argc > 4 ? std::strtod(argv[4], nullptr) : 0.0;
+  if (requests == 0 || clients == 0 || rounds == 0 || !(delay_ms >= 0)) {
+    std::fprintf(stderr, "usage: bench_reward [requests > 0] [clients > 0] [rounds > 0] [worker delay ms >= 0]\n");
     return 2;
   }
+  worker_delay = std::chrono::microseconds(static_cast<long>(delay_ms * 1000.0));
   // Every connection holds a server thread while kept alive: room for all clients and upstreams.
   const std::size_t threads = 2 * clients + 16;
 
@@ -109,8 +118,8 @@ int main(int argc, char** argv) {
 
   std::printf(
       "\n== Reward dispatch: %zu requests, %zu concurrent keep-alive clients, loopback, %u hardware threads,"
-      " median of %zu rounds\n",
-      requests, clients, std::thread::hardware_concurrency(), rounds);
+      " median of %zu rounds, worker delay %.2f ms\n",
+      requests, clients, std::thread::hardware_concurrency(), rounds, delay_ms);
   const std::vector<std::string> urls{worker1.url(), one.url(), two.url()};
   for (const auto& url : urls)
     load(url, 2 * clients, clients);  // warm-up: connections, pools, caches
