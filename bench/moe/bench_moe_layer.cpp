@@ -109,7 +109,8 @@ struct Model {
 // Rows [begin, end) of the batch: sequence 1000 + t / 256, position t % 256.
 mrr::TokenLayout layout_of(Eigen::Index begin, Eigen::Index end) {
   std::vector<mrr::TokenKey> rows;
-  for (Eigen::Index t = begin; t < end; ++t) rows.push_back({static_cast<mrr::SequenceId>(1000 + t / 256), t % 256});
+  for (Eigen::Index t = begin; t < end; ++t)
+    rows.push_back({static_cast<mrr::SequenceId>(1000 + t / 256), t % 256});
   return mrr::TokenLayout(std::move(rows));
 }
 
@@ -132,7 +133,8 @@ double median_s(F&& f) {
   return t[t.size() / 2];
 }
 
-using Layer = mrr::MoELayer<mrr::TopKRouter<Scalar>, mrr::SwiGLUExperts<Scalar>, mrr::SingleProcess, mrr::MemoryRouteStore>;
+using Layer =
+    mrr::MoELayer<mrr::TopKRouter<Scalar>, mrr::SwiGLUExperts<Scalar>, mrr::SingleProcess, mrr::MemoryRouteStore>;
 template <class Comm>
 using EpLayer = mrr::MoELayer<mrr::TopKRouter<Scalar>, mrr::SwiGLUExperts<Scalar>, Comm, mrr::MemoryRouteStore>;
 
@@ -161,10 +163,12 @@ double eigen_gemm_flops(const Shape& s) {
   const auto n = static_cast<Eigen::Index>(std::max(1.0, s.rows_per_expert()));
   const Matrix a = random_matrix(n, s.hidden, 8, 1.0f), b = random_matrix(s.intermediate, s.hidden, 9, 1.0f);
   Matrix c(n, s.intermediate);
-  const mrr::bench::Timing t = mrr::bench::time_it([&] {
-    c.noalias() = a * b.transpose();
-    mrr::bench::do_not_optimize(c.data());
-  }, 0.3, 20);
+  const mrr::bench::Timing t = mrr::bench::time_it(
+      [&] {
+        c.noalias() = a * b.transpose();
+        mrr::bench::do_not_optimize(c.data());
+      },
+      0.3, 20);
   return 2.0 * double(n) * s.hidden * s.intermediate / t.min_s;
 }
 
@@ -176,7 +180,8 @@ double replay_step_ep(const Model& m, int ranks) {
     const Matrix x = m.input.middleRows(begin, per), dy = m.grad_output.middleRows(begin, per);
     mrr::MemoryRouteStore store(m.route_shape());
     mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
-    EpLayer<mrr::InProcessComm> layer(mrr::TopKRouter<Scalar>(m.s.router), m.experts(ranks, comm.rank()), comm, replay, 0);
+    EpLayer<mrr::InProcessComm> layer(mrr::TopKRouter<Scalar>(m.s.router), m.experts(ranks, comm.rank()), comm, replay,
+                                      0);
     layer.set_gate_weight(m.gate);
     replay.set_micro_batch(layout_of(begin, begin + per));
     replay.begin_pass(mrr::TrainingPass::old_log_prob);
@@ -224,7 +229,8 @@ int main() {
   const char* threads_env = std::getenv("MRR_BENCH_THREADS");
   const auto wanted = split(shapes_env ? shapes_env : "qwen3,mixtral,deepseek", ',');
   std::vector<int> thread_counts;
-  for (const auto& t : split(threads_env ? threads_env : "1,2", ',')) thread_counts.push_back(std::max(1, std::atoi(t.c_str())));
+  for (const auto& t : split(threads_env ? threads_env : "1,2", ','))
+    thread_counts.push_back(std::max(1, std::atoi(t.c_str())));
   std::vector<Shape> shapes;
   for (const auto& s : all_shapes())
     if (std::find(wanted.begin(), wanted.end(), s.name) != wanted.end()) shapes.push_back(s);
@@ -235,11 +241,13 @@ int main() {
                     std::to_string(s.intermediate) + "," + std::to_string(s.experts) + "," + std::to_string(s.topk) +
                     "," + s.torch_router;
   }
-  std::printf("MoE layer, float32, median of %d runs; mrr = MoELayer<TopKRouter, SwiGLUExperts, SingleProcess, "
-              "MemoryRouteStore>\nratio = reference / mrr (> 1: mrr faster); of limit = mrr / GEMM limit\n",
-              reps());
+  std::printf(
+      "MoE layer, float32, median of %d runs; mrr = MoELayer<TopKRouter, SwiGLUExperts, SingleProcess, "
+      "MemoryRouteStore>\nratio = reference / mrr (> 1: mrr faster); of limit = mrr / GEMM limit\n",
+      reps());
   std::vector<Model> models;
-  for (const auto& s : shapes) models.emplace_back(s);
+  for (const auto& s : shapes)
+    models.emplace_back(s);
 
   for (const int threads : thread_counts) {
     set_threads(threads);
@@ -249,11 +257,13 @@ int main() {
       std::printf("\n== %s: T=%d H=%d I=%d E=%d k=%d (%.0f rows per expert), %d thread%s\n", s.name.c_str(), s.tokens,
                   s.hidden, s.intermediate, s.experts, s.topk, s.rows_per_expert(), threads, threads > 1 ? "s" : "");
       const double eigen_rate = eigen_gemm_flops(s);
-      const double torch_rate = ref(reference, "moe_" + s.name + "_gemm_flops") * 1e6 * 1e6;  // MFLOP/s in seconds' slot
+      const double torch_rate =
+          ref(reference, "moe_" + s.name + "_gemm_flops") * 1e6 * 1e6;  // MFLOP/s in seconds' slot
       const double rate = std::max(eigen_rate, torch_rate);
-      std::printf("  GEMM rate at [%.0f, %d] x [%d, %d]: Eigen %.1f GFLOP/s, PyTorch's BLAS %s GFLOP/s; limit uses %.1f\n",
-                  std::max(1.0, s.rows_per_expert()), s.hidden, s.hidden, s.intermediate, eigen_rate * 1e-9,
-                  torch_rate > 0 ? std::to_string(torch_rate * 1e-9).substr(0, 5).c_str() : "-", rate * 1e-9);
+      std::printf(
+          "  GEMM rate at [%.0f, %d] x [%d, %d]: Eigen %.1f GFLOP/s, PyTorch's BLAS %s GFLOP/s; limit uses %.1f\n",
+          std::max(1.0, s.rows_per_expert()), s.hidden, s.hidden, s.intermediate, eigen_rate * 1e-9,
+          torch_rate > 0 ? std::to_string(torch_rate * 1e-9).substr(0, 5).c_str() : "-", rate * 1e-9);
       const double limit_fwd = s.expert_flops(6) / rate, limit_step = s.expert_flops(18) / rate;
 
       mrr::MemoryRouteStore store(m.route_shape());
@@ -275,20 +285,24 @@ int main() {
                   "HF/mrr", "grp/mrr", "limit ms", "of limit");
       const std::string k = "moe_" + s.name;
       for (const auto& [mode, p] : {std::pair<const char*, const Phases&>{"native", pn}, {"replay", pr}}) {
-        auto r = [&](const char* block, const char* phase) { return ref(reference, k + "_" + block + "_" + mode + "_" + phase); };
+        auto r = [&](const char* block, const char* phase) {
+          return ref(reference, k + "_" + block + "_" + mode + "_" + phase);
+        };
         print_row("forward", mode, p.forward, r("hf", "forward"), r("grouped", "forward"), limit_fwd);
         print_row("backward", mode, p.backward, r("hf", "backward"), r("grouped", "backward"), limit_step - limit_fwd);
         print_row("fwd+bwd", mode, p.step, r("hf", "step"), r("grouped", "step"), limit_step);
       }
-      std::printf("  R2 record forward (old-log-prob pass, fresh context): %.1f ms; replays on the mask-free path: %s\n",
-                  record * 1e3, replay.stats().mask_free_replays > 0 ? "yes" : "no");
+      std::printf(
+          "  R2 record forward (old-log-prob pass, fresh context): %.1f ms; replays on the mask-free path: %s\n",
+          record * 1e3, replay.stats().mask_free_replays > 0 ? "yes" : "no");
     }
   }
   set_threads(1);
   for (const Model& m : models) {
     if (m.s.experts % 4 != 0) continue;
     std::printf("\n%s replayed forward+backward on in-process ranks, 1 thread each (rank 0, wall):", m.s.name.c_str());
-    for (int ranks : {2, 4}) std::printf("  P=%d %.1f ms", ranks, replay_step_ep(m, ranks) * 1e3);
+    for (int ranks : {2, 4})
+      std::printf("  P=%d %.1f ms", ranks, replay_step_ep(m, ranks) * 1e3);
     std::printf("\n");
   }
   return 0;

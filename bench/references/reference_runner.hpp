@@ -31,8 +31,8 @@ inline std::map<std::string, double> run_reference(const char* suite, int thread
   const char* python = std::getenv("MRR_BENCH_PYTHON");
   const std::string command = std::string(python != nullptr ? python : "/usr/bin/python3") + " " +
                               MRR_REFERENCE_SCRIPT + " --suite " + suite + " --threads " +
-                              std::to_string(threads > 0 ? threads : bench_threads()) + " --workdir " + MRR_REFERENCE_WORKDIR + " " + extra +
-                              " 2>&1";
+                              std::to_string(threads > 0 ? threads : bench_threads()) + " --workdir " +
+                              MRR_REFERENCE_WORKDIR + " " + extra + " 2>&1";
   std::FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return out;
   char line[512];

@@ -92,25 +92,24 @@ concept Expert = requires(const X& x, int e, MatrixRef<typename X::scalar_type> 
 // may be called concurrently for different experts. MoELayer then runs them in parallel over
 // experts into buffers it keeps, instead of collecting a fresh matrix from each.
 template <class X>
-concept ExpertWritingInto =
-    Expert<X> && requires(const X& x, int e, MatrixRef<typename X::scalar_type> rows,
-                          Eigen::Ref<RowMatrix<typename X::scalar_type>> out, typename X::gradients_type& grads) {
-      x.forward_into(e, rows, out);
-      x.backward_into(e, rows, rows, out, grads);
-    };
+concept ExpertWritingInto = Expert<X> &&
+    requires(const X& x, int e, MatrixRef<typename X::scalar_type> rows,
+             Eigen::Ref<RowMatrix<typename X::scalar_type>> out, typename X::gradients_type& grads) {
+  x.forward_into(e, rows, out);
+  x.backward_into(e, rows, rows, out, grads);
+};
 
 // Optional on top: experts that save the activations their backward needs during the forward
 // (activation_size() scalars per row, into a [n, activation_size()] view) and read them back
 // instead of recomputing, with the same bits. MoELayer keeps them in the forward context.
 template <class X>
-concept ExpertSavingActivations =
-    ExpertWritingInto<X> && requires(const X& x, int e, MatrixRef<typename X::scalar_type> rows,
-                                     Eigen::Ref<RowMatrix<typename X::scalar_type>> out,
-                                     typename X::gradients_type& grads) {
-      { x.activation_size() } -> std::convertible_to<Eigen::Index>;
-      x.forward_into(e, rows, out, out);
-      x.backward_into(e, rows, rows, out, grads, rows);
-    };
+concept ExpertSavingActivations = ExpertWritingInto<X> &&
+    requires(const X& x, int e, MatrixRef<typename X::scalar_type> rows,
+             Eigen::Ref<RowMatrix<typename X::scalar_type>> out, typename X::gradients_type& grads) {
+  { x.activation_size() } -> std::convertible_to<Eigen::Index>;
+  x.forward_into(e, rows, out, out);
+  x.backward_into(e, rows, rows, out, grads, rows);
+};
 
 // Where tensors live and which kernels run (CPU with Eigen, CUDA with Thrust).
 template <class B>

@@ -98,7 +98,8 @@ TEST_CASE("MoELayer: a kept context and kept gradients give the fresh results; e
   layer.backward_accumulate(kept, gy, grads);
   CHECK(bitwise_equal(grads.input, fresh_grad.input));
   CHECK(bitwise_equal(grads.gate_weight, fresh_grad.gate_weight));
-  for (std::size_t e = 0; e < 8; ++e) CHECK(bitwise_equal(grads.experts.w_up[e], fresh_grad.experts.w_up[e]));
+  for (std::size_t e = 0; e < 8; ++e)
+    CHECK(bitwise_equal(grads.experts.w_up[e], fresh_grad.experts.w_up[e]));
   // A second micro-batch's expert gradients are added: here the same one, so twice the first.
   layer.backward_accumulate(kept, gy, grads);
   for (std::size_t e = 0; e < 8; ++e) {

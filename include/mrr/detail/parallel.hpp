@@ -86,7 +86,8 @@ void parallel_tasks(std::int64_t n, Body&& body) {
     return;
   }
 #endif
-  for (std::int64_t i = 0; i < n; ++i) body(i);
+  for (std::int64_t i = 0; i < n; ++i)
+    body(i);
 }
 
 }  // namespace detail

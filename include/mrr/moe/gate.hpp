@@ -56,15 +56,16 @@ class Gate {
   void logits_into(RowMatrix<Scalar>& out, MatrixRef<Scalar> input) const {
     const Eigen::Index tokens = input.rows();
     out.resize(tokens, padded_experts());
-    detail::parallel_tiles(tokens, 64, tokens * num_experts() * hidden_size(), [&](std::int64_t, std::int64_t lo, std::int64_t hi) {
-      Vector<Scalar> x(hidden_size()), z(num_experts());
-      for (Eigen::Index t = lo; t < hi; ++t) {
-        x = input.row(t).transpose();
-        z.noalias() = weight_ * x;
-        out.row(t).head(num_experts()) = z.transpose();
-        out.row(t).tail(padded_experts() - num_experts()).setZero();
-      }
-    });
+    detail::parallel_tiles(tokens, 64, tokens * num_experts() * hidden_size(),
+                           [&](std::int64_t, std::int64_t lo, std::int64_t hi) {
+                             Vector<Scalar> x(hidden_size()), z(num_experts());
+                             for (Eigen::Index t = lo; t < hi; ++t) {
+                               x = input.row(t).transpose();
+                               z.noalias() = weight_ * x;
+                               out.row(t).head(num_experts()) = z.transpose();
+                               out.row(t).tail(padded_experts() - num_experts()).setZero();
+                             }
+                           });
   }
 
   // grad_logits [tokens, num_experts] -> d input [tokens, hidden] = grad_logits @ weight.
@@ -77,14 +78,15 @@ class Gate {
   // grad [tokens, hidden] += grad_logits @ weight (each token's term computed on its own, then added).
   void add_input_gradient(RowMatrix<Scalar>& grad, MatrixRef<Scalar> grad_logits) const {
     const Eigen::Index tokens = grad_logits.rows();
-    detail::parallel_tiles(tokens, 64, tokens * num_experts() * hidden_size(), [&](std::int64_t, std::int64_t lo, std::int64_t hi) {
-      Vector<Scalar> dz(num_experts()), dx(hidden_size());
-      for (Eigen::Index t = lo; t < hi; ++t) {
-        dz = grad_logits.row(t).transpose();
-        dx.noalias() = weight_.transpose() * dz;
-        grad.row(t) += dx.transpose();
-      }
-    });
+    detail::parallel_tiles(tokens, 64, tokens * num_experts() * hidden_size(),
+                           [&](std::int64_t, std::int64_t lo, std::int64_t hi) {
+                             Vector<Scalar> dz(num_experts()), dx(hidden_size());
+                             for (Eigen::Index t = lo; t < hi; ++t) {
+                               dz = grad_logits.row(t).transpose();
+                               dx.noalias() = weight_.transpose() * dz;
+                               grad.row(t) += dx.transpose();
+                             }
+                           });
   }
 
   // d weight = grad_logits^T @ input over the global batch. Every rank gathers the per-token terms

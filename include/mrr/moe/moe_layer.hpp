@@ -189,7 +189,8 @@ class MoELayer {
   // combine: the local experts' outputs (rows as in f.expert_inputs) -> f.expert_outputs (back on
   // the tokens' ranks) and f.output (each token's slots summed in slot order).
   void combine(Forward& f, MatrixRef<Scalar> outputs) {
-    if (!single_rank() || outputs.data() != f.expert_outputs.data()) exchange_.from_experts(comm_, outputs, f, f.expert_outputs);
+    if (!single_rank() || outputs.data() != f.expert_outputs.data())
+      exchange_.from_experts(comm_, outputs, f, f.expert_outputs);
     combine_into<Scalar>(f.output, f.expert_outputs, f.routing, f.permutation);
   }
 
@@ -208,7 +209,8 @@ class MoELayer {
   void backward_accumulate(const Forward& f, MatrixRef<Scalar> grad_output, Gradients& g) {
     constexpr const char* fn = "MoELayer::backward";
     agree_on_step(comm_, fn, [&] {
-      detail::require(f.num_experts == num_experts() && f.local_offsets.size() == static_cast<std::size_t>(experts_per_rank()) + 1 &&
+      detail::require(f.num_experts == num_experts() &&
+                          f.local_offsets.size() == static_cast<std::size_t>(experts_per_rank()) + 1 &&
                           f.expert_inputs.rows() == f.local_rows(),
                       fn, "the forward context comes from another layer");
       detail::require(grad_output.rows() == f.input.rows() && grad_output.cols() == hidden_size(), fn,
@@ -284,7 +286,8 @@ class MoELayer {
         f.expert_activations.resize(f.local_rows(), experts_.activation_size());
         detail::parallel_tasks(experts_per_rank(), [&](std::int64_t e) {
           const int i = static_cast<int>(e);
-          experts_.forward_into(i, f.expert_input(i), expert_block(out, f, i), expert_block(f.expert_activations, f, i));
+          experts_.forward_into(i, f.expert_input(i), expert_block(out, f, i),
+                                expert_block(f.expert_activations, f, i));
         });
         return;
       }
@@ -351,14 +354,14 @@ class MoELayer {
   ExpertPlacement placement_ = ExpertPlacement::contiguous(1, 1);
   Gate<Scalar> gate_;
   // Workspace reused across calls (a fresh matrix per call costs page faults, not only copies):
-  TokenExchange<Scalar> exchange_;    // the exchange's staging
-  RowMatrix<Scalar> permuted_;        // P > 1: this rank's rows in expert-major order
-  RowMatrix<Scalar> expert_rows_;     // P > 1: the experts' outputs, then their input gradients (grouped)
-  RowMatrix<Scalar> grad_expert_out_; // d expert outputs, permuted order
-  RowMatrix<Scalar> grad_grouped_;    // P > 1: the same, grouped
-  RowMatrix<Scalar> grad_expert_in_;  // d expert inputs, permuted order
-  RowMatrix<Scalar> grad_weights_;    // [tokens, k]
-  RowMatrix<Scalar> grad_logits_;     // [tokens, num_experts]
+  TokenExchange<Scalar> exchange_;     // the exchange's staging
+  RowMatrix<Scalar> permuted_;         // P > 1: this rank's rows in expert-major order
+  RowMatrix<Scalar> expert_rows_;      // P > 1: the experts' outputs, then their input gradients (grouped)
+  RowMatrix<Scalar> grad_expert_out_;  // d expert outputs, permuted order
+  RowMatrix<Scalar> grad_grouped_;     // P > 1: the same, grouped
+  RowMatrix<Scalar> grad_expert_in_;   // d expert inputs, permuted order
+  RowMatrix<Scalar> grad_weights_;     // [tokens, k]
+  RowMatrix<Scalar> grad_logits_;      // [tokens, num_experts]
   bool save_activations_ = true;
 };
 

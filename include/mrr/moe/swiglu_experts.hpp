@@ -125,7 +125,8 @@ class SwiGLUExperts {
   void forward_into(int local, MatrixRef<Scalar> rows, Eigen::Ref<RowMatrix<Scalar>> out,
                     Eigen::Ref<RowMatrix<Scalar>> saved) const {
     detail::require(saved.rows() == rows.rows() && saved.cols() == activation_size(), "SwiGLUExperts::forward",
-                    "'saved' has shape ", detail::shape_of(saved), ", expected [", rows.rows(), ", ", activation_size(), "]");
+                    "'saved' has shape ", detail::shape_of(saved), ", expected [", rows.rows(), ", ", activation_size(),
+                    "]");
     forward_rows(local, rows, out, &saved);
   }
 
@@ -143,16 +144,17 @@ class SwiGLUExperts {
   // backward into caller memory: grad_in [n, H]. The parameter gradients add one block of
   // row_block() rows at a time, in row order (a fixed order for given rows). Concurrent calls
   // must name different experts (each adds into its own expert's gradients).
-  void backward_into(int local, MatrixRef<Scalar> rows, MatrixRef<Scalar> grad_out, Eigen::Ref<RowMatrix<Scalar>> grad_in,
-                     Gradients& grads) const {
+  void backward_into(int local, MatrixRef<Scalar> rows, MatrixRef<Scalar> grad_out,
+                     Eigen::Ref<RowMatrix<Scalar>> grad_in, Gradients& grads) const {
     backward_rows(local, rows, grad_out, grad_in, grads, nullptr);
   }
 
   // The same from the activations forward_into(..., saved) kept for these rows.
-  void backward_into(int local, MatrixRef<Scalar> rows, MatrixRef<Scalar> grad_out, Eigen::Ref<RowMatrix<Scalar>> grad_in,
-                     Gradients& grads, MatrixRef<Scalar> saved) const {
+  void backward_into(int local, MatrixRef<Scalar> rows, MatrixRef<Scalar> grad_out,
+                     Eigen::Ref<RowMatrix<Scalar>> grad_in, Gradients& grads, MatrixRef<Scalar> saved) const {
     detail::require(saved.rows() == rows.rows() && saved.cols() == activation_size(), "SwiGLUExperts::backward",
-                    "'saved' has shape ", detail::shape_of(saved), ", expected [", rows.rows(), ", ", activation_size(), "]");
+                    "'saved' has shape ", detail::shape_of(saved), ", expected [", rows.rows(), ", ", activation_size(),
+                    "]");
     backward_rows(local, rows, grad_out, grad_in, grads, &saved);
   }
 
@@ -222,7 +224,8 @@ class SwiGLUExperts {
         g_rows = gu.data();
         stride = 2 * I;
       }
-      const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> gu(g_rows, n, 2 * I, Eigen::OuterStride<>(stride));
+      const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> gu(g_rows, n, 2 * I,
+                                                                            Eigen::OuterStride<>(stride));
       const auto g = gu.leftCols(I);
       const auto u = gu.rightCols(I);
       auto sg = s.block(2, n);  // sigmoid(g)

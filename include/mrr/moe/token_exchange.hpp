@@ -39,7 +39,8 @@ class TokenExchange {
         plan.recv_counts[s] += static_cast<std::size_t>(plan.recv_rows[s * per + e]) * static_cast<std::size_t>(plan.hidden);
         plan.local_offsets[e + 1] += plan.recv_rows[s * per + e];
       }
-    for (std::size_t e = 0; e < per; ++e) plan.local_offsets[e + 1] += plan.local_offsets[e];
+    for (std::size_t e = 0; e < per; ++e)
+      plan.local_offsets[e + 1] += plan.local_offsets[e];
   }
 
   // permuted [plan rows, hidden] -> grouped [plan.local_rows(), hidden]: the local experts' rows,
@@ -77,8 +78,10 @@ class TokenExchange {
   static void exchange(const C& comm, const Scalar* send, const std::vector<std::size_t>& send_counts, Scalar* recv,
                        const std::vector<std::size_t>& recv_counts) {
     std::size_t sent = 0, received = 0;
-    for (auto c : send_counts) sent += c;
-    for (auto c : recv_counts) received += c;
+    for (auto c : send_counts)
+      sent += c;
+    for (auto c : recv_counts)
+      received += c;
     comm.all_to_all_v(std::span<const Scalar>(send, sent), std::span<const std::size_t>(send_counts),
                       std::span<Scalar>(recv, received), std::span<const std::size_t>(recv_counts));
   }
