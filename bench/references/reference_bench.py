@@ -11,7 +11,8 @@ build directory). It takes them, in this order:
      git repository (a clone or a bare mirror holding the pinned commit: `git archive` extracts
      the files at that commit) or a plain directory tree (used as is; its commit is not checked);
   2. else downloaded at the pinned commits from the public repositories
-     (raw.githubusercontent.com; cached in the work directory).
+     (raw.githubusercontent.com, or a mirror of its layout named by $MRR_REFERENCE_RAW_URL; cached
+     in the work directory).
 Without either, it stops with a message naming what is missing and both ways to provide it. Their heavy imports
 (Transformer Engine, Megatron's parallel state, omegaconf, tensordict, transformers, ...) are
 *stubbed* here: only the import statements are satisfied, and the functions timed below never
@@ -62,10 +63,15 @@ def _git_dir(path):
     return None
 
 
+# Where the pinned files are downloaded from: GitHub's raw file service, or a mirror with the same
+# layout (<base>/<owner>/<repo>/<commit>/<path>) named by $MRR_REFERENCE_RAW_URL.
+RAW_URL = os.environ.get("MRR_REFERENCE_RAW_URL", "https://raw.githubusercontent.com").rstrip("/")
+
+
 def _download(repo, commit, paths, dest):
     import urllib.request
     for path in paths:
-        url = f"https://raw.githubusercontent.com/{repo}/{commit}/{path}"
+        url = f"{RAW_URL}/{repo}/{commit}/{path}"
         target = os.path.join(dest, path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with urllib.request.urlopen(url, timeout=60) as response:
@@ -108,7 +114,7 @@ def extract(name, repo, commit, paths, source, dest):
             _download(repo, commit, paths, dest)
         except Exception as e:  # no network, a proxy, GitHub down: say what is missing and how to provide it
             sys.exit(f"reference_bench: could not download {name} ({', '.join(paths)}) at {commit} from "
-                     f"https://github.com/{repo}: {e}. Either allow the download, or pass a clone: git clone "
+                     f"{RAW_URL}/{repo}: {e}. Either allow the download, or pass a clone: git clone "
                      f"https://github.com/{repo} && reference_bench.py --{name} <that clone> (it must hold {commit})")
     open(stamp, "w").close()
 
