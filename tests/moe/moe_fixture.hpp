@@ -9,6 +9,8 @@
 
 #include <support/random.hpp>
 
+#include <doctest/doctest.h>
+
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -122,6 +124,22 @@ bool bitwise_equal(const Eigen::DenseBase<Derived1>& a, const Eigen::DenseBase<D
   const auto& da = a.derived();
   const auto& db = b.derived();
   return std::memcmp(da.data(), db.data(), static_cast<std::size_t>(da.size()) * sizeof(T)) == 0;
+}
+
+// Two runs' results are the same bits: ids, output, input gradient, every rank's gate gradient
+// (against a's first) and every expert's gradients.
+template <class S>
+void check_same(const MoEResult<S>& a, const MoEResult<S>& b) {
+  CHECK(a.ids == b.ids);
+  CHECK(bitwise_equal(a.output, b.output));
+  CHECK(bitwise_equal(a.grad_input, b.grad_input));
+  for (const auto& g : b.grad_gate) CHECK(bitwise_equal(a.grad_gate.front(), g));
+  for (std::size_t e = 0; e < a.grad_w_gate.size(); ++e) {
+    CAPTURE(e);
+    CHECK(bitwise_equal(a.grad_w_gate[e], b.grad_w_gate[e]));
+    CHECK(bitwise_equal(a.grad_w_up[e], b.grad_w_up[e]));
+    CHECK(bitwise_equal(a.grad_w_down[e], b.grad_w_down[e]));
+  }
 }
 
 // Copies every route `src` holds for the rows of `layout` into `dst` (merging per-rank stores).

@@ -17,24 +17,11 @@
 
 using mrr::RowMatrix;
 using mrr::test::bitwise_equal;
+using mrr::test::check_same;
 using mrr::test::MoEModel;
 using mrr::test::MoEResult;
 
 namespace {
-
-template <class S>
-void check_same(MoEResult<S>& a, MoEResult<S>& b) {
-  CHECK(a.ids == b.ids);
-  CHECK(bitwise_equal(a.output, b.output));
-  CHECK(bitwise_equal(a.grad_input, b.grad_input));
-  for (const auto& g : b.grad_gate) CHECK(bitwise_equal(a.grad_gate.front(), g));
-  for (std::size_t e = 0; e < a.grad_w_gate.size(); ++e) {
-    CAPTURE(e);
-    CHECK(bitwise_equal(a.grad_w_gate[e], b.grad_w_gate[e]));
-    CHECK(bitwise_equal(a.grad_w_up[e], b.grad_w_up[e]));
-    CHECK(bitwise_equal(a.grad_w_down[e], b.grad_w_down[e]));
-  }
-}
 
 template <class S>
 MoEResult<S> run_group(const MoEModel<S>& m, const RowMatrix<S>& x, const RowMatrix<S>& gy, int ranks) {

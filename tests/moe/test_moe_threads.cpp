@@ -17,6 +17,7 @@
 
 using mrr::RowMatrix;
 using mrr::test::bitwise_equal;
+using mrr::test::check_same;
 using mrr::test::MoEModel;
 using mrr::test::MoEResult;
 
@@ -24,20 +25,6 @@ namespace {
 
 constexpr int kHidden = 96, kIntermediate = 80;
 constexpr Eigen::Index kTokens = 700;
-
-template <class S>
-void check_same(const MoEResult<S>& a, const MoEResult<S>& b) {
-  CHECK(a.ids == b.ids);
-  CHECK(bitwise_equal(a.output, b.output));
-  CHECK(bitwise_equal(a.grad_input, b.grad_input));
-  CHECK(bitwise_equal(a.grad_gate.front(), b.grad_gate.front()));
-  for (std::size_t e = 0; e < a.grad_w_gate.size(); ++e) {
-    CAPTURE(e);
-    CHECK(bitwise_equal(a.grad_w_gate[e], b.grad_w_gate[e]));
-    CHECK(bitwise_equal(a.grad_w_up[e], b.grad_w_up[e]));
-    CHECK(bitwise_equal(a.grad_w_down[e], b.grad_w_down[e]));
-  }
-}
 
 template <class S>
 MoEResult<S> run(const MoEModel<S>& m, const RowMatrix<S>& x, const RowMatrix<S>& gy, int threads, int ranks) {

@@ -30,6 +30,31 @@ inline int max_threads() {
 
 inline std::int64_t tile_count(std::int64_t rows, std::int64_t tile) { return rows <= 0 ? 0 : (rows + tile - 1) / tile; }
 
+// The exceptions of a parallel loop's iterations, kept per iteration so that the one rethrown on
+// the calling thread is the lowest iteration's: the error a serial loop would raise.
+class IterationErrors {
+ public:
+  explicit IterationErrors(std::int64_t n) : errors_(static_cast<std::size_t>(n)) {}
+  // Runs f(); true when it threw (the exception is kept for iteration i).
+  template <class F>
+  bool failed(std::int64_t i, F&& f) noexcept {
+    try {
+      f();
+      return false;
+    } catch (...) {
+      errors_[static_cast<std::size_t>(i)] = std::current_exception();
+      return true;
+    }
+  }
+  void rethrow_first() const {
+    for (const auto& e : errors_)
+      if (e) std::rethrow_exception(e);
+  }
+
+ private:
+  std::vector<std::exception_ptr> errors_;
+};
+
 // Calls body(tile_index, first_row, end_row) for every tile of `tile` rows, in parallel under
 // OpenMP (static schedule) when there is more than one tile and `work` (a rough count of scalar
 // operations) is worth a fork. An exception thrown by a tile is rethrown on the calling thread
@@ -37,28 +62,20 @@ inline std::int64_t tile_count(std::int64_t rows, std::int64_t tile) { return ro
 template <class Body>
 void parallel_tiles(std::int64_t rows, std::int64_t tile, std::int64_t work, Body&& body) {
   const std::int64_t tiles = tile_count(rows, tile);
+  auto run = [&](std::int64_t i) { body(i, i * tile, std::min(rows, (i + 1) * tile)); };
 #ifdef _OPENMP
   if (tiles > 1 && work >= (std::int64_t{1} << 15) && omp_get_max_threads() > 1 && !omp_in_parallel()) {
-    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(tiles));
+    IterationErrors errors(tiles);
     bool failed = false;
 #pragma omp parallel for schedule(static) reduction(|| : failed)
-    for (std::int64_t i = 0; i < tiles; ++i) {
-      try {
-        body(i, i * tile, std::min(rows, (i + 1) * tile));
-      } catch (...) {
-        errors[static_cast<std::size_t>(i)] = std::current_exception();
-        failed = true;
-      }
-    }
-    if (failed)
-      for (const auto& e : errors)
-        if (e) std::rethrow_exception(e);
+    for (std::int64_t i = 0; i < tiles; ++i) failed = errors.failed(i, [&] { run(i); }) || failed;
+    if (failed) errors.rethrow_first();
     return;
   }
 #else
   (void)work;
 #endif
-  for (std::int64_t i = 0; i < tiles; ++i) body(i, i * tile, std::min(rows, (i + 1) * tile));
+  for (std::int64_t i = 0; i < tiles; ++i) run(i);
 }
 
 // Calls body(i) for i in [0, n) on OpenMP threads (dynamic schedule: tasks of uneven size, such
@@ -69,25 +86,15 @@ template <class Body>
 void parallel_tasks(std::int64_t n, Body&& body) {
 #ifdef _OPENMP
   if (n > 0 && omp_get_max_threads() > 1 && !omp_in_parallel()) {
-    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+    IterationErrors errors(n);
     bool failed = false;
 #pragma omp parallel for schedule(dynamic, 1) reduction(|| : failed)
-    for (std::int64_t i = 0; i < n; ++i) {
-      try {
-        body(i);
-      } catch (...) {
-        errors[static_cast<std::size_t>(i)] = std::current_exception();
-        failed = true;
-      }
-    }
-    if (failed)
-      for (const auto& e : errors)
-        if (e) std::rethrow_exception(e);
+    for (std::int64_t i = 0; i < n; ++i) failed = errors.failed(i, [&] { body(i); }) || failed;
+    if (failed) errors.rethrow_first();
     return;
   }
 #endif
-  for (std::int64_t i = 0; i < n; ++i)
-    body(i);
+  for (std::int64_t i = 0; i < n; ++i) body(i);
 }
 
 }  // namespace detail
