@@ -34,20 +34,34 @@ if [[ "${1:-}" == full ]]; then
   out="${MRR_DEMO_OUT:-$build/moe_grpo_grid}"
   mkdir -p "$out"
   batch=16
-  grid_modes=("disabled" "R2" "R3" "disabled+TIS" "R3+TIS")
-  regimes=("on:$batch" "off4:$((batch / 4))" "off8:$((batch / 8))")
+  # A part of the grid: MRR_DEMO_GRID_MODES (e.g. "disabled R2 R3") and MRR_DEMO_GRID_REGIMES (e.g.
+  # "off8"); MRR_DEMO_JOBS runs that many trainings at once (each on one OpenMP thread).
+  read -r -a grid_modes <<<"${MRR_DEMO_GRID_MODES:-disabled R2 R3 disabled+TIS R3+TIS}"
+  all_regimes=("on:$batch" "off4:$((batch / 4))" "off8:$((batch / 8))")
+  regimes=()
+  for r in "${all_regimes[@]}"; do
+    [[ " ${MRR_DEMO_GRID_REGIMES:-on off4 off8} " == *" ${r%%:*} "* ]] && regimes+=("$r")
+  done
+  jobs_max="${MRR_DEMO_JOBS:-1}"
   start=$SECONDS
   for seed in "${seeds[@]}"; do
     for regime in "${regimes[@]}"; do
       for gm in "${grid_modes[@]}"; do
         tis=(); mode="${gm%+TIS}"
         [[ "$gm" == *+TIS ]] && tis=(algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2)
-        "$build/examples/moe_grpo/moe_grpo" --no-progress mode="$mode" steps="$steps" seed="$seed" out="$out" \
-          data.train_batch_size="$batch" actor_rollout_ref.actor.ppo_mini_batch_size="${regime#*:}" \
-          name="${gm/+/_}_${regime%%:*}.seed$seed" "${model[@]}" "${tis[@]}" "$@" 2>/dev/null | grep '^summary' >/dev/null
+        run=("$build/examples/moe_grpo/moe_grpo" --no-progress mode="$mode" steps="$steps" seed="$seed" out="$out"
+             data.train_batch_size="$batch" actor_rollout_ref.actor.ppo_mini_batch_size="${regime#*:}"
+             name="${gm/+/_}_${regime%%:*}.seed$seed" "${model[@]}" "${tis[@]}" "$@")
+        if (( jobs_max > 1 )); then
+          OMP_NUM_THREADS=1 "${run[@]}" >/dev/null 2>&1 &
+          while (( $(jobs -rp | wc -l) >= jobs_max )); do wait -n; done
+        else
+          "${run[@]}" 2>/dev/null | grep '^summary' >/dev/null
+        fi
       done
     done
   done
+  wait
   {
     printf '%-13s %-5s %7s  %-20s %9s %8s %9s %9s %8s  %s\n' mode regime reward "(per seed)" decisions tokens "k3 mean" \
       "floor k3" "F(2)" "collapse step per seed"
