@@ -173,24 +173,21 @@ class SwiGLUExperts {
     check_rows(local, rows, fn);
     check_out(out, rows.rows(), "out", fn);
     const auto e = static_cast<std::size_t>(local);
-    Scratch& s = scratch(2);
+    Scratch& s = scratch(3);
     const Eigen::Index I = intermediate_;
     for (Eigen::Index r0 = 0; r0 < rows.rows(); r0 += row_block()) {
       const Eigen::Index n = std::min<Eigen::Index>(row_block(), rows.rows() - r0);
       const auto x = rows.middleRows(r0, n);
+      // w_gate x | w_up x: into `saved` when given, else into scratch blocks 1 and 2.
+      const Eigen::Index stride = saved != nullptr ? saved->outerStride() : 2 * I;
+      Scalar* gu_rows = saved != nullptr ? saved->data() + r0 * stride : s.pair(1, n).data();
+      Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> gu(gu_rows, n, 2 * I, Eigen::OuterStride<>(stride));
+      auto g = gu.leftCols(I);
+      auto u = gu.rightCols(I);
+      g.noalias() = x * w_gate_[e].transpose();
+      u.noalias() = x * w_up_[e].transpose();
       auto a = s.block(0, n);
-      if (saved != nullptr) {
-        auto g = saved->middleRows(r0, n).leftCols(I);
-        auto u = saved->middleRows(r0, n).rightCols(I);
-        g.noalias() = x * w_gate_[e].transpose();
-        u.noalias() = x * w_up_[e].transpose();
-        a.array() = g.array() * (Scalar(1) + (-g.array()).exp()).inverse() * u.array();  // silu(g) * u
-      } else {
-        auto u = s.block(1, n);
-        a.noalias() = x * w_gate_[e].transpose();
-        u.noalias() = x * w_up_[e].transpose();
-        a.array() = a.array() * (Scalar(1) + (-a.array()).exp()).inverse() * u.array();
-      }
+      a.array() = g.array() * (Scalar(1) + (-g.array()).exp()).inverse() * u.array();  // silu(g) * u
       out.middleRows(r0, n).noalias() = a * w_down_[e].transpose();
     }
   }
