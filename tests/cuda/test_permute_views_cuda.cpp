@@ -1,5 +1,6 @@
 // The device views of permute and combine (forward and backward) on the CUDA system against the
-// CPU functions, bit for bit: int32 and int64 ids, strided rows, a dropped slot, and an int64 id
+// CPU functions, bit for bit: int32 and int64 ids, strided rows (copied by element and in 16-byte
+// units), a dropped slot (the radix-sort permutation: CUB's), and an int64 id
 // of 2^32 + e rejected. Exits 77 (ctest: skipped) without a GPU.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <mrr/router.hpp>
@@ -26,11 +27,11 @@ struct Case {
   mrr::test::PermuteViewsInput in;
 };
 
-Case make_case(bool int64_ids, double capacity_factor) {
+Case make_case(bool int64_ids, double capacity_factor, long hidden = 300) {
   Case c;
   auto& in = c.in;
   in.tokens = 3001;
-  in.hidden = 300;
+  in.hidden = hidden;
   in.stride = 320;
   in.experts = 32;
   in.k = 4;
@@ -63,28 +64,31 @@ bool equal_block(const std::vector<float>& v, long stride, const mrr::RowMatrix<
 }  // namespace
 
 TEST_CASE("CUDA device views: permute, combine and backward equal the CPU's bit for bit") {
-  for (const bool wide : {false, true})
-    for (const double cf : {0.0, 0.5}) {
-      CAPTURE(wide);
-      CAPTURE(cf);
-      const Case c = make_case(wide, cf);
-      const auto out = mrr::test::cuda_permute_views(c.in);
-      REQUIRE(out.error == "");
-      const auto& in = c.in;
-      const auto perm = mrr::make_expert_permutation(c.routing, in.experts);
-      REQUIRE(out.offsets.back() == perm.rows());
-      CHECK(std::equal(perm.source_token.begin(), perm.source_token.end(), out.source_token.begin()));
-      const auto x = block(in.x, in.tokens, in.hidden, in.stride);
-      const auto y = block(in.expert_out, perm.rows(), in.hidden, in.stride);
-      CHECK(equal_block(out.permuted, in.stride, mrr::permute_tokens<float>(x, perm)));
-      CHECK(equal_block(out.grad_x, in.stride, mrr::permute_tokens_backward<float>(y, perm)));
-      // Combine multiply-adds: nvcc may fuse them (FMA), so within 1e-5 of the CPU's (values ~ 1).
-      const auto cpu = mrr::combine<float>(y, c.routing, perm);
-      CHECK((block(out.combined, in.tokens, in.hidden, in.stride) - cpu).cwiseAbs().maxCoeff() <= 1e-5f);
-      const auto g =
-          mrr::combine_backward<float>(block(in.grad_out, in.tokens, in.hidden, in.stride), y, c.routing, perm);
-      CHECK(equal_block(out.grad_expert_out, in.stride, g.expert_out));
-    }
+  // hidden 300 copies element by element; 320 (rows of 1280 bytes) in 16-byte units.
+  for (const long hidden : {300L, 320L})
+    for (const bool wide : {false, true})
+      for (const double cf : {0.0, 0.5}) {
+        CAPTURE(hidden);
+        CAPTURE(wide);
+        CAPTURE(cf);
+        const Case c = make_case(wide, cf, hidden);
+        const auto out = mrr::test::cuda_permute_views(c.in);
+        REQUIRE(out.error == "");
+        const auto& in = c.in;
+        const auto perm = mrr::make_expert_permutation(c.routing, in.experts);
+        REQUIRE(out.offsets.back() == perm.rows());
+        CHECK(std::equal(perm.source_token.begin(), perm.source_token.end(), out.source_token.begin()));
+        const auto x = block(in.x, in.tokens, in.hidden, in.stride);
+        const auto y = block(in.expert_out, perm.rows(), in.hidden, in.stride);
+        CHECK(equal_block(out.permuted, in.stride, mrr::permute_tokens<float>(x, perm)));
+        CHECK(equal_block(out.grad_x, in.stride, mrr::permute_tokens_backward<float>(y, perm)));
+        // Combine multiply-adds: nvcc may fuse them (FMA), so within 1e-5 of the CPU's (values ~ 1).
+        const auto cpu = mrr::combine<float>(y, c.routing, perm);
+        CHECK((block(out.combined, in.tokens, in.hidden, in.stride) - cpu).cwiseAbs().maxCoeff() <= 1e-5f);
+        const auto g =
+            mrr::combine_backward<float>(block(in.grad_out, in.tokens, in.hidden, in.stride), y, c.routing, perm);
+        CHECK(equal_block(out.grad_expert_out, in.stride, g.expert_out));
+      }
 }
 
 TEST_CASE("CUDA device views: an int64 id of 2^32 + e is rejected, never read as e") {

@@ -249,6 +249,52 @@ TEST_CASE_TEMPLATE("device views: capacity dropping equals the CPU router's, wit
   }
 }
 
+TEST_CASE_TEMPLATE("device views: the radix-sort permutation (CUDA's) equals the counting sort's, bit for bit", Id,
+                   std::int32_t, std::int64_t) {
+  // The GPU's algorithm runs here through thrust::stable_sort_by_key (CUB's radix sort on CUDA):
+  // slot keys, sorted-key bounds, placing, dropped slots and the bad-id report are the same code.
+  struct Out {
+    std::vector<std::int32_t> source_token, row_of_slot, offsets;
+    dev::DeviceStatus status;
+  };
+  const auto permutation = [](const Problem& p, const std::vector<Id>& ids, const std::uint8_t* kept,
+                              dev::PermutationAlgorithm algorithm) {
+    const long slots = p.tokens * p.k;
+    Out o;
+    o.source_token.assign(static_cast<std::size_t>(slots), -7);
+    o.row_of_slot.assign(static_cast<std::size_t>(slots), -7);
+    o.offsets.assign(static_cast<std::size_t>(p.experts) + 1, -7);
+    std::vector<std::uint8_t> ws(dev::permutation_workspace_bytes(p.tokens, p.k, p.experts, algorithm));
+    const dev::PermutationView v{
+        o.source_token.data(), o.row_of_slot.data(), o.offsets.data(), p.tokens, p.k, p.experts};
+    dev::make_expert_permutation(dev::matrix_view<const Id>(ids.data(), p.tokens, p.k), kept, v,
+                                 dev::Workspace{ws.data(), ws.size()}, &o.status, {}, algorithm);
+    return o;
+  };
+  for (const double cf : {0.0, 0.6}) {
+    CAPTURE(cf);
+    const Problem p = make_problem(cf);
+    const std::uint8_t* kept = p.routing.has_capacity_mask() ? p.routing.kept.data() : nullptr;
+    std::vector<Id> ids(p.routing.ids.data(), p.routing.ids.data() + p.tokens * p.k);
+    const Out counting = permutation(p, ids, kept, dev::PermutationAlgorithm::counting);
+    const Out sorted = permutation(p, ids, kept, dev::PermutationAlgorithm::radix_sort);
+    REQUIRE(counting.status.code == dev::status_ok);
+    CHECK(sorted.status.code == dev::status_ok);
+    CHECK(sorted.offsets == counting.offsets);
+    CHECK(sorted.source_token == counting.source_token);
+    CHECK(sorted.row_of_slot == counting.row_of_slot);
+    CHECK((cf > 0) == (std::count(sorted.row_of_slot.begin(), sorted.row_of_slot.end(), -1) > 0));
+    // Two bad ids: both report the lower slot and write no row.
+    ids[static_cast<std::size_t>(9 * p.k + 1)] = Id(p.experts);
+    ids[static_cast<std::size_t>(4 * p.k + 3)] = Id(-2);
+    const Out bad = permutation(p, ids, kept, dev::PermutationAlgorithm::radix_sort);
+    CHECK(bad.status.code == dev::status_expert_out_of_range);
+    CHECK(bad.status.index == 4 * p.k + 3);
+    CHECK(std::count(bad.row_of_slot.begin(), bad.row_of_slot.end(), -7) == p.tokens * p.k);
+    CHECK(permutation(p, ids, kept, dev::PermutationAlgorithm::counting).status.index == 4 * p.k + 3);
+  }
+}
+
 TEST_CASE("kernels: the radix select finds the n-th smallest key, as std::nth_element does") {
   std::mt19937_64 rng(3);
   for (const long n : {1L, 2L, 17L, 1000L}) {

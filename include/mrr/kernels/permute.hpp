@@ -124,19 +124,21 @@ MRR_HOST_DEVICE MRR_FORCEINLINE A add_product(A a, A b, A c) {
 #endif
 }
 
-// Columns a combine accumulates at a time (its Accum buffer lives in registers / on the stack).
+// Columns a combine accumulates at a time on a CPU thread (its Accum buffer lives on the stack). A
+// GPU work item takes one column (Columns = 1: the buffer is a register, neighbouring threads read
+// neighbouring columns); the sum per column is the same either way.
 inline constexpr long kCombineColumns = 256;
 
 // out[lo, hi) = sum over j < n, in j order, of weight[j] * rows[row[j]][lo, hi) (weight 1 when
 // weights is null; row[j] < 0 is skipped: a dropped slot), then + addend[lo, hi) when given,
 // accumulated in Accum and rounded once. The combine of one token (row = its row_of_slot), the
 // backward of permute (no weights) and Megatron's unpermute (the token's rows, their probs).
-template <class T, class W, class Index, class Accum = accum_t<T>>
+template <class T, class W, class Index, class Accum = accum_t<T>, long Columns = kCombineColumns>
 MRR_HOST_DEVICE void combine_row(const T* rows, long row_stride, const Index* row, const W* weights, int n,
                                  const T* addend, T* out, long lo, long hi) {
-  for (long c = lo; c < hi; c += kCombineColumns) {
-    const long end = c + kCombineColumns < hi ? c + kCombineColumns : hi;
-    Accum acc[kCombineColumns];
+  for (long c = lo; c < hi; c += Columns) {
+    const long end = c + Columns < hi ? c + Columns : hi;
+    Accum acc[Columns];
     for (long h = c; h < end; ++h) acc[h - c] = Accum(0);
     for (int j = 0; j < n; ++j) {  // slot order: the sum never depends on arrival order
       const long r = static_cast<long>(row[j]);

@@ -308,11 +308,14 @@ DenseRouting<T, Backend> apply_token_dropping(const typename Backend::template v
 // ---- Top-k dropping on the caller's memory (the view the router's capacity path runs) ----
 
 // Workspace of drop_over_capacity for [tokens, topk] slots over num_experts experts.
-inline std::size_t drop_over_capacity_workspace_bytes(long tokens, int topk, int num_experts) {
+// `host_system`: for a CUDA build's host backend (the permutation's algorithm differs).
+inline std::size_t drop_over_capacity_workspace_bytes(long tokens, int topk, int num_experts,
+                                                      bool host_system = false) {
   const auto slots = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk);
   return 3 * detail::workspace_array_bytes<std::int32_t>(slots) +
          detail::workspace_array_bytes<std::int32_t>(static_cast<std::size_t>(num_experts) + 1) +
-         permutation_workspace_bytes(tokens, topk, num_experts) + detail::workspace_array_bytes<std::uint64_t>(2 * slots);
+         permutation_workspace_bytes(tokens, topk, num_experts, PermutationAlgorithm::automatic, host_system) +
+         detail::workspace_array_bytes<std::uint64_t>(2 * slots);
 }
 
 namespace detail {
@@ -320,14 +323,16 @@ namespace detail {
 // Megatron's top-k token dropping on any Thrust policy, in the order of kernels/capacity.hpp.
 template <class Policy, class Id, class T>
 void drop_over_capacity(const Policy& policy, const Id* ids, T* weights, std::uint8_t* kept, long tokens, int topk,
-                        int num_experts, long capacity, DropPolicy drop, WorkspaceArena& arena, DeviceStatus* status) {
+                        int num_experts, long capacity, DropPolicy drop, WorkspaceArena& arena, DeviceStatus* status,
+                        stream_t stream, bool on_host) {
   const auto slots = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk);
   const PermutationView p{arena.take<std::int32_t>(slots), arena.take<std::int32_t>(slots),
                           arena.take<std::int32_t>(static_cast<std::size_t>(num_experts) + 1), tokens, topk,
                           num_experts};
   auto* slot_of_row = arena.take<std::int32_t>(slots);
   auto* scratch = arena.take<std::uint64_t>(2 * slots);
-  expert_permutation(policy, ids, static_cast<const std::uint8_t*>(nullptr), p, arena, status);
+  expert_permutation(policy, ids, static_cast<const std::uint8_t*>(nullptr), p, arena, status, stream,
+                     PermutationAlgorithm::automatic, on_host);
   thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(static_cast<long>(slots)),
                    kernels::SlotOfRow{p.row_of_slot, slot_of_row, kept, status});
   thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(num_experts),
@@ -371,7 +376,7 @@ void drop_over_capacity(MatrixView<const Id> ids, MatrixView<T> weights, std::ui
   auto alloc = arena.temporary_allocator();
   detail::reset_status(status, x);
   detail::drop_over_capacity(detail::execution_policy(x, alloc), ids.data, weights.data, kept, tokens, topk,
-                             num_experts, capacity, policy, arena, status);
+                             num_experts, capacity, policy, arena, status, x.stream, false);
 }
 
 // The owning layer: ids and weights [tokens, k] in Thrust vectors of the backend's system (ids
@@ -389,12 +394,12 @@ void drop_over_capacity(const typename Backend::template vector<std::int32_t>& i
                        " outside the device limit [1, ", kMaxPermuteExperts, "]");
   const long capacity = static_cast<long>(expert_capacity(tokens, topk, num_experts, capacity_factor));
   kept.resize(slots);
-  const std::size_t bytes = drop_over_capacity_workspace_bytes(tokens, topk, num_experts);
+  const std::size_t bytes = drop_over_capacity_workspace_bytes(tokens, topk, num_experts, !Backend::is_device);
   const detail::OwnedWorkspace<decltype(Backend::policy())> workspace(Backend::policy(), bytes);
   typename Backend::template vector<DeviceStatus> status(1);
   detail::WorkspaceArena arena(workspace.get(), bytes, fn);
-  detail::drop_over_capacity(Backend::policy(), raw(ids), raw(weights), raw(kept), tokens, topk, num_experts,
-                             capacity, policy, arena, raw(status));
+  detail::drop_over_capacity(Backend::policy(), raw(ids), raw(weights), raw(kept), tokens, topk, num_experts, capacity,
+                             policy, arena, raw(status), nullptr, !Backend::is_device);
   detail::throw_on_status(status[0], PermutationView{nullptr, nullptr, nullptr, tokens, topk, num_experts});
 }
 

@@ -21,8 +21,14 @@
 #include <mrr/thrust/execution.hpp>
 
 #include <thrust/adjacent_difference.h>
+#include <thrust/copy.h>
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
+#include <thrust/sort.h>
+
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
+#include <cub/device/device_radix_sort.cuh>
+#endif
 
 #if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_OMP
 #include <omp.h>
@@ -30,6 +36,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <type_traits>
 
 MRR_NAMESPACE_BEGIN
@@ -124,27 +131,50 @@ struct PlaceChunk {
   }
 };
 
-// Rows are cut into pieces of kCombineColumns columns on a GPU (many independent work items); on
-// CPU threads a row is one work item.
+// How work items cover rows. A CPU thread takes a whole row (one memcpy, one combine over
+// kCombineColumns-column chunks). On a GPU an item is one copy unit of a gather (16 bytes when the
+// rows allow it, else one element) or one column of a combine, so the threads of a warp touch
+// neighbouring bytes of a row (coalesced) and there are rows x units items to spread over the SMs.
 inline long pieces_per_row(long cols, bool host_system) {
-  return host_system || cols == 0 ? 1 : (cols + mrr::kernels::kCombineColumns - 1) / mrr::kernels::kCombineColumns;
+  return host_system || cols == 0 ? 1 : cols;
+}
+
+// item -> (row, piece) for `pieces` pieces per row; 32-bit division when both fit (the common case:
+// 64-bit division is a long software sequence on a GPU).
+MRR_HOST_DEVICE MRR_FORCEINLINE void split_item(long item, long pieces, long& row, long& piece) {
+  if (((static_cast<unsigned long>(item) | static_cast<unsigned long>(pieces)) >> 32) == 0) {
+    const auto i = static_cast<unsigned>(item), n = static_cast<unsigned>(pieces), q = i / n;
+    row = static_cast<long>(q);
+    piece = static_cast<long>(i - q * n);
+  } else {
+    row = item / pieces;
+    piece = item - row * pieces;
+  }
 }
 
 MRR_HOST_DEVICE inline void piece_bounds(long item, long pieces, long cols, long& row, long& lo, long& hi) {
-  const long length = (cols + pieces - 1) / pieces;
-  row = item / pieces;
-  lo = (item % pieces) * length;
+  long piece;
+  split_item(item, pieces, row, piece);
+  const long length = pieces == cols ? 1 : (cols + pieces - 1) / pieces;
+  lo = piece * length;
   hi = lo + length < cols ? lo + length : cols;
 }
 
-// out[r] = tokens[source_token[r]] for the permutation's rows (r < offsets[E], read on the device).
-template <class T>
+// Sixteen bytes copied as one unit (one 128-bit load and store on a GPU): a gather's rows are
+// reinterpreted as rows of these when their pointers, strides and widths are multiples of 16 bytes.
+struct alignas(16) CopyUnit16 {
+  std::uint32_t word[4];
+};
+
+// out[r] = tokens[source_token[r]] for the permutation's rows (r < offsets[E], read on the device),
+// in copy units U (the element type, or CopyUnit16); strides and cols in units.
+template <class U>
 struct GatherRows {
-  const T* tokens;
+  const U* tokens;
   long tokens_stride;
   const std::int32_t* source_token;
   const std::int32_t* rows;  // &expert_offsets[E]
-  T* out;
+  U* out;
   long out_stride, cols, pieces;
   MRR_HOST_DEVICE void operator()(long item) const {
     long r, lo, hi;
@@ -154,8 +184,9 @@ struct GatherRows {
   }
 };
 
-// out[t] = sum_j weights[t, j] * rows[row_of_slot[t, j]] (weight 1 when weights is null).
-template <class T, class W, class Accum>
+// out[t] = sum_j weights[t, j] * rows[row_of_slot[t, j]] (weight 1 when weights is null), Columns
+// columns accumulated at a time.
+template <class T, class W, class Accum, long Columns>
 struct CombineRows {
   const T* rows;
   long rows_stride;
@@ -168,9 +199,9 @@ struct CombineRows {
   MRR_HOST_DEVICE void operator()(long item) const {
     long t, lo, hi;
     piece_bounds(item, pieces, cols, t, lo, hi);
-    mrr::kernels::combine_row<T, W, std::int32_t, Accum>(rows, rows_stride, row_of_slot + t * k,
-                                                         weights != nullptr ? weights + t * weights_stride : nullptr,
-                                                         k, nullptr, out + t * out_stride, lo, hi);
+    mrr::kernels::combine_row<T, W, std::int32_t, Accum, Columns>(
+        rows, rows_stride, row_of_slot + t * k, weights != nullptr ? weights + t * weights_stride : nullptr, k, nullptr,
+        out + t * out_stride, lo, hi);
   }
 };
 
@@ -196,6 +227,83 @@ struct CombineBackwardRows {
   }
 };
 
+// ---- The permutation as a stable radix sort of slot keys (a GPU's algorithm) ----
+// Slot s gets the key id (dispatched), E (dropped) or E + 1 (id out of range). A stable sort of
+// (key, slot) lists the dispatched slots expert by expert, each expert's slots (so tokens) in
+// ascending order: the counting sort's permutation, bit for bit. The dropped slots follow, then the
+// bad ones, the first of them the lowest bad slot (what the status reports).
+template <class Id>
+struct SlotKeys {
+  const Id* ids;
+  const std::uint8_t* kept;
+  std::uint16_t* keys;
+  std::int32_t* slot;
+  int num_experts;
+  MRR_HOST_DEVICE void operator()(long s) const {
+    const Id e = ids[s];
+    const bool in_range = mrr::kernels::expert_in_range(e, num_experts);
+    const int key = !in_range ? num_experts + 1 : (kept != nullptr && kept[s] == 0) ? num_experts : static_cast<int>(e);
+    keys[s] = static_cast<std::uint16_t>(key);
+    slot[s] = static_cast<std::int32_t>(s);
+  }
+};
+
+// bounds[e] = the first sorted position whose key is >= e, for e in [0, E + 1]: item r in
+// [0, slots] writes the e in (key[r - 1], key[r]] (keys past the end count as E + 2), so every e
+// is written once, with no search.
+struct KeyBounds {
+  const std::uint16_t* keys;  // sorted
+  std::int32_t* bounds;       // [E + 2]
+  long slots;
+  int last;  // E + 1
+  MRR_HOST_DEVICE void operator()(long r) const {
+    const int before = r == 0 ? -1 : static_cast<int>(keys[r - 1]);
+    const int at = r == slots ? last : static_cast<int>(keys[r]);
+    for (int e = before + 1; e <= at; ++e)
+      bounds[e] = static_cast<std::int32_t>(r);
+  }
+};
+
+// offsets[e] = bounds[e] for e <= E (offsets[E]: the dispatched rows); item E + 1 reports the
+// first bad slot, if any.
+struct FinishSorted {
+  const std::int32_t* bounds;
+  const std::int32_t* sorted_slot;
+  std::int32_t* offsets;
+  DeviceStatus* status;
+  long slots;
+  int num_experts;
+  MRR_HOST_DEVICE void operator()(int e) const {
+    if (e <= num_experts) {
+      offsets[e] = bounds[e];
+    } else if (bounds[e] < slots) {
+      status->code = status_expert_out_of_range;
+      status->index = sorted_slot[bounds[e]];
+    }
+  }
+};
+
+// Sorted position r: a dispatched slot's row (source_token, row_of_slot), or a dropped slot's -1.
+// Nothing is written when an id was bad.
+struct PlaceSorted {
+  const std::int32_t* sorted_slot;
+  const std::int32_t* bounds;
+  std::int32_t* source_token;
+  std::int32_t* row_of_slot;
+  long slots;
+  int num_experts, k;
+  MRR_HOST_DEVICE void operator()(long r) const {
+    if (bounds[num_experts + 1] < slots) return;  // a bad id: the status says which
+    const std::int32_t s = sorted_slot[r];
+    if (r < bounds[num_experts]) {
+      source_token[r] = s / k;
+      row_of_slot[s] = static_cast<std::int32_t>(r);
+    } else {
+      row_of_slot[s] = -1;
+    }
+  }
+};
+
 }  // namespace kernels
 
 // Chunks of the counting sort: a few per OpenMP thread (each a long sequential run), or one per
@@ -211,12 +319,64 @@ inline int permutation_chunks(long slots) {
   return static_cast<int>(chunks < 1 ? 1 : chunks);
 }
 
+// How the expert-major permutation is computed; both give the same bits. `counting`: count, scan,
+// place over chunks of slots (long sequential runs: CPU threads). `radix_sort`: a stable radix sort
+// of the slots' expert keys (CUB's on CUDA, the GPU's default; thrust::stable_sort_by_key on other
+// systems, where it exists to test the path on CPU threads).
+enum class PermutationAlgorithm { automatic, counting, radix_sort };
+
+inline constexpr PermutationAlgorithm resolve(PermutationAlgorithm a, bool host_system) {
+  if (a != PermutationAlgorithm::automatic) return a;
+  return THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA && !host_system ? PermutationAlgorithm::radix_sort
+                                                                           : PermutationAlgorithm::counting;
+}
+
+namespace detail {
+
+// Bits of the radix sort's keys: ids up to E + 1.
+inline int permutation_key_bits(int num_experts) {
+  int bits = 1;
+  while ((1 << bits) <= num_experts + 1)
+    ++bits;
+  return bits;
+}
+
+// Temporary bytes of the sort itself for n slots: CUB's query on CUDA; on other systems a bound on
+// what thrust::stable_sort_by_key asks of the arena (a few copies of keys and slots).
+inline std::size_t permutation_sort_bytes(long n, int num_experts) {
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
+  std::size_t bytes = 0;
+  const cudaError_t e = cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, static_cast<const std::uint16_t*>(nullptr), static_cast<std::uint16_t*>(nullptr),
+      static_cast<const std::int32_t*>(nullptr), static_cast<std::int32_t*>(nullptr), static_cast<int>(n), 0,
+      permutation_key_bits(num_experts));
+  if (e != cudaSuccess)
+    throw std::runtime_error(mrr::detail::str("mrr::device::permutation_workspace_bytes: ", cudaGetErrorString(e)));
+  return bytes;
+#else
+  (void)num_experts;
+  return 4 * static_cast<std::size_t>(n) * (sizeof(std::uint16_t) + sizeof(std::int32_t)) + (std::size_t(1) << 20);
+#endif
+}
+
+}  // namespace detail
+
 // Workspace of make_expert_permutation for [tokens, topk] slots over num_experts experts.
-inline std::size_t permutation_workspace_bytes(long tokens, int topk, int num_experts) {
-  const auto chunks = static_cast<std::size_t>(permutation_chunks(tokens * topk));
+inline std::size_t permutation_workspace_bytes(long tokens, int topk, int num_experts,
+                                               PermutationAlgorithm algorithm = PermutationAlgorithm::automatic,
+                                               bool host_system = false) {
+  const auto slots = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk);
   const auto experts = static_cast<std::size_t>(num_experts);
-  return detail::workspace_array_bytes<std::int32_t>(experts * chunks) + detail::workspace_array_bytes<long>(chunks) +
-         detail::workspace_array_bytes<std::int32_t>(experts);
+  const auto chunks = static_cast<std::size_t>(permutation_chunks(tokens * topk));
+  const std::size_t counting = detail::workspace_array_bytes<std::int32_t>(experts * chunks) +
+                               detail::workspace_array_bytes<long>(chunks) +
+                               detail::workspace_array_bytes<std::int32_t>(experts);
+  if (resolve(algorithm, host_system) != PermutationAlgorithm::radix_sort) return counting;
+  const std::size_t sorted = 2 * detail::workspace_array_bytes<std::uint16_t>(slots) +
+                             2 * detail::workspace_array_bytes<std::int32_t>(slots) +
+                             detail::workspace_array_bytes<std::int32_t>(experts + 3) +
+                             detail::align_up(detail::permutation_sort_bytes(static_cast<long>(slots), num_experts));
+  return sorted > counting ? sorted : counting;  // no tokens: the counting path runs
 }
 
 namespace detail {
@@ -232,10 +392,54 @@ inline void require_permutation(const PermutationView& p, const char* fn) {
                        "the permutation's arrays are null");
 }
 
-// The counting sort on any Thrust policy; ids [tokens, k] contiguous, kept null or [tokens * k].
+// The radix-sort permutation (PermutationAlgorithm::radix_sort) on any Thrust policy.
+template <class Policy, class Id>
+void expert_permutation_sorted(const Policy& policy, const Id* ids, const std::uint8_t* kept, const PermutationView& p,
+                               WorkspaceArena& arena, DeviceStatus* status, stream_t stream) {
+  const long slots = p.tokens * p.topk;
+  const auto n = static_cast<std::size_t>(slots);
+  auto* keys = arena.take<std::uint16_t>(n);
+  auto* sorted_keys = arena.take<std::uint16_t>(n);
+  auto* slot = arena.take<std::int32_t>(n);
+  auto* sorted_slot = arena.take<std::int32_t>(n);
+  auto* bounds = arena.take<std::int32_t>(static_cast<std::size_t>(p.num_experts) + 3);
+  using thrust::counting_iterator;
+  thrust::for_each(policy, counting_iterator<long>(0), counting_iterator<long>(slots),
+                   device::kernels::SlotKeys<Id>{ids, kept, keys, slot, p.num_experts});
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
+  std::size_t bytes = permutation_sort_bytes(slots, p.num_experts);
+  void* temp = arena.take<unsigned char>(bytes);
+  const cudaError_t e =
+      cub::DeviceRadixSort::SortPairs(temp, bytes, keys, sorted_keys, slot, sorted_slot, static_cast<int>(slots), 0,
+                                      permutation_key_bits(p.num_experts), stream);
+  if (e != cudaSuccess)
+    throw std::runtime_error(mrr::detail::str("mrr::device::make_expert_permutation: ", cudaGetErrorString(e)));
+#else
+  (void)stream;
+  thrust::copy(policy, keys, keys + slots, sorted_keys);
+  thrust::copy(policy, slot, slot + slots, sorted_slot);
+  thrust::stable_sort_by_key(policy, sorted_keys, sorted_keys + slots, sorted_slot);
+#endif
+  thrust::for_each(policy, counting_iterator<long>(0), counting_iterator<long>(slots + 1),
+                   device::kernels::KeyBounds{sorted_keys, bounds, slots, p.num_experts + 1});
+  thrust::for_each(policy, counting_iterator<int>(0), counting_iterator<int>(p.num_experts + 2),
+                   device::kernels::FinishSorted{bounds, sorted_slot, p.expert_offsets, status, slots, p.num_experts});
+  thrust::for_each(
+      policy, counting_iterator<long>(0), counting_iterator<long>(slots),
+      device::kernels::PlaceSorted{sorted_slot, bounds, p.source_token, p.row_of_slot, slots, p.num_experts, p.topk});
+}
+
+// The counting sort on any Thrust policy, or the radix sort where `algorithm` resolves to it; ids
+// [tokens, k] contiguous, kept null or [tokens * k]. `host`: the policy runs on the host
+// (a CUDA build's host backend), which never takes CUB's path.
 template <class Policy, class Id>
 void expert_permutation(const Policy& policy, const Id* ids, const std::uint8_t* kept, const PermutationView& p,
-                        WorkspaceArena& arena, DeviceStatus* status) {
+                        WorkspaceArena& arena, DeviceStatus* status, stream_t stream = nullptr,
+                        PermutationAlgorithm algorithm = PermutationAlgorithm::automatic, bool host = false) {
+  if (resolve(algorithm, host) == PermutationAlgorithm::radix_sort && p.tokens > 0) {
+    expert_permutation_sorted(policy, ids, kept, p, arena, status, stream);
+    return;
+  }
   const long slots = p.tokens * p.topk;
   const int chunks = permutation_chunks(slots);
   const long chunk = (slots + chunks - 1) / chunks;
@@ -259,10 +463,50 @@ template <class Policy, class T, class W, class Accum>
 void combine_rows(const Policy& policy, MatrixView<const T> rows, MatrixView<const W> weights,
                   const PermutationView& p, MatrixView<T> out, bool host_system) {
   const long pieces = device::kernels::pieces_per_row(out.cols, host_system);
-  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(p.tokens * pieces),
-                   device::kernels::CombineRows<T, W, Accum>{rows.data, rows.row_stride, p.row_of_slot, weights.data,
-                                                             weights.row_stride, out.data, out.row_stride, out.cols, pieces,
-                                                             p.topk});
+  const auto items = [&](auto kernel) {
+    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(p.tokens * pieces),
+                     kernel);
+  };
+  if (host_system)
+    items(device::kernels::CombineRows<T, W, Accum, mrr::kernels::kCombineColumns>{
+        rows.data, rows.row_stride, p.row_of_slot, weights.data, weights.row_stride, out.data, out.row_stride, out.cols,
+        pieces, p.topk});
+  else
+    items(device::kernels::CombineRows<T, W, Accum, 1>{rows.data, rows.row_stride, p.row_of_slot, weights.data,
+                                                       weights.row_stride, out.data, out.row_stride, out.cols, pieces,
+                                                       p.topk});
+}
+
+// Whether rows of T at `data` with `row_stride` and `cols` can be copied in 16-byte units.
+template <class T>
+bool copies_in_16_bytes(const T* data, long row_stride, long cols) {
+  return 16 % sizeof(T) == 0 && reinterpret_cast<std::uintptr_t>(data) % 16 == 0 &&
+         (static_cast<std::size_t>(row_stride) * sizeof(T)) % 16 == 0 &&
+         (static_cast<std::size_t>(cols) * sizeof(T)) % 16 == 0;
+}
+
+// out[r] = tokens[source_token[r]] for r < p's rows (read on the device), out having room for
+// tokens * k rows; in 16-byte units on a GPU when both matrices allow it.
+template <class Policy, class T>
+void gather_rows(const Policy& policy, MatrixView<const T> tokens, const PermutationView& p, MatrixView<T> out,
+                 bool host_system) {
+  const long slots = p.tokens * p.topk;
+  const std::int32_t* rows = p.expert_offsets + p.num_experts;
+  if (!host_system && copies_in_16_bytes(tokens.data, tokens.row_stride, tokens.cols) &&
+      copies_in_16_bytes<T>(out.data, out.row_stride, out.cols)) {
+    using U = device::kernels::CopyUnit16;
+    constexpr long per = static_cast<long>(sizeof(U) / sizeof(T));
+    const long cols = tokens.cols / per;
+    thrust::for_each(
+        policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(slots * cols),
+        device::kernels::GatherRows<U>{reinterpret_cast<const U*>(tokens.data), tokens.row_stride / per, p.source_token,
+                                       rows, reinterpret_cast<U*>(out.data), out.row_stride / per, cols, cols});
+    return;
+  }
+  const long pieces = device::kernels::pieces_per_row(tokens.cols, host_system);
+  thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(slots * pieces),
+                   device::kernels::GatherRows<T>{tokens.data, tokens.row_stride, p.source_token, rows, out.data,
+                                                  out.row_stride, tokens.cols, pieces});
 }
 
 inline constexpr bool host_system = THRUST_DEVICE_SYSTEM != THRUST_DEVICE_SYSTEM_CUDA;
@@ -274,10 +518,12 @@ inline constexpr bool host_system = THRUST_DEVICE_SYSTEM != THRUST_DEVICE_SYSTEM
 // The permutation of ids [tokens, k] (int32 or int64, contiguous rows: a strided id matrix is an
 // error) into p; kept (null, or [tokens * k] 0/1) leaves dropped slots out. An id outside
 // [0, num_experts) sets *status (status_expert_out_of_range, index = the first such slot) and
-// leaves p's rows unwritten. Enqueued on x.stream; nothing waits.
+// leaves p's rows unwritten. Enqueued on x.stream; nothing waits. The workspace is
+// permutation_workspace_bytes(tokens, k, E, algorithm) bytes.
 template <class Id>
 void make_expert_permutation(MatrixView<const Id> ids, const std::uint8_t* kept, const PermutationView& p,
-                             Workspace workspace, DeviceStatus* status, Execution x = {}) {
+                             Workspace workspace, DeviceStatus* status, Execution x = {},
+                             PermutationAlgorithm algorithm = PermutationAlgorithm::automatic) {
   static_assert(std::is_same_v<Id, std::int32_t> || std::is_same_v<Id, std::int64_t>,
                 "device::make_expert_permutation takes int32 or int64 expert ids");
   constexpr const char* fn = "device::make_expert_permutation";
@@ -286,10 +532,10 @@ void make_expert_permutation(MatrixView<const Id> ids, const std::uint8_t* kept,
   mrr::detail::require(ids.row_stride == ids.cols, fn, "'ids' rows must be contiguous (row stride ", ids.row_stride,
                        " for ", ids.cols, " ids); copy them first");
   mrr::detail::require(status != nullptr, fn, "the status pointer is null");
-  detail::WorkspaceArena arena(workspace, permutation_workspace_bytes(p.tokens, p.topk, p.num_experts), fn);
+  detail::WorkspaceArena arena(workspace, permutation_workspace_bytes(p.tokens, p.topk, p.num_experts, algorithm), fn);
   auto alloc = arena.temporary_allocator();
   detail::reset_status(status, x);
-  detail::expert_permutation(detail::execution_policy(x, alloc), ids.data, kept, p, arena, status);
+  detail::expert_permutation(detail::execution_policy(x, alloc), ids.data, kept, p, arena, status, x.stream, algorithm);
 }
 
 namespace detail {
@@ -316,13 +562,9 @@ void permute_tokens(MatrixView<const T> tokens, const PermutationView& p, Matrix
   detail::require_permutation(p, fn);
   detail::require_view(tokens, p.tokens, tokens.cols, fn, "tokens");
   detail::require_view(out, p.tokens * p.topk, tokens.cols, fn, "out");
-  const long pieces = kernels::pieces_per_row(tokens.cols, detail::host_system);
   detail::WorkspaceArena arena({}, 0, fn);
   auto alloc = arena.temporary_allocator();
-  thrust::for_each(detail::execution_policy(x, alloc), thrust::counting_iterator<long>(0),
-                   thrust::counting_iterator<long>(p.tokens * p.topk * pieces),
-                   kernels::GatherRows<T>{tokens.data, tokens.row_stride, p.source_token, p.expert_offsets + p.num_experts,
-                                          out.data, out.row_stride, tokens.cols, pieces});
+  detail::gather_rows(detail::execution_policy(x, alloc), tokens, p, out, detail::host_system);
 }
 
 // out[t] = sum_j weights[t, j] * expert_out[row_of_slot[t, j]], in slot order, in Accum.
@@ -416,12 +658,13 @@ ExpertPermutation<Backend> make_expert_permutation(const typename Backend::templ
   PermutationView v = p.view();
   v.num_experts = num_experts;
   detail::require_permutation(v, fn);
-  const std::size_t bytes = permutation_workspace_bytes(tokens, topk, num_experts);
+  constexpr auto algorithm = PermutationAlgorithm::automatic;
+  const std::size_t bytes = permutation_workspace_bytes(tokens, topk, num_experts, algorithm, !Backend::is_device);
   const detail::OwnedWorkspace<decltype(Backend::policy())> workspace(Backend::policy(), bytes);
   typename Backend::template vector<DeviceStatus> status(1);
   detail::WorkspaceArena arena(workspace.get(), bytes, fn);
   detail::expert_permutation(Backend::policy(), raw(ids), static_cast<const std::uint8_t*>(nullptr), v, arena,
-                             raw(status));
+                             raw(status), nullptr, algorithm, !Backend::is_device);
   detail::throw_on_status(status[0], v);
   return p;
 }
@@ -444,10 +687,8 @@ void permute_tokens(const typename Backend::template vector<T>& tokens, long hid
                        "'tokens' has ", tokens.size(), " values, expected [", p.tokens, ", ", hidden, "]");
   if (out.size() != static_cast<std::size_t>(p.rows() * hidden)) out.resize(static_cast<std::size_t>(p.rows() * hidden));
   const PermutationView v = p.view();
-  const long pieces = kernels::pieces_per_row(hidden, !Backend::is_device);
-  thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(p.rows() * pieces),
-                   kernels::GatherRows<T>{raw(tokens), hidden, v.source_token, v.expert_offsets + v.num_experts,
-                                          raw(out), hidden, hidden, pieces});
+  detail::gather_rows(Backend::policy(), MatrixView<const T>{raw(tokens), p.tokens, hidden, hidden}, v,
+                      MatrixView<T>{raw(out), p.rows(), hidden, hidden}, !Backend::is_device);
 }
 
 // tokens [tokens, hidden] -> [rows, hidden], expert-major.
