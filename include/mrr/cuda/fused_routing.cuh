@@ -1,8 +1,10 @@
 // Fused routing + replay kernel: one warp per token, the token's logits in registers, top-k by k
-// rounds of a warp arg-max (ties: lower index, as kernels/topk.hpp), replayed rows take their ids
-// from the replay buffer, then the weights of DESIGN.md section 3, all in one launch. The fast path
-// for routers without group limits (softmax pre/post, sigmoid / sqrt-softplus, with or without
-// expert bias); checked against the Thrust path (mrr/thrust/routing.hpp) in tests/cuda.
+// rounds of a warp arg-max over packed (value, index) keys (ties: lower index, as
+// kernels/topk.hpp), replayed rows take their ids from the replay buffer, then the weights of
+// DESIGN.md section 3, all in one launch. The fast path for softmax pre/post, sigmoid /
+// sqrt-softplus, with or without expert bias, and group limits of whole warps of experts
+// (DeepSeek-V3's; fused_routing_supports says which); checked against the CPU router and the
+// Thrust path (mrr/thrust/routing.hpp) in tests/cuda.
 // It is the warp-cooperative specialisation of the router kernels (mrr/kernels/router.hpp), as the
 // AVX2 tiles are their host specialisation: it reads the same resolved parameters, applies the same
 // score functions (kernels::score_of) and reports the same status codes, with the row's work split
@@ -31,12 +33,63 @@ namespace kernels {
 
 inline constexpr int kFusedWarpsPerBlock = 8;
 inline constexpr unsigned kFullWarp = 0xffffffffu;
-inline constexpr int kNoExpert = 0x7fffffff;  // an arg-max candidate that is no candidate
 
-// (value, index) order of the selection: larger value first, the lower index among equals. A total
-// order on non-NaN values (rows holding NaN are rejected before selection), so every lane of the
-// butterfly below ends with the same winner.
-__device__ __forceinline__ bool ranks_before(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+// The selection's order as one unsigned 64-bit key: larger value first, the lower index among
+// equal values (kernels/topk.hpp's order). High word: the value's bits mapped so that unsigned
+// order is float order (-0 taken as +0 first: they compare equal, so only the index may decide);
+// low word: ~index. A total order on non-NaN values (rows holding NaN are rejected before their
+// keys are used), and never 0, which marks "no candidate". One key compares in one 64-bit max, and
+// a warp's arg-max is one reduction of the keys.
+__device__ __forceinline__ unsigned long long select_key(float v, int index) {
+  const unsigned u = __float_as_uint(v + 0.0f);  // -0 + 0 = +0
+  const unsigned ordered = (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned>(~index);
+}
+__device__ __forceinline__ int expert_of_key(unsigned long long key) {
+  return static_cast<int>(~static_cast<unsigned>(key & 0xffffffffull));
+}
+__device__ __forceinline__ float value_of_key(unsigned long long key) {  // -0 comes back as +0
+  const auto ordered = static_cast<unsigned>(key >> 32);
+  return __uint_as_float((ordered & 0x80000000u) != 0u ? (ordered & 0x7fffffffu) : ~ordered);
+}
+
+// A lane's N keys in descending order: a bitonic network (N a power of two), unrolled so the keys
+// stay in registers.
+template <int N>
+__device__ __forceinline__ void sort_descending(unsigned long long (&v)[N]) {
+#pragma unroll
+  for (int size = 2; size <= N; size <<= 1)
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1)
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const unsigned long long a = v[i], b = v[j];
+          const bool swap = (i & size) == 0 ? a < b : a > b;  // the last merge (size == N) is descending
+          v[i] = swap ? b : a;
+          v[j] = swap ? a : b;
+        }
+      }
+}
+
+// The largest key of the warp, in every lane: the high words' max, then among the lanes holding it
+// the largest low word (sm_80+: two hardware reductions; earlier GPUs: a butterfly of shuffles).
+__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long key) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const auto hi = static_cast<unsigned>(key >> 32), lo = static_cast<unsigned>(key);
+  const unsigned top = __reduce_max_sync(0xffffffffu, hi);
+  const unsigned low = __reduce_max_sync(0xffffffffu, hi == top ? lo : 0u);
+  return (static_cast<unsigned long long>(top) << 32) | low;
+#else
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
+    key = other > key ? other : key;
+  }
+  return key;
+#endif
+}
 
 __device__ __forceinline__ int warp_sum(int x) {
 #pragma unroll
@@ -76,8 +129,8 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
   // row only then (as the Thrust path and the CPU router); other replayed rows read k logits.
   const bool whole_row = p.replay_reads_whole_row();
   const bool load_row = !replay_row || whole_row;
-  float zr[PerLane], s[PerLane];
-  unsigned taken = 0;  // bit i: expert lane + 32 i is no candidate (past E, or chosen already)
+  float zr[PerLane];
+  unsigned long long key[PerLane];  // the selection's keys (select_key); 0: no candidate
   int bad = 0, finite = 0;
 #pragma unroll
   for (int i = 0; i < PerLane; ++i) {
@@ -85,7 +138,6 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
     const bool in_row = e < n;
     const float x = in_row && load_row ? load(z[e]) : 0.f;
     zr[i] = x;
-    if (!in_row) taken |= 1u << i;
     bad |= in_row && !(x <= FLT_MAX) ? 1 : 0;     // NaN or +inf
     finite += in_row && x >= -FLT_MAX ? 1 : 0;  // not -inf, not NaN
     float v = x;
@@ -93,7 +145,7 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
       if (p.score != 0) v = rk::score_of(p.score, v);
       if (p.has_bias) v += bias[e];
     }
-    s[i] = v;
+    key[i] = in_row ? select_key(v, e) : 0ull;  // a NaN row is rejected before its keys are used
   }
 
   // The checks of kernels::route_row, in its order; the code is warp-uniform.
@@ -129,32 +181,55 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
     return;  // warp-uniform
   }
 
+  if (!replay_row && p.grouped) {
+    // Group-limited selection (kernels::select_on_scores): experts_per_group is a
+    // multiple of 32, so group g is registers [g R, (g + 1) R) of every lane. A group scores the
+    // sum of its best group_score_topk (1 or 2) selection scores, found as keys (the values of the
+    // CPU's running maxima, summed larger first); lane g keeps group g's score; the best group_topk
+    // groups (ties: lower group) stay, the other groups' experts leave the candidates.
+    const int per_group = p.experts_per_group / 32, groups = p.num_groups;
+    unsigned long long first = 0ull, second = 0ull, group_key = 0ull;
+#pragma unroll
+    for (int i = 0; i < PerLane; ++i) {
+      if (i >= groups * per_group) break;  // warp-uniform
+      const unsigned long long x = key[i];
+      second = x > first ? first : (x > second ? x : second);
+      first = x > first ? x : first;
+      if (i % per_group == per_group - 1) {  // the group's last register
+        const unsigned long long top = warp_max_key(first);
+        float sum = value_of_key(top);
+        if (p.group_score_topk == 2) sum += value_of_key(warp_max_key(first == top ? second : first));
+        const int g = i / per_group;
+        if (lane == g) group_key = select_key(sum, g);
+        first = second = 0ull;
+      }
+    }
+    unsigned kept = 0u;
+    for (int r = 0; r < p.group_topk; ++r) {
+      const unsigned long long best = warp_max_key(group_key);
+      kept |= 1u << expert_of_key(best);
+      group_key = group_key == best ? 0ull : group_key;
+    }
+    // -inf masking: the other groups' experts are no candidates. 0.0 masking (HF DeepSeek-V3's
+    // masked_fill): they compete with score 0, ties to the lower index, as the CPU's candidates.
+#pragma unroll
+    for (int i = 0; i < PerLane; ++i)
+      if (i < groups * per_group && !((kept >> (i / per_group)) & 1u))
+        key[i] = p.zero_masking ? select_key(0.0f, lane + 32 * i) : 0ull;
+  }
+
   if (!replay_row) {
+    // Each lane sorts its keys once (best first); a round is then one warp arg-max of the lanes'
+    // heads, and the winning lane (keys are unique: the index is part of one) moves its list up.
+    sort_descending(key);
     for (int j = 0; j < k; ++j) {
-      // This lane's best candidate, scanning its experts in ascending index order...
-      float bv = 0.f;
-      int bi = kNoExpert;
+      const unsigned long long best = warp_max_key(key[0]);
+      const bool pop = key[0] == best;
 #pragma unroll
-      for (int i = 0; i < PerLane; ++i) {
-        const int e = lane + 32 * i;
-        if (!(taken & (1u << i)) && (bi == kNoExpert || ranks_before(s[i], e, bv, bi))) {
-          bv = s[i];
-          bi = e;
-        }
-      }
-      // ...then the warp's: a total order, so all 32 lanes agree on (bv, bi). k <= E, so some
-      // lane always has a candidate.
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(kFullWarp, bv, off);
-        const int oi = __shfl_xor_sync(kFullWarp, bi, off);
-        if (oi != kNoExpert && (bi == kNoExpert || ranks_before(ov, oi, bv, bi))) {
-          bv = ov;
-          bi = oi;
-        }
-      }
-      if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-      if (lane == j) my_id = bi;
+      for (int i = 0; i + 1 < PerLane; ++i)
+        key[i] = pop ? key[i + 1] : key[i];
+      key[PerLane - 1] = pop ? 0ull : key[PerLane - 1];
+      if (lane == j) my_id = expert_of_key(best);
     }
     if (lane < k) zj = load(z[my_id]);
   }
@@ -194,13 +269,93 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
   if (status != nullptr && lane == 0) status[t] = nan_weight ? rk::row_nan_weight : rk::row_ok;
 }
 
+// Replay of every row (no mask) where the weights read only the k chosen logits: a segment of W
+// lanes per token (W = k rounded up to a power of two, 32 / W tokens per warp), so a warp serves
+// several tokens and a block keeps more of them in flight (replay is latency-bound: two dependent
+// reads per token). The checks, codes and weights are the warp-per-token kernel's, bit for bit:
+// its reductions over 32 lanes add the idle lanes' zeros (or take their -inf) first, which are
+// exact, then run the same butterfly over the k lanes as these segment reductions do.
+template <int W>
+__device__ __forceinline__ float segment_max(float x) {
+#pragma unroll
+  for (int off = W / 2; off > 0; off >>= 1)
+    x = fmaxf(x, __shfl_xor_sync(kFullWarp, x, off));
+  return x;
+}
+template <int W>
+__device__ __forceinline__ float segment_sum(float x) {
+#pragma unroll
+  for (int off = W / 2; off > 0; off >>= 1)
+    x += __shfl_xor_sync(kFullWarp, x, off);
+  return x;
+}
+
+template <int W, class In>
+__global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
+    fused_replay_segments(device::RouterParams p, const In* __restrict__ logits,
+                          const std::int32_t* __restrict__ replay_ids, long tokens, std::int32_t* __restrict__ ids,
+                          float* __restrict__ weights, std::uint8_t* __restrict__ status) {
+  namespace rk = mrr::kernels;
+  const int lane = threadIdx.x & 31, seg = lane / W, j = lane % W;
+  const long t = ((static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * (32 / W) + seg;
+  const int n = p.num_experts, k = p.topk;
+  const bool active = j < k && t < tokens;
+  const auto load = [](In x) { return device::kernels::widen<float>(x); };
+  const std::int32_t id = active ? replay_ids[t * k + j] : -1;
+  // The logit is read as soon as its id is known to be in range, while the row's checks run (a
+  // row with a bad id discards it).
+  const bool in_range = active && id >= 0 && id < n;
+  const float z_read = in_range ? load(logits[t * n + id]) : -INFINITY;
+  // Repeats within this token: match on (segment, id); idle lanes match nobody.
+  const unsigned long long tag = active ? (static_cast<unsigned long long>(seg) << 32) | static_cast<unsigned>(id)
+                                        : (0xffffull << 32) | static_cast<unsigned>(lane);
+  const unsigned same = __match_any_sync(kFullWarp, tag);
+  const unsigned mine = (W == 32 ? kFullWarp : ((1u << W) - 1u)) << (seg * W);
+  const bool bad_id = active && (id < 0 || id >= n || __popc(same) > 1);
+  const bool bad_row_id = (__ballot_sync(kFullWarp, bad_id) & mine) != 0u;
+  const float zj = active && !bad_row_id ? z_read : -INFINITY;
+  // Every lane takes part in each ballot (a full-mask vote behind a short circuit would miss the
+  // lanes of segments that skipped it).
+  const unsigned bad_logits = __ballot_sync(kFullWarp, active && !(zj <= FLT_MAX));
+  const bool bad_row_logit = !bad_row_id && (bad_logits & mine) != 0u;
+  float w;
+  if (p.score == 0) {
+    const float mx = segment_max<W>(zj);
+    const float e = active ? expf(zj - mx) : 0.f;
+    w = e / segment_sum<W>(e);
+  } else {
+    w = active ? rk::score_of(p.score, zj) : 0.f;
+    const float sum = segment_sum<W>(w);
+    if (p.normalize) w /= sum + 1e-20f;
+  }
+  if (p.has_scale) w *= static_cast<float>(p.scale);
+  const bool nan_weight = (__ballot_sync(kFullWarp, active && !(w == w)) & mine) != 0u;
+  const bool bad = bad_row_id || bad_row_logit;
+  if (active) {
+    ids[t * k + j] = bad ? -1 : id;
+    weights[t * k + j] = bad ? __int_as_float(0x7fc00000) : w;
+  }
+  if (status != nullptr && j == 0 && t < tokens)
+    status[t] = bad_row_id      ? rk::row_invalid_replay
+                : bad_row_logit ? rk::row_invalid_logit
+                : nan_weight    ? rk::row_nan_weight
+                                : rk::row_ok;
+}
+
 }  // namespace kernels
 
-// Whether the fused kernel handles this router (no group limits, no capacity dropping: that is a
-// pass over the whole batch, device::TopKRouter's; 1 <= k <= E <= 1024, k <= 32; no expert bias
-// on softmax, which RouterConfig rejects and whose pre-softmax selection this kernel lacks).
+// Whether the fused kernel handles this router: no capacity dropping (a pass over the whole batch,
+// device::TopKRouter's); 1 <= k <= E <= 1024, k <= 32; no expert bias on softmax (RouterConfig
+// rejects it; its pre-softmax selection is not here). Group limits (DeepSeek-V3's, -inf or 0.0
+// masking) when a group is a multiple of 32 experts, at most 32 groups, groups score their top 1
+// or 2, and the selection is not on pre-softmax probabilities (their sum over E would round
+// otherwise than the CPU's).
 inline bool fused_routing_supports(const device::RouterParams& p) {
-  return !p.grouped && !p.drops_over_capacity && p.num_experts >= 1 && p.num_experts <= 1024 && p.topk >= 1 &&
+  const bool groups_ok =
+      !p.grouped || (p.experts_per_group % 32 == 0 && p.num_groups >= 1 && p.num_groups <= 32 && p.group_topk >= 1 &&
+                     p.group_topk <= p.num_groups && (p.group_score_topk == 1 || p.group_score_topk == 2) &&
+                     !(p.score == 0 && p.pre_softmax));
+  return groups_ok && !p.drops_over_capacity && p.num_experts >= 1 && p.num_experts <= 1024 && p.topk >= 1 &&
          p.topk <= 32 && p.topk <= p.num_experts && !(p.score == 0 && p.has_bias);
 }
 
@@ -225,6 +380,35 @@ cudaError_t fused_route_replay(const device::RouterParams& p, const In* logits, 
   if (logits == nullptr || ids == nullptr || weights == nullptr || (p.has_bias && bias == nullptr))
     return cudaErrorInvalidValue;
   constexpr int kWarps = kernels::kFusedWarpsPerBlock;
+  if (replay_ids != nullptr && replay_mask == nullptr && !p.replay_reads_whole_row() && p.topk <= 16) {
+    const int width = p.topk <= 1 ? 1 : p.topk <= 2 ? 2 : p.topk <= 4 ? 4 : p.topk <= 8 ? 8 : 16;
+    const long per_block = static_cast<long>(kWarps) * (32 / width);
+    const long replay_blocks = (tokens + per_block - 1) / per_block;
+    if (replay_blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+    const dim3 rgrid(static_cast<unsigned>(replay_blocks)), rblock(32 * kWarps);
+#define MRR_REPLAY_LAUNCH(W)            \
+  kernels::fused_replay_segments<W, In> \
+      <<<rgrid, rblock, 0, stream>>>(p, logits, replay_ids, tokens, ids, weights, status)
+    switch (width) {
+      case 1:
+        MRR_REPLAY_LAUNCH(1);
+        break;
+      case 2:
+        MRR_REPLAY_LAUNCH(2);
+        break;
+      case 4:
+        MRR_REPLAY_LAUNCH(4);
+        break;
+      case 8:
+        MRR_REPLAY_LAUNCH(8);
+        break;
+      default:
+        MRR_REPLAY_LAUNCH(16);
+        break;
+    }
+#undef MRR_REPLAY_LAUNCH
+    return cudaGetLastError();
+  }
   const long blocks = (tokens + kWarps - 1) / kWarps;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;  // gridDim.x < 2^31
   const dim3 block(32 * kWarps);
