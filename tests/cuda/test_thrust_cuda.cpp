@@ -96,7 +96,7 @@ TEST_CASE("fused routing + replay kernel equals the Thrust path") {
   }
 }
 
-TEST_CASE("CUDA GAE scan equals the CPU recurrence") {
+TEST_CASE("CUDA GAE (chunks, scan, rows) equals the CPU recurrence") {
   const long rows = 32, cols = 4096;
   std::mt19937 rng(1);
   std::normal_distribution<double> n(0.0, 1.0);
@@ -107,7 +107,7 @@ TEST_CASE("CUDA GAE scan equals the CPU recurrence") {
     m.data()[i] = (i % cols) < cols - 100 * (i / cols) ? 1.0 : 0.0;
   }
   const auto host = mrr::ppo::compute_gae_advantage_return<double>(r, v, m, 0.99, 0.95);
-  for (int algorithm : {0, 1, 2}) {  // automatic (the scan), the scan, the per-row recurrence
+  for (int algorithm : {0, 1, 2, 3}) {  // automatic (chunks), the scan, the per-row recurrence, chunks
     CAPTURE(algorithm);
     std::vector<double> a, ret;
     REQUIRE(mrr::test::cuda_gae({r.data(), r.data() + r.size()}, {v.data(), v.data() + v.size()},

@@ -73,8 +73,10 @@ std::string cuda_gae(const std::vector<double>& rewards, const std::vector<doubl
         thrust::device_vector<double>(rewards.begin(), rewards.end()),
         thrust::device_vector<double>(values.begin(), values.end()),
         thrust::device_vector<double>(mask.begin(), mask.end()), cols, gamma, lam,
-        algorithm == 1 ? device::GaeAlgorithm::scan
-                       : (algorithm == 2 ? device::GaeAlgorithm::rows : device::GaeAlgorithm::automatic));
+        algorithm == 1   ? device::GaeAlgorithm::scan
+        : algorithm == 2 ? device::GaeAlgorithm::rows
+        : algorithm == 3 ? device::GaeAlgorithm::chunks
+                         : device::GaeAlgorithm::automatic);
     advantages = to_host(r.advantages);
     returns = to_host(r.returns);
   } catch (const std::exception& e) {

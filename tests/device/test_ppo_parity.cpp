@@ -198,9 +198,10 @@ TEST_SUITE("golden") {
     for_cases<T>("advantage.json", {"gae", "grpo", "rloo", "rloo_vectorized"},
                  [](const GoldenCase& c, OutputChecker<T>& check) { return run_advantage<T>(c, check); });
   }
-  TEST_CASE_TEMPLATE("device: advantage.json gae, both algorithms (the GPU's scan, the CPU threads' rows)", T, double,
-                     float) {
-    for (const auto algorithm : {mrr::device::GaeAlgorithm::scan, mrr::device::GaeAlgorithm::rows})
+  TEST_CASE_TEMPLATE("device: advantage.json gae, every algorithm (the GPU's chunks, a scan, the CPU threads' rows)", T,
+                     double, float) {
+    for (const auto algorithm :
+         {mrr::device::GaeAlgorithm::scan, mrr::device::GaeAlgorithm::rows, mrr::device::GaeAlgorithm::chunks})
       for_cases<T>("advantage.json", {"gae"}, [&](const GoldenCase& c, OutputChecker<T>& check) {
         return run_advantage<T>(c, check, algorithm);
       });
@@ -214,7 +215,7 @@ TEST_SUITE("golden") {
   }
 }
 
-TEST_CASE("device: GAE (scan and rows) equals the CPU's sequential recurrence on a large batch") {
+TEST_CASE("device: GAE (scan, rows and chunks) equals the CPU's sequential recurrence on a large batch") {
   const long rows = 64, cols = 3000;
   std::mt19937 rng(9);
   std::normal_distribution<double> n(0.0, 1.0);
@@ -226,7 +227,8 @@ TEST_CASE("device: GAE (scan and rows) equals the CPU's sequential recurrence on
       m(i, j) = (j < cols - i * 17 && (j % 13) != 5) ? 1.0 : 0.0;  // padding and observation tokens
     }
   const auto host = mrr::ppo::compute_gae_advantage_return<double>(r, v, m, 0.99, 0.95);
-  for (const auto algorithm : {mrr::device::GaeAlgorithm::scan, mrr::device::GaeAlgorithm::rows}) {
+  for (const auto algorithm :
+       {mrr::device::GaeAlgorithm::scan, mrr::device::GaeAlgorithm::rows, mrr::device::GaeAlgorithm::chunks}) {
     CAPTURE(static_cast<int>(algorithm));
     const auto dev = mrr::device::compute_gae_advantage_return<double>(
         dvec<double>(r.data(), r.data() + r.size()), dvec<double>(v.data(), v.data() + v.size()),
@@ -234,5 +236,67 @@ TEST_CASE("device: GAE (scan and rows) equals the CPU's sequential recurrence on
     const auto a = as_matrix(dev.advantages, cols), ret = as_matrix(dev.returns, cols);
     CHECK((a - host.advantages).cwiseAbs().maxCoeff() <= 1e-10);
     CHECK((ret - host.returns).cwiseAbs().maxCoeff() <= 1e-10);
+  }
+}
+
+TEST_CASE("device: the GAE view (chunks and rows) on padded caller buffers equals the CPU's; a bad mask is a status") {
+  namespace dev = mrr::device;
+  const long rows = 37, cols = 1000, stride = 1013;  // rows padded: every view takes a row stride
+  std::mt19937 rng(5);
+  std::normal_distribution<double> n(0.0, 1.0);
+  mrr::RowMatrix<double> r(rows, cols), v(rows, cols), m(rows, cols);
+  std::vector<double> pr(static_cast<std::size_t>(rows * stride), -77.0), pv(pr), pm(pr);
+  for (long i = 0; i < rows; ++i)
+    for (long j = 0; j < cols; ++j) {
+      r(i, j) = n(rng);
+      v(i, j) = n(rng);
+      m(i, j) = (j < cols - i * 19 && (j % 11) != 3) ? 1.0 : 0.0;
+      const auto at = static_cast<std::size_t>(i * stride + j);
+      pr[at] = r(i, j);
+      pv[at] = v(i, j);
+      pm[at] = m(i, j);
+    }
+  const auto host = mrr::ppo::compute_gae_advantage_return<double>(r, v, m, 0.99, 0.95);
+  const auto in = [&](const std::vector<double>& b) {
+    return dev::matrix_view<const double>(b.data(), rows, cols, stride);
+  };
+  for (const auto algorithm : {dev::GaeAlgorithm::chunks, dev::GaeAlgorithm::rows}) {
+    CAPTURE(static_cast<int>(algorithm));
+    std::vector<double> adv(pr.size(), 5.0), ret(pr.size(), 5.0);
+    std::vector<unsigned char> ws(dev::gae_workspace_bytes<double>(rows, cols, algorithm));
+    dev::DeviceStatus status;
+    dev::compute_gae_advantage_return<double>(
+        in(pr), in(pv), in(pm), 0.99, 0.95, dev::matrix_view(adv.data(), rows, cols, stride),
+        dev::matrix_view(ret.data(), rows, cols, stride), dev::Workspace{ws.data(), ws.size()}, &status, {}, algorithm);
+    CHECK(status.code == dev::status_ok);
+    double worst_a = 0, worst_r = 0;
+    for (long i = 0; i < rows; ++i) {
+      for (long j = 0; j < cols; ++j) {
+        const auto at = static_cast<std::size_t>(i * stride + j);
+        worst_a = std::max(worst_a, std::abs(adv[at] - host.advantages(i, j)));
+        worst_r = std::max(worst_r, std::abs(ret[at] - host.returns(i, j)));
+      }
+      CHECK(adv[static_cast<std::size_t>(i * stride + cols)] == 5.0);  // the padding is never written
+    }
+    CHECK(worst_a <= 1e-10);
+    CHECK(worst_r <= 1e-10);
+    // A mask selecting nothing, then one element: a status, and check_gae throws verl's error.
+    std::vector<double> none(pm.size(), 0.0);
+    dev::compute_gae_advantage_return<double>(
+        in(pr), in(pv), in(none), 0.99, 0.95, dev::matrix_view(adv.data(), rows, cols, stride),
+        dev::matrix_view(ret.data(), rows, cols, stride), dev::Workspace{ws.data(), ws.size()}, &status, {}, algorithm);
+    CHECK(status.code == dev::status_mask_selects_none);
+    CHECK_THROWS_WITH_AS(dev::check_gae(&status), doctest::Contains("selects no element"), std::invalid_argument);
+    none[static_cast<std::size_t>(3 * stride + 7)] = 1.0;
+    dev::compute_gae_advantage_return<double>(
+        in(pr), in(pv), in(none), 0.99, 0.95, dev::matrix_view(adv.data(), rows, cols, stride),
+        dev::matrix_view(ret.data(), rows, cols, stride), dev::Workspace{ws.data(), ws.size()}, &status, {}, algorithm);
+    CHECK_THROWS_WITH_AS(dev::check_gae(&status), doctest::Contains("single element"), std::invalid_argument);
+    // A workspace smaller than asked for is an error before anything runs.
+    CHECK_THROWS_WITH_AS(
+        dev::compute_gae_advantage_return<double>(
+            in(pr), in(pv), in(pm), 0.99, 0.95, dev::matrix_view(adv.data(), rows, cols, stride),
+            dev::matrix_view(ret.data(), rows, cols, stride), dev::Workspace{ws.data(), 16}, &status, {}, algorithm),
+        doctest::Contains("workspace"), std::invalid_argument);
   }
 }

@@ -14,6 +14,7 @@
 #include <mrr/kernels/ppo/kl.hpp>
 #include <mrr/kernels/ppo/masked.hpp>
 #include <mrr/thrust/backend.hpp>
+#include <mrr/thrust/execution.hpp>
 
 #include <thrust/for_each.h>
 #include <thrust/functional.h>
@@ -41,6 +42,10 @@ template <class T, class Backend = ThrustDeviceBackend>
 struct AdvantageResult {
   typename Backend::template vector<T> advantages, returns;
 };
+
+// DeviceStatus codes of the GAE view: the mask selects no element, or one (whitening undefined).
+inline constexpr std::int32_t status_mask_selects_none = 2;
+inline constexpr std::int32_t status_mask_selects_one = 3;
 
 namespace kernels {
 
@@ -118,6 +123,187 @@ struct GaeRowBlock {
                            gamma_lambda);
     }
     moments[block] = ppo_kernels::masked_moments(advantages + r0 * cols, cols, mask + r0 * cols, cols, r1 - r0, cols);
+  }
+};
+
+// Item i of f run as item i * stride of a `stride` times longer range (the others do nothing).
+// Thrust's CUDA for_each gives n items about n / 512 blocks; work items that are few and long
+// (serial chains, latency-bound loads) then sit on a handful of SMs and queue on their load units.
+// Spread out, they reach `stride` times as many SMs. CPU threads need no spreading (stride 1).
+template <class F>
+struct Spread {
+  F f;
+  long stride;
+  MRR_HOST_DEVICE void operator()(long i) const {
+    if (i % stride == 0) f(i / stride);
+  }
+};
+
+// ---- GAE on the caller's memory (the view) ----
+// The five [rows, cols] matrices with their row strides, and the recurrence's constants.
+template <class T>
+struct GaeViews {
+  const T *rewards, *values, *mask;
+  T *advantages, *returns;
+  long rewards_stride, values_stride, mask_stride, advantages_stride, returns_stride, rows, cols;
+  T gamma, gamma_lambda;
+};
+
+// By chunks of time (kernels::ppo::gae_chunk_map, a GPU's algorithm): the chunks' maps, their
+// chaining along each row into carry-ins, then each chunk's recurrence from its carry-in and its
+// advantages' masked moments.
+inline constexpr int kGaeChunk = 16;
+
+MRR_HOST_DEVICE inline void chunk_bounds(long item, long chunks, long cols, long& row, long& lo, int& len) {
+  row = item / chunks;
+  lo = (item - row * chunks) * kGaeChunk;
+  len = static_cast<int>(lo + kGaeChunk < cols ? kGaeChunk : cols - lo);
+}
+
+template <class T>
+struct GaeChunkMaps {
+  GaeViews<T> g;
+  ppo_kernels::GaeChunkMap<T>* maps;  // [rows, chunks]
+  long chunks;
+  MRR_HOST_DEVICE void operator()(long item) const {
+    long row, lo;
+    int len;
+    chunk_bounds(item, chunks, g.cols, row, lo, len);
+    maps[item] =
+        ppo_kernels::gae_chunk_map<kGaeChunk>(g.rewards + row * g.rewards_stride, g.values + row * g.values_stride,
+                                              g.mask + row * g.mask_stride, lo, len, g.gamma, g.gamma_lambda);
+  }
+};
+
+// The chunks' carry-ins, in two levels so no thread walks a whole row: superchunks of kGaeSuper
+// chunks compose their maps; each row chains its superchunks (last first); each superchunk then
+// chains its chunks from its own carry-in. carry[2 c], carry[2 c + 1] = (next_value, last_gae)
+// received by chunk c (at its last token).
+inline constexpr int kGaeSuper = 16;
+
+template <class T>
+struct GaeComposeSupers {
+  const ppo_kernels::GaeChunkMap<T>* maps;  // [rows, chunks]
+  ppo_kernels::GaeChunkMap<T>* supers;      // [rows, supers]
+  long chunks, supers_per_row;
+  MRR_HOST_DEVICE void operator()(long item) const {
+    const long row = item / supers_per_row, s = item - row * supers_per_row;
+    const long lo = s * kGaeSuper, hi = lo + kGaeSuper < chunks ? lo + kGaeSuper : chunks;
+    supers[item] = ppo_kernels::compose_maps<kGaeSuper>(maps + row * chunks, hi - 1, static_cast<int>(hi - lo));
+  }
+};
+
+template <class T>
+struct GaeChainSupers {
+  const ppo_kernels::GaeChunkMap<T>* supers;  // [rows, supers]
+  T* super_carry;                             // [rows, supers, 2]
+  long supers_per_row;
+  MRR_HOST_DEVICE void operator()(long row) const {
+    T next_value = 0, last_gae = 0;
+    ppo_kernels::chain_maps<kGaeSuper>(supers + row * supers_per_row, super_carry + 2 * row * supers_per_row,
+                                       supers_per_row - 1, supers_per_row, next_value, last_gae);
+  }
+};
+
+template <class T>
+struct GaeChainChunks {
+  const ppo_kernels::GaeChunkMap<T>* maps;  // [rows, chunks]
+  const T* super_carry;                     // [rows, supers, 2]
+  T* carry;                                 // [rows, chunks, 2]
+  long chunks, supers_per_row;
+  MRR_HOST_DEVICE void operator()(long item) const {
+    const long row = item / supers_per_row, s = item - row * supers_per_row;
+    const long lo = s * kGaeSuper, hi = lo + kGaeSuper < chunks ? lo + kGaeSuper : chunks;
+    T next_value = super_carry[2 * item], last_gae = super_carry[2 * item + 1];
+    ppo_kernels::chain_maps<kGaeSuper>(maps + row * chunks, carry + 2 * row * chunks, hi - 1, hi - lo, next_value,
+                                       last_gae);
+  }
+};
+
+template <class T>
+struct GaeChunkSteps {
+  GaeViews<T> g;
+  const T* carry;
+  ppo_kernels::Moments* parts;  // [rows, chunks]: the chunk's advantages' masked moments
+  long chunks;
+  MRR_HOST_DEVICE void operator()(long item) const {
+    long row, lo;
+    int len;
+    chunk_bounds(item, chunks, g.cols, row, lo, len);
+    T* adv = g.advantages + row * g.advantages_stride;
+    const T* mask = g.mask + row * g.mask_stride;
+    parts[item] = ppo_kernels::gae_chunk<kGaeChunk>(
+        g.rewards + row * g.rewards_stride, g.values + row * g.values_stride, mask, adv,
+        g.returns + row * g.returns_stride, lo, len, carry[2 * item], carry[2 * item + 1], g.gamma, g.gamma_lambda);
+  }
+};
+
+// By rows (CPU threads' algorithm): kGaeRows rows per item, sequential in time, and their moments.
+template <class T>
+struct GaeRowsView {
+  GaeViews<T> g;
+  ppo_kernels::Moments* parts;  // [blocks]
+  MRR_HOST_DEVICE void operator()(long block) const {
+    const long r0 = block * kGaeRows, r1 = r0 + kGaeRows < g.rows ? r0 + kGaeRows : g.rows;
+    for (long r = r0; r < r1; ++r)
+      ppo_kernels::gae_row(g.rewards + r * g.rewards_stride, g.values + r * g.values_stride, g.mask + r * g.mask_stride,
+                           g.advantages + r * g.advantages_stride, g.returns + r * g.returns_stride, g.cols, g.gamma,
+                           g.gamma_lambda);
+    parts[block] = ppo_kernels::masked_moments(g.advantages + r0 * g.advantages_stride, g.advantages_stride,
+                                               g.mask + r0 * g.mask_stride, g.mask_stride, r1 - r0, g.cols);
+  }
+};
+
+// One level of the moments' merge tree: out[i] = in[i fan, (i + 1) fan) merged in order. A fixed
+// tree for a given count of parts: the same bits on any executor and thread count.
+inline constexpr long kMomentsFan = 8;  // short serial merges, more work items
+
+struct MergeMoments {
+  const ppo_kernels::Moments* in;
+  ppo_kernels::Moments* out;
+  long n;
+  MRR_HOST_DEVICE void operator()(long i) const {
+    ppo_kernels::Moments total;
+    const long end = (i + 1) * kMomentsFan < n ? (i + 1) * kMomentsFan : n;
+    for (long j = i * kMomentsFan; j < end; ++j)
+      ppo_kernels::merge(total, in[j]);
+    out[i] = total;
+  }
+};
+
+// verl's whitening statistics (unbiased variance) from the merged moments, or the status when the
+// mask selects no element or one.
+template <class T>
+struct WhiteningStats {
+  const ppo_kernels::Moments* total;
+  T* stats;  // mean, scale
+  DeviceStatus* status;
+  MRR_HOST_DEVICE void operator()(int) const {
+    if (total->weight == 0) {
+      status->code = status_mask_selects_none;
+      return;
+    }
+    T mean{}, variance{};
+    if (ppo_kernels::mean_and_variance<T>(*total, true, mean, variance) != ppo_kernels::Status::ok) {
+      status->code = status_mask_selects_one;
+      return;
+    }
+    stats[0] = mean;
+    stats[1] = ppo_kernels::whitening_scale(variance);
+  }
+};
+
+template <class T>
+struct WhitenView {
+  T* values;
+  long stride, cols;
+  const T* stats;
+  const DeviceStatus* status;
+  MRR_HOST_DEVICE void operator()(long i) const {
+    if (status->code != status_ok) return;
+    const long r = i / cols;
+    T& v = values[r * stride + (i - r * cols)];
+    v = ppo_kernels::whiten(v, stats[0], stats[1]);
   }
 };
 
@@ -314,16 +500,18 @@ void whiten_advantages(typename Backend::template vector<T>& advantages, const m
   ppo_detail::whiten<T, Backend>(advantages, ppo_detail::mean_and_variance<T>(moments, true, fn, "response_mask"), true);
 }
 
-// How GAE walks time: `scan` (two segmented reverse scans of affine maps, parallel over time: what
-// a GPU needs) or `rows` (the sequential recurrence, blocks of rows in parallel: what CPU threads
-// need). `automatic` picks rows on the OpenMP and host systems and scan on CUDA.
-enum class GaeAlgorithm { automatic, scan, rows };
+// How GAE walks time: `chunks` (chunks of kGaeChunk tokens: their affine maps, chained along each
+// row, then each chunk's recurrence: rows x chunks work items, what a GPU needs), `scan` (two
+// segmented reverse scans of affine maps over every token) or `rows` (the sequential recurrence,
+// blocks of rows in parallel: what CPU threads need). `automatic` picks rows on the OpenMP and host
+// systems and chunks on CUDA. chunks and scan equal rows up to floating-point reassociation.
+enum class GaeAlgorithm { automatic, scan, rows, chunks };
 
 template <class Backend>
 constexpr GaeAlgorithm resolve_gae_algorithm(GaeAlgorithm a) {
   if (a != GaeAlgorithm::automatic) return a;
 #if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
-  return std::is_same_v<Backend, ThrustBackend<ThrustHostSystem>> ? GaeAlgorithm::rows : GaeAlgorithm::scan;
+  return std::is_same_v<Backend, ThrustBackend<ThrustHostSystem>> ? GaeAlgorithm::rows : GaeAlgorithm::chunks;
 #else
   return GaeAlgorithm::rows;
 #endif
@@ -375,8 +563,152 @@ mrr::kernels::ppo::Moments gae_scan(const typename Backend::template vector<T>& 
 
 }  // namespace ppo_detail
 
+// ---- GAE on the caller's memory, stream and workspace (DESIGN.md section 11) ----
+
+namespace ppo_detail {
+
+// Sizes of the merge tree's levels above `parts` parts (each ceil(n / kMomentsFan)), and their sum.
+inline long moments_tree_size(long parts) {
+  long total = 0;
+  for (long n = parts; n > 1;) {
+    n = (n + kernels::kMomentsFan - 1) / kernels::kMomentsFan;
+    total += n;
+  }
+  return total;
+}
+
+inline long gae_supers_per_row(long cols) {
+  const long chunks = (cols + kernels::kGaeChunk - 1) / kernels::kGaeChunk;
+  return (chunks + kernels::kGaeSuper - 1) / kernels::kGaeSuper;
+}
+
+inline long gae_parts(long rows, long cols, GaeAlgorithm resolved) {
+  return resolved == GaeAlgorithm::chunks ? rows * ((cols + kernels::kGaeChunk - 1) / kernels::kGaeChunk)
+                                          : (rows + kernels::kGaeRows - 1) / kernels::kGaeRows;
+}
+
+}  // namespace ppo_detail
+
+// Workspace of the GAE view for [rows, cols] (algorithm: chunks or rows; automatic picks chunks
+// on CUDA, rows elsewhere).
+template <class T>
+std::size_t gae_workspace_bytes(long rows, long cols, GaeAlgorithm algorithm = GaeAlgorithm::automatic) {
+  const GaeAlgorithm resolved = resolve_gae_algorithm<ThrustDeviceBackend>(algorithm);
+  const auto parts = static_cast<std::size_t>(ppo_detail::gae_parts(rows, cols, resolved));
+  std::size_t bytes = detail::workspace_array_bytes<mrr::kernels::ppo::Moments>(parts) +
+                      detail::workspace_array_bytes<mrr::kernels::ppo::Moments>(
+                          static_cast<std::size_t>(ppo_detail::moments_tree_size(static_cast<long>(parts))) + 1) +
+                      detail::workspace_array_bytes<T>(2);
+  if (resolved == GaeAlgorithm::chunks) {
+    const auto supers = static_cast<std::size_t>(rows) * static_cast<std::size_t>(ppo_detail::gae_supers_per_row(cols));
+    bytes += detail::workspace_array_bytes<mrr::kernels::ppo::GaeChunkMap<T>>(parts) +
+             detail::workspace_array_bytes<T>(2 * parts) +
+             detail::workspace_array_bytes<mrr::kernels::ppo::GaeChunkMap<T>>(supers) +
+             detail::workspace_array_bytes<T>(2 * supers);
+  }
+  return bytes;
+}
+
+// verl "gae" on views: rewards, values, mask [rows, cols] (any row strides) in; advantages
+// (whitened over the mask, verl's masked_whiten with the unbiased variance) and returns
+// (advantages + values before whitening) [rows, cols] written. Enqueued on x.stream; nothing
+// allocates or waits. A mask selecting no element or one leaves the advantages unwhitened and sets
+// *status (check_gae throws verl's error). `algorithm`: chunks (rows x chunks of 32 tokens, the
+// GPU's) or rows (sequential per row, CPU threads'); scan is the owning function's only.
+template <class T>
+void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const T> values, MatrixView<const T> mask,
+                                  double gamma, double lam, MatrixView<T> advantages, MatrixView<T> returns,
+                                  Workspace workspace, DeviceStatus* status, Execution x = {},
+                                  GaeAlgorithm algorithm = GaeAlgorithm::automatic) {
+  constexpr const char* fn = "device::compute_gae_advantage_return";
+  const long rows = rewards.rows, cols = rewards.cols;
+  const GaeAlgorithm resolved = resolve_gae_algorithm<ThrustDeviceBackend>(algorithm);
+  mrr::detail::require(resolved != GaeAlgorithm::scan, fn, "the view runs GaeAlgorithm::chunks or rows, not scan");
+  mrr::detail::require(rows > 0 && cols > 0, fn, "needs at least one row and one column, got [", rows, ", ", cols, "]");
+  detail::require_view(rewards, rows, cols, fn, "rewards");
+  detail::require_view(values, rows, cols, fn, "values");
+  detail::require_view(mask, rows, cols, fn, "response_mask");
+  detail::require_view(advantages, rows, cols, fn, "advantages");
+  detail::require_view(returns, rows, cols, fn, "returns");
+  mrr::detail::require(status != nullptr, fn, "the status pointer is null");
+  using Moments = mrr::kernels::ppo::Moments;
+  detail::WorkspaceArena arena(workspace, gae_workspace_bytes<T>(rows, cols, resolved), fn);
+  auto alloc = arena.temporary_allocator();
+  const auto policy = detail::execution_policy(x, alloc);
+  detail::reset_status(status, x);
+  const kernels::GaeViews<T> g{rewards.data,
+                               values.data,
+                               mask.data,
+                               advantages.data,
+                               returns.data,
+                               rewards.row_stride,
+                               values.row_stride,
+                               mask.row_stride,
+                               advantages.row_stride,
+                               returns.row_stride,
+                               rows,
+                               cols,
+                               static_cast<T>(gamma),
+                               static_cast<T>(gamma * lam)};
+  const long parts = ppo_detail::gae_parts(rows, cols, resolved);
+  Moments* part = arena.take<Moments>(static_cast<std::size_t>(parts));
+  Moments* tree = arena.take<Moments>(static_cast<std::size_t>(ppo_detail::moments_tree_size(parts)) + 1);
+  T* stats = arena.take<T>(2);
+  using thrust::counting_iterator;
+  // Few long items are spread over more SMs on a GPU (kernels::Spread); one per item elsewhere.
+  const auto spread_each = [&](long n, long stride, auto f) {
+    if (THRUST_DEVICE_SYSTEM != THRUST_DEVICE_SYSTEM_CUDA || stride <= 1)
+      thrust::for_each(policy, counting_iterator<long>(0), counting_iterator<long>(n), f);
+    else
+      thrust::for_each(policy, counting_iterator<long>(0), counting_iterator<long>(n * stride),
+                       kernels::Spread<decltype(f)>{f, stride});
+  };
+  if (resolved == GaeAlgorithm::chunks) {
+    const long chunks = (cols + kernels::kGaeChunk - 1) / kernels::kGaeChunk;
+    const long supers_per_row = ppo_detail::gae_supers_per_row(cols), supers = rows * supers_per_row;
+    auto* maps = arena.take<mrr::kernels::ppo::GaeChunkMap<T>>(static_cast<std::size_t>(parts));
+    T* carry = arena.take<T>(2 * static_cast<std::size_t>(parts));
+    auto* super_maps = arena.take<mrr::kernels::ppo::GaeChunkMap<T>>(static_cast<std::size_t>(supers));
+    T* super_carry = arena.take<T>(2 * static_cast<std::size_t>(supers));
+    spread_each(parts, 4, kernels::GaeChunkMaps<T>{g, maps, chunks});
+    spread_each(supers, 16, kernels::GaeComposeSupers<T>{maps, super_maps, chunks, supers_per_row});
+    spread_each(rows, 32, kernels::GaeChainSupers<T>{super_maps, super_carry, supers_per_row});
+    spread_each(supers, 16, kernels::GaeChainChunks<T>{maps, super_carry, carry, chunks, supers_per_row});
+    spread_each(parts, 4, kernels::GaeChunkSteps<T>{g, carry, part, chunks});
+  } else {
+    thrust::for_each(policy, counting_iterator<long>(0), counting_iterator<long>(parts),
+                     kernels::GaeRowsView<T>{g, part});
+  }
+  // The merge tree: each level's parts after the previous level's, the total last.
+  const Moments* level = part;
+  Moments* next = tree;
+  for (long n = parts; n > 1;) {
+    const long m = (n + kernels::kMomentsFan - 1) / kernels::kMomentsFan;
+    spread_each(m, 8, kernels::MergeMoments{level, next, n});
+    level = next;
+    next += m;
+    n = m;
+  }
+  thrust::for_each(policy, counting_iterator<int>(0), counting_iterator<int>(1),
+                   kernels::WhiteningStats<T>{level, stats, status});
+  thrust::for_each(policy, counting_iterator<long>(0), counting_iterator<long>(rows * cols),
+                   kernels::WhitenView<T>{advantages.data, advantages.row_stride, cols, stats, status});
+}
+
+// Synchronises x.stream and throws verl's error if the GAE view's mask selected no element or one.
+inline void check_gae(const DeviceStatus* status, Execution x = {}) {
+  const DeviceStatus s = read_status(status, x);
+  constexpr const char* fn = "device::compute_gae_advantage_return";
+  mrr::detail::require(s.code != status_mask_selects_none, fn,
+                       "'response_mask' selects no element; whitening is undefined");
+  mrr::detail::require(s.code != status_mask_selects_one, fn, "'response_mask' selects a single element; ",
+                       "the unbiased variance divides by zero");
+  mrr::detail::require(s.code == status_ok, fn, "unknown device status ", s.code);
+}
+
 // verl "gae": advantages whitened over the mask (every element), returns = advantages + values
-// before whitening. Inputs [rows, cols].
+// before whitening. Inputs [rows, cols]. GaeAlgorithm::chunks runs the view above (on a host
+// backend, which has no view, the rows).
 template <class T, class Backend = ThrustDeviceBackend>
 AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend::template vector<T>& rewards,
                                                          const typename Backend::template vector<T>& values,
@@ -390,9 +722,23 @@ AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend:
   AdvantageResult<T, Backend> out{typename Backend::template vector<T>(static_cast<std::size_t>(n)),
                                   typename Backend::template vector<T>(static_cast<std::size_t>(n))};
   const T g = static_cast<T>(gamma), gl = static_cast<T>(gamma * lam);
-  const auto moments = resolve_gae_algorithm<Backend>(algorithm) == GaeAlgorithm::rows
-                           ? ppo_detail::gae_rows<T, Backend>(rewards, values, mask, cols, g, gl, out)
-                           : ppo_detail::gae_scan<T, Backend>(rewards, values, mask, cols, g, gl, out);
+  const GaeAlgorithm resolved = resolve_gae_algorithm<Backend>(algorithm);
+  if (resolved == GaeAlgorithm::chunks && Backend::is_device && n > 0) {
+    const auto raw = [](auto& v) { return thrust::raw_pointer_cast(v.data()); };
+    const long rows = n / cols;
+    const std::size_t bytes = gae_workspace_bytes<T>(rows, cols, resolved);
+    const detail::OwnedWorkspace<decltype(Backend::policy())> workspace(Backend::policy(), bytes);
+    typename Backend::template vector<DeviceStatus> status(1);
+    compute_gae_advantage_return<T>(
+        matrix_view<const T>(raw(rewards), rows, cols), matrix_view<const T>(raw(values), rows, cols),
+        matrix_view<const T>(raw(mask), rows, cols), gamma, lam, matrix_view<T>(raw(out.advantages), rows, cols),
+        matrix_view<T>(raw(out.returns), rows, cols), workspace.get(), raw(status), {}, resolved);
+    check_gae(raw(status));
+    return out;
+  }
+  const auto moments = resolved == GaeAlgorithm::scan
+                           ? ppo_detail::gae_scan<T, Backend>(rewards, values, mask, cols, g, gl, out)
+                           : ppo_detail::gae_rows<T, Backend>(rewards, values, mask, cols, g, gl, out);
   whiten_advantages<T, Backend>(out.advantages, moments, fn);
   return out;
 }

@@ -8,6 +8,7 @@
 
 #include <mrr/detail/config.hpp>
 #include <mrr/kernels/ppo/common.hpp>
+#include <mrr/kernels/ppo/masked.hpp>
 
 #include <cmath>
 
@@ -65,6 +66,160 @@ MRR_HOST_DEVICE inline void gae_row(const T* rewards, const T* values, const T* 
     advantages[j] = last_gae;
     returns[j] = last_gae + values[j];
   }
+}
+
+// GAE over a row cut into chunks of time (a GPU's algorithm: rows x chunks independent work items).
+// A chunk's effect on what it carries out (backwards in time: the values at its first token) is
+// affine in what it receives (at its last token): next_value_out = alpha nv_in + beta and
+// last_gae_out = p gae_in + q nv_in + r, found by running the chunk's steps on the coefficients.
+// Chaining the chunks' maps along a row gives every chunk's carry-in; each chunk then runs
+// gae_step from it, as gae_row does. The carry-ins come from composed maps, so results equal the
+// sequential recurrence up to floating-point reassociation (as the scan's), the same for any
+// thread count.
+template <class T>
+struct GaeChunkMap {
+  T alpha, beta, p, q, r;
+};
+
+// A chunk of at most N tokens staged in registers: every load is issued before the recurrence
+// runs, so a GPU thread waits for memory once per chunk rather than once per token (N is a
+// compile-time bound, so the arrays stay in registers; `len` <= N tokens are real).
+template <int N, class T>
+struct GaeChunkData {
+  T reward[N], value[N], mask[N];
+  MRR_HOST_DEVICE GaeChunkData(const T* rewards, const T* values, const T* masks, long lo, int len) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int i = 0; i < N; ++i) {
+      const bool in = i < len;
+      reward[i] = in ? rewards[lo + i] : T(0);
+      value[i] = in ? values[lo + i] : T(0);
+      mask[i] = in ? masks[lo + i] : T(0);
+    }
+  }
+};
+
+template <int N, class T>
+MRR_HOST_DEVICE inline GaeChunkMap<T> gae_chunk_map(const T* rewards, const T* values, const T* mask, long lo, int len,
+                                                    T gamma, T gamma_lambda) {
+  const GaeChunkData<N, T> d(rewards, values, mask, lo, len);
+  GaeChunkMap<T> f{T(1), T(0), T(1), T(0), T(0)};  // the identity
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = N - 1; j >= 0; --j) {
+    if (j >= len) continue;
+    const T m = d.mask[j], one_minus = T(1) - d.mask[j];
+    const T a = m * gamma_lambda + one_minus;  // the advantage map's slope (gae_advantage_map)
+    // last_gae = a last_gae' + m (r + gamma next_value' - v), next_value' = alpha nv_in + beta.
+    f.p = a * f.p;
+    f.q = a * f.q + m * gamma * f.alpha;
+    f.r = a * f.r + m * (d.reward[j] + gamma * f.beta - d.value[j]);
+    // next_value = (1 - m) next_value' + m v (gae_next_value_map).
+    f.alpha = one_minus * f.alpha;
+    f.beta = one_minus * f.beta + m * d.value[j];
+  }
+  return f;
+}
+
+// The map of two consecutive stretches of a row: `later` (nearer the row's end) applied first,
+// then `earlier`, as one map (for chaining superchunks of chunks).
+template <class T>
+MRR_HOST_DEVICE inline GaeChunkMap<T> compose(const GaeChunkMap<T>& later, const GaeChunkMap<T>& earlier) {
+  return {earlier.alpha * later.alpha, earlier.alpha * later.beta + earlier.beta, earlier.p * later.p,
+          earlier.p * later.q + earlier.q * later.alpha, earlier.p * later.r + earlier.q * later.beta + earlier.r};
+}
+
+// The carries a chunk hands to the one before it.
+template <class T>
+MRR_HOST_DEVICE inline void apply(const GaeChunkMap<T>& f, T& next_value, T& last_gae) {
+  const T nv = f.alpha * next_value + f.beta;
+  last_gae = f.p * last_gae + f.q * next_value + f.r;
+  next_value = nv;
+}
+
+// GAE over tokens [lo, lo + len) of one sequence from the carries received at its end (gae_row's
+// steps, on the staged chunk); returns the chunk's advantages' masked moments, the arithmetic of
+// masked_moments over those len tokens, from registers.
+template <int N, class T>
+MRR_HOST_DEVICE inline Moments gae_chunk(const T* rewards, const T* values, const T* mask, T* advantages, T* returns,
+                                         long lo, int len, T next_value, T last_gae, T gamma, T gamma_lambda) {
+  const GaeChunkData<N, T> d(rewards, values, mask, lo, len);
+  T adv[N];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = N - 1; j >= 0; --j) {
+    adv[j] = T(0);
+    if (j >= len) continue;
+    gae_step<T, T>(d.reward[j], d.value[j], d.mask[j], T(1), gamma, gamma_lambda, next_value, last_gae);
+    adv[j] = last_gae;
+    advantages[lo + j] = last_gae;
+    returns[lo + j] = last_gae + d.value[j];
+  }
+  double weight = 0, sum = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < N; ++j)
+    if (j < len) {
+      weight += static_cast<double>(d.mask[j]);
+      if (d.mask[j] != T(0)) sum += masked_value<double>(adv[j], d.mask[j]);
+    }
+  if (weight == 0) return {};
+  const double mean = sum / weight;
+  double m2 = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < N; ++j)
+    if (j < len && d.mask[j] != T(0)) m2 += masked_centered_square<double>(adv[j], d.mask[j], mean);
+  return {weight, mean, m2};
+}
+
+// Applies maps[last], maps[last - 1], ... (count of them, walking back along the row) to the
+// carries, writing each one's carry-in first (carry[2 c], carry[2 c + 1]). Maps are read N at a
+// time before they are applied, so the loads overlap and only the carries form a chain.
+template <int N, class T>
+MRR_HOST_DEVICE inline void chain_maps(const GaeChunkMap<T>* maps, T* carry, long last, long count, T& next_value,
+                                       T& last_gae) {
+  for (long done = 0; done < count; done += N) {
+    GaeChunkMap<T> f[N];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int i = 0; i < N; ++i)
+      f[i] = done + i < count ? maps[last - done - i] : GaeChunkMap<T>{};
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int i = 0; i < N; ++i) {
+      if (done + i >= count) break;
+      const long c = last - done - i;
+      carry[2 * c] = next_value;
+      carry[2 * c + 1] = last_gae;
+      apply(f[i], next_value, last_gae);
+    }
+  }
+}
+
+// The composed map of maps[last], maps[last - 1], ... (count of them, count <= N), read together.
+template <int N, class T>
+MRR_HOST_DEVICE inline GaeChunkMap<T> compose_maps(const GaeChunkMap<T>* maps, long last, int count) {
+  GaeChunkMap<T> f[N];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < N; ++i)
+    f[i] = i < count ? maps[last - i] : GaeChunkMap<T>{};
+  GaeChunkMap<T> total{T(1), T(0), T(1), T(0), T(0)};  // the identity
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < N; ++i)
+    if (i < count) total = compose(total, f[i]);
+  return total;
 }
 
 // Mean and unbiased standard deviation (torch.std) of a group's scores, members given by index,
