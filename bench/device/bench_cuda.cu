@@ -10,6 +10,7 @@
 #include <mrr/thrust/routing.hpp>
 
 #include <cuda_runtime.h>
+#include <thrust/host_vector.h>
 
 #include <algorithm>
 #include <cmath>
@@ -217,8 +218,34 @@ int run(long divisor) {
          replay_bytes, gating("replay_gather_eager_us"));
 
   mrr::device::TopKRouter<float> ds(mrr::presets::deepseek_v3(E, k, 8, 4, true, 2.5));
+  std::vector<float> host_bias(static_cast<std::size_t>(E));
+  for (int e = 0; e < E; ++e)
+    host_bias[static_cast<std::size_t>(e)] = 0.01f * static_cast<float>(e % 7);
+  ds.set_expert_bias(host_bias);
+  const thrust::device_vector<float> ds_bias(host_bias.begin(), host_bias.end());
   report("DeepSeek-V3 grouped sigmoid + bias, thrust", median_ms([&] { (void)ds.route(z); }), route_bytes,
          gating("ds_grouped_eager_us"));
+  report("  fused warp-per-token kernel (group limits in registers)", median_ms([&] {
+           cuda_ok(mrr::cuda::fused_route_replay(
+                       ds.params(), thrust::raw_pointer_cast(z.data()), thrust::raw_pointer_cast(ds_bias.data()),
+                       nullptr, nullptr, T, thrust::raw_pointer_cast(ids.data()), thrust::raw_pointer_cast(w.data())),
+                   "fused_route_replay (grouped)");
+         }),
+         route_bytes, gating("ds_grouped_eager_us"));
+  {
+    const auto thrust_ids = ds.route(z).ids;
+    long same = 0;
+    const thrust::host_vector<std::int32_t> a(thrust_ids), b(ids);
+    for (long t = 0; t < T; ++t) {
+      bool row = true;
+      for (int j = 0; j < k; ++j)
+        row = row && a[static_cast<std::size_t>(t * k + j)] == b[static_cast<std::size_t>(t * k + j)];
+      same += row ? 1 : 0;
+    }
+    std::printf("  fused grouped ids equal the Thrust path's in %ld of %ld rows\n", same, T);
+    // The softmax routes again: the buffers below (replay) read them.
+    fused(nullptr, thrust::raw_pointer_cast(ids.data()));
+  }
   report("  view API route (row kernel, caller buffers)",
          median_ms([&] { ds.route(mrr::device::Execution{}, zv, idv, wv, st, workspace); }), route_bytes,
          gating("ds_grouped_eager_us"));
@@ -233,6 +260,30 @@ int run(long divisor) {
   report("permutation T=65536 k=8 E=256 (count, scan, place), thrust",
          median_ms([&] { (void)mrr::device::make_expert_permutation(ids, T, k, E); }, 11),
          slots * 4 * 2 + slots * 4 * 2, NAN);
+  {
+    // The view API on caller buffers: the radix sort (CUB, the CUDA default) and the counting sort
+    // (the OpenMP system's algorithm) side by side.
+    using mrr::device::PermutationAlgorithm;
+    thrust::device_vector<std::int32_t> st(static_cast<std::size_t>(T) * k), ros(st.size()), off(E + 1);
+    thrust::device_vector<mrr::device::DeviceStatus> pst(1);
+    const mrr::device::PermutationView pv{thrust::raw_pointer_cast(st.data()),
+                                          thrust::raw_pointer_cast(ros.data()),
+                                          thrust::raw_pointer_cast(off.data()),
+                                          T,
+                                          k,
+                                          E};
+    for (const auto algorithm : {PermutationAlgorithm::radix_sort, PermutationAlgorithm::counting}) {
+      thrust::device_vector<unsigned char> pws(mrr::device::permutation_workspace_bytes(T, k, E, algorithm));
+      const mrr::device::Workspace w{thrust::raw_pointer_cast(pws.data()), pws.size()};
+      report(algorithm == PermutationAlgorithm::radix_sort ? "  view API, radix sort (caller buffers)"
+                                                           : "  view API, counting sort (caller buffers)",
+             median_ms([&] {
+               mrr::device::make_expert_permutation(given, nullptr, pv, w, thrust::raw_pointer_cast(pst.data()), {},
+                                                    algorithm);
+             }),
+             slots * 4 * 2 + slots * 4 * 2, NAN);
+    }
+  }
   const auto p = mrr::device::make_expert_permutation(ids, T, k, E);
   mrr::device::permute_tokens<std::uint16_t>(x, H, p, permuted);  // sized once: kept buffer
   report("permute T=65536 H=2048 k=8 (2-byte), into a kept buffer, thrust",
@@ -240,13 +291,50 @@ int run(long divisor) {
          slots * static_cast<double>(H) * 2 * 2,
          divisor == 1 ? baseline(json, "permute", {{"T", 65536}, {"H", 2048}}, "permute_eager_us") : NAN);
 
+  {
+    const auto pv = p.view();
+    const auto xin = mrr::device::matrix_view<const std::uint16_t>(thrust::raw_pointer_cast(x.data()), T, H);
+    const auto xout = mrr::device::matrix_view<std::uint16_t>(thrust::raw_pointer_cast(permuted.data()), T * k, H);
+    report("  view API permute (16-byte units, caller buffers)",
+           median_ms([&] { mrr::device::permute_tokens<std::uint16_t>(xin, pv, xout); }, 11),
+           slots * static_cast<double>(H) * 2 * 2,
+           divisor == 1 ? baseline(json, "permute", {{"T", 65536}, {"H", 2048}}, "permute_eager_us") : NAN);
+    const auto xodd = mrr::device::matrix_view<const std::uint16_t>(thrust::raw_pointer_cast(x.data()), T, H - 1, H);
+    const auto oodd =
+        mrr::device::matrix_view<std::uint16_t>(thrust::raw_pointer_cast(permuted.data()), T * k, H - 1, H);
+    report("  view API permute, H-1 columns (element by element)",
+           median_ms([&] { mrr::device::permute_tokens<std::uint16_t>(xodd, pv, oodd); }, 11),
+           slots * static_cast<double>(H - 1) * 2 * 2, NAN);
+  }
+
   const long B = 512 / divisor > 0 ? 512 / divisor : 1, L = 4096;
   thrust::device_vector<float> r(static_cast<std::size_t>(B * L), 0.1f), v(r.size(), 0.2f), m(r.size(), 1.f);
-  report("GAE B=512 L=4096 (float), thrust scan", median_ms([&] {
-           (void)mrr::device::compute_gae_advantage_return<float>(r, v, m, L, 0.99, 0.95);
-         }, 11),
-         static_cast<double>(B * L) * 4 * 5,  // rewards, values, mask in; advantages, returns out
-         divisor == 1 ? baseline(json, "gae", {{"B", 512}, {"L", 4096}}, "gae_verl_loop_us") : NAN);
+  const double gae_bytes = static_cast<double>(B * L) * 4 * 5;  // rewards, values, mask in; advantages, returns out
+  const double gae_eager = divisor == 1 ? baseline(json, "gae", {{"B", 512}, {"L", 4096}}, "gae_verl_loop_us") : NAN;
+  for (const auto algorithm : {mrr::device::GaeAlgorithm::chunks, mrr::device::GaeAlgorithm::scan})
+    report(algorithm == mrr::device::GaeAlgorithm::chunks ? "GAE B=512 L=4096 (float), owning, chunks of time"
+                                                          : "GAE B=512 L=4096 (float), owning, thrust scan",
+           median_ms([&] { (void)mrr::device::compute_gae_advantage_return<float>(r, v, m, L, 0.99, 0.95, algorithm); },
+                     11),
+           gae_bytes, gae_eager);
+  {
+    // The view: caller buffers and workspace, no allocation, no synchronisation in the timed call.
+    thrust::device_vector<float> adv(r.size()), ret(r.size());
+    thrust::device_vector<unsigned char> gws(mrr::device::gae_workspace_bytes<float>(B, L));
+    thrust::device_vector<mrr::device::DeviceStatus> gst(1);
+    const auto view = [&](const thrust::device_vector<float>& d) {
+      return mrr::device::matrix_view<const float>(thrust::raw_pointer_cast(d.data()), B, L);
+    };
+    const auto run_view = [&] {
+      mrr::device::compute_gae_advantage_return<float>(
+          view(r), view(v), view(m), 0.99, 0.95, mrr::device::matrix_view(thrust::raw_pointer_cast(adv.data()), B, L),
+          mrr::device::matrix_view(thrust::raw_pointer_cast(ret.data()), B, L),
+          mrr::device::Workspace{thrust::raw_pointer_cast(gws.data()), gws.size()},
+          thrust::raw_pointer_cast(gst.data()));
+    };
+    report("  view API, chunks of time (caller buffers)", median_ms(run_view, 11), gae_bytes, gae_eager);
+    mrr::device::check_gae(thrust::raw_pointer_cast(gst.data()));
+  }
   cuda_ok(cudaDeviceSynchronize(), "end");
   return 0;
 }
