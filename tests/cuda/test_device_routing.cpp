@@ -14,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -24,6 +25,25 @@ mrr::RowMatrix<float> logits(int rows, int experts, unsigned seed, bool with_tie
   mrr::RowMatrix<float> z(rows, experts);
   for (Eigen::Index i = 0; i < z.size(); ++i) z.data()[i] = with_ties ? std::round(2 * n(rng)) / 2 : n(rng);
   return z;
+}
+
+// The fused kernel's routing against the CPU router's: every row routed (status 0), the number
+// of rows whose ids differ, and the largest weight difference over the rows whose ids agree.
+std::pair<long, double> against_host(const mrr::test::FusedRoute& dev, const mrr::Routing<float>& host) {
+  const Eigen::Index rows = host.ids.rows(), k = host.ids.cols();
+  long differing = 0;
+  double worst = 0;
+  for (Eigen::Index t = 0; t < rows; ++t) {
+    CHECK(dev.status[static_cast<std::size_t>(t)] == 0);
+    bool same = true;
+    for (Eigen::Index j = 0; j < k; ++j) same = same && dev.ids[static_cast<std::size_t>(t * k + j)] == host.ids(t, j);
+    differing += same ? 0 : 1;
+    if (same)
+      for (Eigen::Index j = 0; j < k; ++j)
+        worst = std::max(worst, static_cast<double>(
+                                    std::abs(dev.weights[static_cast<std::size_t>(t * k + j)] - host.weights(t, j))));
+  }
+  return {differing, worst};
 }
 
 }  // namespace
@@ -108,18 +128,7 @@ TEST_CASE("fused routing kernel: ids equal the CPU router's, weights within 1e-5
       const auto host = cpu.route(z);
       const auto dev = mrr::test::device_fused_route(cfg, z.data(), rows, bias ? b.data() : nullptr, nullptr, nullptr);
       REQUIRE(dev.error == "");
-      long differing = 0;
-      double worst = 0;
-      for (Eigen::Index t = 0; t < rows; ++t) {
-        CHECK(dev.status[static_cast<std::size_t>(t)] == 0);
-        bool same = true;
-        for (int j = 0; j < shape.k; ++j) same = same && dev.ids[static_cast<std::size_t>(t * shape.k + j)] == host.ids(t, j);
-        differing += same ? 0 : 1;
-        if (same)
-          for (int j = 0; j < shape.k; ++j)
-            worst = std::max(worst, static_cast<double>(std::abs(dev.weights[static_cast<std::size_t>(t * shape.k + j)] -
-                                                                 host.weights(t, j))));
-      }
+      const auto [differing, worst] = against_host(dev, host);
       // Selection on logits compares the same fp32 values: identical ids. Sigmoid + bias selects on
       // the host's vectorised exp: a last-bit difference may reorder a near-tie.
       MESSAGE(differing << " of " << rows << " rows differ");
@@ -173,7 +182,7 @@ TEST_CASE("fused routing kernel: group-limited routing (DeepSeek-V3, HF and Mega
                         Case{mrr::presets::deepseek_v3(256, 8, 4, 1, true, 1.0), "HF, groups of 64, top 1 group"},
                         Case{one_top, "Megatron, group score = its top 1"}}) {
     CAPTURE(c.name);
-    const int experts = c.cfg.num_experts, k = c.cfg.topk;
+    const int experts = c.cfg.num_experts;
     const long rows = 2003;
     auto z = logits(static_cast<int>(rows), experts, 77u + static_cast<unsigned>(experts), false);
     mrr::TopKRouter<float> cpu(c.cfg);
@@ -184,19 +193,7 @@ TEST_CASE("fused routing kernel: group-limited routing (DeepSeek-V3, HF and Mega
     const auto host = cpu.route(z);
     const auto dev = mrr::test::device_fused_route(c.cfg, z.data(), rows, b.data(), nullptr, nullptr);
     REQUIRE(dev.error == "");
-    long differing = 0;
-    double worst = 0;
-    for (Eigen::Index t = 0; t < rows; ++t) {
-      CHECK(dev.status[static_cast<std::size_t>(t)] == 0);
-      bool same = true;
-      for (int j = 0; j < k; ++j)
-        same = same && dev.ids[static_cast<std::size_t>(t * k + j)] == host.ids(t, j);
-      differing += same ? 0 : 1;
-      if (same)
-        for (int j = 0; j < k; ++j)
-          worst = std::max(worst, static_cast<double>(
-                                      std::abs(dev.weights[static_cast<std::size_t>(t * k + j)] - host.weights(t, j))));
-    }
+    const auto [differing, worst] = against_host(dev, host);
     MESSAGE(c.name << ": " << differing << " of " << rows << " rows differ");
     CHECK(differing <= rows / 100);
     CHECK(worst <= 1e-5 * c.cfg.scaling_factor.value_or(1.0));
