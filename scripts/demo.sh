@@ -44,7 +44,10 @@ if [[ "${1:-}" == full ]]; then
   done
   jobs_max="${MRR_DEMO_JOBS:-1}"
   start=$SECONDS
-  for seed in "${seeds[@]}"; do
+  # MRR_DEMO_GRID_TABLE_ONLY=1: no training, the table of the CSVs already in $out (a grid trained
+  # in parts).
+  [[ "${MRR_DEMO_GRID_TABLE_ONLY:-0}" == 1 ]] && seeds_to_train=() || seeds_to_train=("${seeds[@]}")
+  for seed in "${seeds_to_train[@]}"; do
     for regime in "${regimes[@]}"; do
       for gm in "${grid_modes[@]}"; do
         tis=(); mode="${gm%+TIS}"
