@@ -102,29 +102,11 @@ struct WriteAdvantage {
   }
 };
 
-// GAE for a block of kGaeRows rows by the sequential recurrence (kernels::ppo::gae_row), one row
-// after the other (rows of a power-of-two length sit at the same cache set: interleaving them
-// thrashes L1), then the block's masked moments of the advantages for the whitening statistics.
-// The OpenMP system's algorithm: rows are spread over threads, time stays sequential.
+// GAE runs kGaeRows rows per work item on CPU threads (kernels::GaeRowsView, below): the sequential
+// recurrence (kernels::ppo::gae_row), one row after the other (rows of a power-of-two length sit at the same cache set:
+// interleaving them thrashes L1), then the block's masked moments of the advantages for the whitening statistics. The
+// OpenMP system's algorithm: rows are spread over threads, time stays sequential.
 inline constexpr int kGaeRows = 8;
-
-template <class T>
-struct GaeRowBlock {
-  const T *rewards, *values, *mask;
-  T *advantages, *returns;
-  ppo_kernels::Moments* moments;  // [blocks]
-  long rows, cols;
-  T gamma, gamma_lambda;
-  MRR_HOST_DEVICE void operator()(long block) const {
-    const long r0 = block * kGaeRows, r1 = r0 + kGaeRows < rows ? r0 + kGaeRows : rows;
-    for (long r = r0; r < r1; ++r) {
-      const long at = r * cols;
-      ppo_kernels::gae_row(rewards + at, values + at, mask + at, advantages + at, returns + at, cols, gamma,
-                           gamma_lambda);
-    }
-    moments[block] = ppo_kernels::masked_moments(advantages + r0 * cols, cols, mask + r0 * cols, cols, r1 - r0, cols);
-  }
-};
 
 // Item i of f run as item i * stride of a `stride` times longer range (the others do nothing).
 // Thrust's CUDA for_each gives n items about n / 512 blocks; work items that are few and long
@@ -519,7 +501,7 @@ constexpr GaeAlgorithm resolve_gae_algorithm(GaeAlgorithm a) {
 
 namespace ppo_detail {
 
-// GAE by rows (kernels::GaeRowBlock); returns the advantages' masked moments, merged in block order
+// GAE by rows (kernels::GaeRowsView); returns the advantages' masked moments, merged in block order
 // (kernels::ppo::merge): the same bits for any thread count.
 template <class T, class Backend>
 mrr::kernels::ppo::Moments gae_rows(const typename Backend::template vector<T>& rewards,
@@ -529,8 +511,9 @@ mrr::kernels::ppo::Moments gae_rows(const typename Backend::template vector<T>& 
   const long rows = static_cast<long>(rewards.size()) / cols, blocks = (rows + kernels::kGaeRows - 1) / kernels::kGaeRows;
   typename Backend::template vector<mrr::kernels::ppo::Moments> moments(static_cast<std::size_t>(blocks));
   thrust::for_each(Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(blocks),
-                   kernels::GaeRowBlock<T>{raw(rewards), raw(values), raw(mask), raw(out.advantages), raw(out.returns),
-                                           raw(moments), rows, cols, gamma, gamma_lambda});
+                   kernels::GaeRowsView<T>{{raw(rewards), raw(values), raw(mask), raw(out.advantages), raw(out.returns),
+                                            cols, cols, cols, cols, cols, rows, cols, gamma, gamma_lambda},
+                                           raw(moments)});
   const thrust::host_vector<mrr::kernels::ppo::Moments> h(moments);
   mrr::kernels::ppo::Moments total;
   for (const auto& m : h) mrr::kernels::ppo::merge(total, m);
