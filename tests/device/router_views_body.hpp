@@ -237,6 +237,41 @@ RouterViewReport run_router_view_checks(const RouterViewInputs& in, long (*count
     expect_throw([&] { router.check_route(exec, bz, out32, w, status.data(), ws); }, "logits row 5 has nan at expert 2",
                  "check_route of a NaN row");
   }
+
+  // At a trainer's batch size, with the workspace workspace_bytes asks for: a clean batch passes
+  // its check; with two bad rows the check names the lower one (whatever order rows ran in).
+  {
+    const long big = 70000;
+    std::vector<float> host(static_cast<std::size_t>(big * E));
+    std::uint32_t state = 12345;
+    for (auto& x : host) {
+      state = state * 1664525u + 1013904223u;
+      x = static_cast<float>(state >> 8) * (1.0f / 16777216.0f) * 8.0f - 4.0f;
+    }
+    typename Mem::template Buffer<float> big_logits(host);
+    typename Mem::template Buffer<std::int64_t> big_ids(static_cast<std::size_t>(big * k));
+    typename Mem::template Buffer<float> big_w(static_cast<std::size_t>(big * k));
+    typename Mem::template Buffer<std::uint8_t> big_status(static_cast<std::size_t>(big));
+    const std::size_t bytes = device::TopKRouter<float>::workspace_bytes(big);
+    typename Mem::template Buffer<char> big_ws_buffer(bytes);
+    const Workspace big_ws{big_ws_buffer.data(), bytes};
+    const MatrixView<const float> bz(big_logits.data(), big, E);
+    const MatrixView<std::int64_t> bi(big_ids.data(), big, k);
+    const MatrixView<float> bw(big_w.data(), big, k);
+    try {
+      router.route(exec, bz, bi, bw, big_status.data(), big_ws);
+      router.check_route(exec, bz, bi, bw, big_status.data(), big_ws);
+    } catch (const std::exception& e) {
+      report.failures.push_back(std::string("check_route of a clean batch of 70000 rows threw: ") + e.what());
+    }
+    host[static_cast<std::size_t>(69999 * E + 1)] = nan;
+    host[static_cast<std::size_t>(50001 * E + 3)] = nan;
+    typename Mem::template Buffer<float> poisoned(host);
+    const MatrixView<const float> pz(poisoned.data(), big, E);
+    router.route(exec, pz, bi, bw, big_status.data(), big_ws);
+    expect_throw([&] { router.check_route(exec, pz, bi, bw, big_status.data(), big_ws); },
+                 "logits row 50001 has nan at expert 3", "check_route of 70000 rows, rows 50001 and 69999 bad");
+  }
   return report;
 }
 

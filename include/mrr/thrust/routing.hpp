@@ -22,6 +22,7 @@
 
 #include <cuda/std/limits>
 
+#include <thrust/fill.h>
 #include <thrust/find.h>
 #include <thrust/for_each.h>
 #include <thrust/functional.h>
@@ -32,6 +33,7 @@
 #include <thrust/transform.h>
 #include <thrust/tuple.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -212,10 +214,24 @@ struct IsBadRow {
   MRR_HOST_DEVICE bool operator()(std::uint8_t code) const { return code != row_ok; }
 };
 
-// Whether row t of a status buffer is bad (a find over row indices, for the view checks).
-struct RowIsBad {
+// Lowers *first to t when row t of a status buffer is bad: after a pass over every row, *first is
+// the lowest bad row whatever order the rows ran in (the view checks' search, in one long of
+// workspace: Thrust's find_if takes temporaries that grow with the rows on CUDA).
+struct LowerToBadRow {
   const std::uint8_t* status;
-  MRR_HOST_DEVICE bool operator()(long t) const { return status[t] != row_ok; }
+  long* first;
+  MRR_HOST_DEVICE void operator()(long t) const {
+    if (status[t] == row_ok) return;
+#if defined(__CUDA_ARCH__)
+    static_assert(sizeof(long) == sizeof(long long));
+    atomicMin(reinterpret_cast<long long*>(first), static_cast<long long>(t));
+#else
+    std::atomic_ref<long> ref(*first);
+    long seen = ref.load(std::memory_order_relaxed);
+    while (t < seen && !ref.compare_exchange_weak(seen, t, std::memory_order_relaxed)) {
+    }
+#endif
+  }
 };
 
 }  // namespace kernels
@@ -408,9 +424,8 @@ class ThrustTopKRouter {
   }
 
  private:
-  // A find over `rows` status bytes: Thrust's reduction partials, per launch block on CUDA (bounded
-  // by the grid it picks) and per thread on OpenMP; 64 KiB covers both with room to spare.
-  static constexpr std::size_t kCheckWorkspaceBytes = std::size_t{64} << 10;
+  // The search for the first bad row: one long (kernels::LowerToBadRow), whatever the rows.
+  static constexpr std::size_t kCheckWorkspaceBytes = mrr::device::kWorkspaceAlignment;
 
   void require_no_capacity(const char* fn) const {
     mrr::detail::require(!config_.capacity_factor, fn, "the config has capacity_factor = ", *config_.capacity_factor,
@@ -474,10 +489,14 @@ class ThrustTopKRouter {
                      const char* fn) const {
     if (rows == 0) return -1;
     WorkspaceAllocator alloc(workspace, fn);
+    long* first = alloc.take<long>(1);
     const auto policy = execution_policy<Backend>(exec, alloc);
-    const auto begin = thrust::counting_iterator<long>(0);
-    const auto found = thrust::find_if(policy, begin, begin + rows, kernels::RowIsBad{status});
-    return found == begin + rows ? -1 : *found;
+    thrust::fill_n(policy, first, 1, rows);
+    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(rows),
+                     kernels::LowerToBadRow{status, first});
+    long found = rows;
+    copy_to_host<Backend>(exec, first, 1, &found);  // synchronises the stream
+    return found == rows ? -1 : found;
   }
 
   std::uint8_t row_status(const Execution& exec, const std::uint8_t* status, long row) const {
