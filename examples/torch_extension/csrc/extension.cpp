@@ -1,7 +1,8 @@
 // mrr as a PyTorch extension: routers with mrr's autograd, a route store chosen by verl's
 // router-replay keys (memory or route file), rollout imports (vLLM, SGLang) and the replay
-// controller, on CPU tensors. Built by mrr_torch.load() with torch.utils.cpp_extension; the
-// Python side (mrr_torch/__init__.py) adds Megatron's RouterReplay API on top.
+// controller, on CPU tensors and (built with CUDA: MRR_TORCH_WITH_CUDA, cuda_router.cu) on CUDA
+// tensors. Built by mrr_torch.load() with torch.utils.cpp_extension; the Python side
+// (mrr_torch/__init__.py) adds Megatron's RouterReplay API on top.
 #include <mrr/replay/any_store.hpp>
 #include <mrr/replay/config.hpp>
 #include <mrr/replay/layout.hpp>
@@ -18,6 +19,10 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
+
+#ifdef MRR_TORCH_WITH_CUDA
+#include "cuda_router.h"
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -41,7 +46,28 @@ namespace {
 
 struct Router {
   mrr::TopKRouter<float> router;
+#ifdef MRR_TORCH_WITH_CUDA
+  // The same config on the GPU, made at the first CUDA call (the CUDA runtime starts then).
+  mutable std::shared_ptr<mrr_torch_ext::CudaRouter> cuda;
+  const mrr_torch_ext::CudaRouter& on_cuda() const {
+    if (!cuda) cuda = mrr_torch_ext::make_cuda_router(router.config());
+    return *cuda;
+  }
+#endif
 };
+
+// CUDA logits go to the device router on torch's current stream; a build without CUDA says so.
+bool is_cuda_input(const at::Tensor& logits, const char* fn) {
+  if (!logits.defined() || !logits.device().is_cuda()) return false;
+#ifndef MRR_TORCH_WITH_CUDA
+  throw_invalid_argument(fn, "'logits' is on ", mrr::torch::detail::text(logits.device()),
+                         " but this build of the extension has no CUDA (mrr_torch.load() builds the CUDA half when "
+                         "torch.cuda.is_available() and nvcc is found; MRR_TORCH_CUDA=0 turns it off)");
+#else
+  (void)fn;
+  return true;
+#endif
+}
 
 std::shared_ptr<Router> make_router(int num_experts, int topk, const std::string& score_function, bool pre_softmax,
                    std::optional<bool> normalize_topk, std::optional<double> scaling_factor, int num_groups,
@@ -68,8 +94,12 @@ struct KeepRouterAlive : ::torch::autograd::FunctionPreHook {
   std::shared_ptr<const Router> router;
 };
 
-py::tuple as_tuple(const mrr::torch::TensorRouting& r, const std::shared_ptr<const Router>& router) {
+// (weights, ids); with_status (a CUDA call with check=False): (weights, ids, status [T] uint8), the
+// status being each row's code (0: routed), for the caller to test when it chooses.
+py::tuple as_tuple(const mrr::torch::TensorRouting& r, const std::shared_ptr<const Router>& router,
+                   bool with_status = false) {
   if (const auto& node = r.weights.grad_fn()) node->add_pre_hook(std::make_unique<KeepRouterAlive>(router));
+  if (with_status) return py::make_tuple(r.weights, r.ids, r.status);
   return py::make_tuple(r.weights, r.ids);
 }
 
@@ -92,11 +122,10 @@ void validate_ids(const at::Tensor& ids, int num_experts) {
 std::vector<std::int64_t> int64_vector(const at::Tensor& t, const char* fn, const char* name) {
   require(t.defined() && t.dim() == 1, fn, "'", name, "' must be a 1-D tensor, got ",
           t.defined() ? mrr::torch::detail::text(t.sizes()) : std::string("an undefined tensor"));
-  mrr::torch::detail::require_cpu(t, fn, name);
   const at::ScalarType st = t.scalar_type();
   require(st == at::kLong || st == at::kInt || st == at::kShort || st == at::kByte, fn, "'", name, "' has dtype ",
           mrr::torch::detail::text(st), "; expected an integer dtype (int64)");
-  const at::Tensor c = t.to(at::kLong).contiguous();
+  const at::Tensor c = t.to(at::kCPU).to(at::kLong).contiguous();  // CUDA uids/positions: one copy
   return {c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel()};
 }
 
@@ -220,7 +249,9 @@ struct RouteFile {
     constexpr const char* fn = "RouteFile.record";
     check_layer(layer, fn);
     const mrr::TokenLayout rows = token_rows(uids, positions, fn);
-    const mrr::ExpertIds host = mrr::torch::host_ids(ids, shape().num_experts, shape().topk, fn);
+    // Ids a CUDA router chose come to the host store (one copy; the store lives on the host).
+    const at::Tensor on_host = ids.defined() && ids.device().is_cuda() ? ids.cpu() : ids;
+    const mrr::ExpertIds host = mrr::torch::host_ids(on_host, shape().num_experts, shape().topk, fn);
     require(static_cast<std::size_t>(host.rows()) == rows.size(), fn, "'ids' has ", host.rows(), " rows for ",
             rows.size(), " (uid, position) pairs");
     store.record(layer, rows, host);
@@ -397,6 +428,11 @@ struct Replay {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mrr (MoE routing replay) for PyTorch: routers, route stores, rollout imports, replay";
   mrr::torch::register_exceptions(m);
+#ifdef MRR_TORCH_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
 
   py::class_<Router, std::shared_ptr<Router>>(m, "Router", "A top-k MoE router (mrr::TopKRouter<float>).")
       .def(py::init(&make_router), py::arg("num_experts"), py::arg("topk"), py::arg("score_function") = "softmax",
@@ -407,16 +443,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("topk", [](const Router& r) { return r.router.topk(); })
       .def(
           "route",
-          [](const std::shared_ptr<Router>& r, const at::Tensor& logits) {
+          [](const std::shared_ptr<Router>& r, const at::Tensor& logits, bool check) {
+#ifdef MRR_TORCH_WITH_CUDA
+            if (is_cuda_input(logits, "Router.route"))
+              return as_tuple(mrr_torch_ext::cuda_route(r->on_cuda(), logits, check), r, !check);
+#else
+            (void)check;
+            is_cuda_input(logits, "Router.route");
+#endif
             return as_tuple(mrr::torch::route(r->router, logits), r);
           },
-          py::arg("logits"), "Native routing of float32 logits [T, E]: (weights [T, k] with autograd, ids int64 [T, k]).")
+          py::arg("logits"), py::arg("check") = true,
+          "Native routing of logits [T, E] (float32; on CUDA also bfloat16): (weights [T, k] with autograd, ids int64 "
+          "[T, k]), on the logits' device (CUDA: the current stream). check=False (CUDA only; the CPU always "
+          "checks) skips the one synchronisation that turns a bad row into an error and returns (weights, ids, "
+          "status): status [T] uint8, 0 where the row was routed.")
       .def(
           "replay",
-          [](const std::shared_ptr<Router>& r, const at::Tensor& logits, const at::Tensor& ids) {
+          [](const std::shared_ptr<Router>& r, const at::Tensor& logits, const at::Tensor& ids, bool check) {
+#ifdef MRR_TORCH_WITH_CUDA
+            if (is_cuda_input(logits, "Router.replay"))
+              return as_tuple(mrr_torch_ext::cuda_replay(r->on_cuda(), logits, ids, check), r, !check);
+#else
+            (void)check;
+            is_cuda_input(logits, "Router.replay");
+#endif
             return as_tuple(mrr::torch::replay(r->router, logits, ids), r);
           },
-          py::arg("logits"), py::arg("ids"), "The weights the router gives the experts `ids` [T, k]: (weights, ids int64).");
+          py::arg("logits"), py::arg("ids"), py::arg("check") = true,
+          "The weights the router gives the experts `ids` [T, k]: (weights, ids int64). check as in route.");
 
   m.def("validate_ids", &validate_ids, py::arg("ids"), py::arg("num_experts"),
         "Raises InvalidArgumentError unless ids [rows, k] are in [0, num_experts) (in their own dtype) and no row "
@@ -491,6 +546,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "route",
           [](Replay& r, const std::shared_ptr<Router>& router, int layer, const at::Tensor& logits) {
+#ifdef MRR_TORCH_WITH_CUDA
+            if (is_cuda_input(logits, "Replay.route"))
+              return as_tuple(mrr_torch_ext::cuda_replay_route(r.replay, router->on_cuda(), layer, logits), router);
+#else
+            is_cuda_input(logits, "Replay.route");
+#endif
             return as_tuple(mrr::torch::route(r.replay, router->router, layer, logits), router);
           },
           py::arg("router"), py::arg("layer"), py::arg("logits"))

@@ -30,11 +30,13 @@ MRR_NAMESPACE_BEGIN
 namespace torch {
 
 // One router call on tensors: weights [T, k] (differentiable w.r.t. the logits), ids [T, k]
-// int64 (torch.topk's dtype), kept [T, k] uint8 (undefined when no capacity limit dropped a slot).
+// int64 (torch.topk's dtype), kept [T, k] uint8 (undefined when no capacity limit dropped a slot),
+// status [T] uint8 (CUDA calls only, mrr/torch/cuda.hpp: each row's kernels::RowStatus, 0 = routed).
 struct TensorRouting {
   at::Tensor weights;
   at::Tensor ids;
   at::Tensor kept;
+  at::Tensor status;
 };
 
 namespace detail {

@@ -105,18 +105,34 @@ inline ExpertIds host_ids(const at::Tensor& ids, int num_experts, int k, const c
                        "' has dtype ", detail::text(st), "; expert ids are int64, int32, int16 or uint8");
   const at::Tensor c = ids.contiguous();
   ExpertIds out(c.size(0), k);
-  AT_DISPATCH_INTEGRAL_TYPES(st, "torch::host_ids", [&] {
-    const scalar_t* src = c.data_ptr<scalar_t>();
+  // (A switch, not AT_DISPATCH_*: torch 2.11's macros name torch::headeronly unqualified, which
+  // inside this namespace would mean mrr::torch.)
+  auto narrow = [&](const auto* src) {
+    using S = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
     for (Eigen::Index i = 0; i < out.size(); ++i) {
-      const scalar_t v = src[i];
+      const S v = src[i];
       bool negative = false;
-      if constexpr (std::is_signed_v<scalar_t>) negative = v < 0;
+      if constexpr (std::is_signed_v<S>) negative = v < 0;
       if (negative || static_cast<std::int64_t>(v) >= num_experts)
         mrr::detail::throw_invalid_argument(fn, "'", name, "'[", i / k, ", ", i % k, "] = ", static_cast<std::int64_t>(v),
                                             " is outside [0, ", num_experts, ")");
       out.data()[i] = static_cast<std::int32_t>(v);
     }
-  });
+  };
+  switch (st) {
+    case at::kLong:
+      narrow(c.data_ptr<std::int64_t>());
+      break;
+    case at::kInt:
+      narrow(c.data_ptr<std::int32_t>());
+      break;
+    case at::kShort:
+      narrow(c.data_ptr<std::int16_t>());
+      break;
+    default:
+      narrow(c.data_ptr<std::uint8_t>());
+      break;  // kByte (checked above)
+  }
   return out;
 }
 
