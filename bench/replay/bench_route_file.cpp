@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +31,9 @@ constexpr int kSequences = 64, kTokens = 2048, kPerMicroBatch = 8;
 struct Data {
   std::vector<mrr::TokenLayout> layouts;    // per micro-batch
   std::vector<mrr::ExpertIds> ids;          // per micro-batch and layer
+  // The same routes per sequence as a rollout engine returns them: uint8 [tokens, layers, k]
+  // (vLLM's routed_experts for <= 256 experts), for record_sequence.
+  std::vector<std::vector<std::uint8_t>> rollout;
 };
 
 Data make_data() {
@@ -50,7 +54,26 @@ Data make_data() {
       d.ids.push_back(ids);
     }
   }
+  for (int seq = 0; seq < kSequences; ++seq) {
+    const int mb = seq / kPerMicroBatch, first_row = (seq % kPerMicroBatch) * kTokens;
+    std::vector<std::uint8_t> block(static_cast<std::size_t>(kTokens) * kLayers * kTopK);
+    for (int t = 0; t < kTokens; ++t)
+      for (int l = 0; l < kLayers; ++l)
+        for (int j = 0; j < kTopK; ++j)
+          block[(static_cast<std::size_t>(t) * kLayers + static_cast<std::size_t>(l)) * kTopK +
+                static_cast<std::size_t>(j)] =
+              static_cast<std::uint8_t>(d.ids[static_cast<std::size_t>(mb * kLayers + l)](first_row + t, j));
+    d.rollout.push_back(std::move(block));
+  }
   return d;
+}
+
+// Records every sequence's rollout block (uint8 [tokens, layers, k]) with record_sequence, the
+// sequence ids shifted by `uid_offset`.
+void record_rollout(mrr::FileRouteStore& store, const Data& data, int uid_offset) {
+  for (int seq = 0; seq < kSequences; ++seq)
+    store.record_sequence(static_cast<mrr::SequenceId>(uid_offset + seq), 0, kTokens, 0, kLayers,
+                          std::span<const std::uint8_t>(data.rollout[static_cast<std::size_t>(seq)]));
 }
 
 // The start of a numpy baseline script: the raw id bytes as `a`, a [rows, layers, k] uint8 array.
@@ -122,6 +145,19 @@ void cold_case(const std::filesystem::path& dir, const Data& data, const std::ve
                              },
                              0.0, 1)
                              .median_s;
+  // The rollout import path: uint8 ids per sequence (record_sequence), fsync'd the same way.
+  const auto path_u8 = dir / "cold_u8.mrr";
+  const double t_write_u8 = mrr::bench::time_it(
+                                [&] {
+                                  std::filesystem::remove(path_u8);
+                                  auto store = mrr::FileRouteStore::create(path_u8, {kExperts, kLayers, kTopK});
+                                  for (int r = 0; r < reps; ++r)
+                                    record_rollout(store, data, r * kSequences);
+                                  store.close();
+                                },
+                                0.0, 1)
+                                .median_s;
+  std::filesystem::remove(path_u8);
   const double t_fwrite = mrr::bench::time_it(
                               [&] {
                                 std::FILE* f = std::fopen(raw_path.c_str(), "wb");
@@ -185,6 +221,10 @@ void cold_case(const std::filesystem::path& dir, const Data& data, const std::ve
   std::printf("  (ratios: baseline time / mrr time, so above 1 means mrr is faster)\n");
   std::printf("  write: mrr %.2f s (%.0f MB/s), fwrite %.2f s (%.2fx), np.save %.2f s (%.2fx)\n", t_write,
               bytes / t_write / 1e6, t_fwrite, t_fwrite / t_write, np_save, np_save > 0 ? np_save / t_write : 0.0);
+  std::printf(
+      "  write from uint8 ids (record_sequence per sequence, as a rollout import): mrr %.2f s (%.0f MB/s), "
+      "fwrite %.2fx, np.save %.2fx\n",
+      t_write_u8, bytes / t_write_u8 / 1e6, t_fwrite / t_write_u8, np_save > 0 ? np_save / t_write_u8 : 0.0);
   std::printf("  open + replay read: mrr %.2f s (%.0f MB/s), fread %.2f s (%.2fx), np.load %.2f s (%.2fx)\n",
               t_read[1], bytes / t_read[1] / 1e6, t_fread[1], t_fread[1] / t_read[1], np_load,
               np_load > 0 ? np_load / t_read[1] : 0.0);
@@ -231,7 +271,19 @@ int main() {
         std::fclose(f);
       },
       1.0, 5);
+  const auto path_u8 = dir / "routes_u8.mrr";
+  const auto write_u8 = mrr::bench::time_it(
+      [&] {
+        std::filesystem::remove(path_u8);
+        auto store = mrr::FileRouteStore::create(path_u8, {kExperts, kLayers, kTopK}, {.sync_on_close = false});
+        record_rollout(store, data, 0);
+        store.close();
+      },
+      1.0, 5);
+  std::filesystem::remove(path_u8);
   mrr::bench::print_row("write (record per layer x micro-batch)", write.median_s, fwrite_t.median_s, 2 * id_bytes, bw);
+  mrr::bench::print_row("write from uint8 ids (record_sequence)", write_u8.median_s, fwrite_t.median_s, 2 * id_bytes,
+                        bw);
   std::printf("    -> mrr %.0f MB/s, fwrite %.0f MB/s (file %.1f MB)\n", id_bytes / write.median_s / 1e6,
               id_bytes / fwrite_t.median_s / 1e6, static_cast<double>(std::filesystem::file_size(path)) / 1e6);
 
@@ -280,6 +332,7 @@ int main() {
   const auto [np_save, np_load] = run_numpy(dir / "np_baseline.py", script);
   if (np_save > 0) {
     mrr::bench::print_row("write vs np.save", write.median_s, np_save, 2 * id_bytes, bw);
+    mrr::bench::print_row("write from uint8 ids vs np.save", write_u8.median_s, np_save, 2 * id_bytes, bw);
     mrr::bench::print_row("replay read vs np.load", read.median_s, np_load, 2 * id_bytes, bw);
     mrr::bench::print_row("open + replay read vs np.load", open_read.median_s, np_load, 2 * id_bytes, bw);
   } else {

@@ -13,6 +13,8 @@
 
 #include <chrono>
 #include <fstream>
+#include <optional>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -346,4 +348,89 @@ TEST_CASE("a writer process killed mid-append loses at most the record it was wr
     CHECK(after.num_sequences() == n + 1);
   }
   MESSAGE("killed writers: " << torn_runs << " of 4 runs were killed inside a write and left a torn record");
+}
+
+TEST_CASE("file store record_sequence takes uint8 / uint16 ids as vLLM returns them, without widening") {
+  mrr::test::TempDir dir;
+  // 48 layers, k = 8: a rollout batch's worth of rows per sequence, in 1-byte (64 experts) and
+  // 2-byte (300 experts) files, from int32, uint16 and uint8 ids of the same values.
+  for (const int experts : {64, 300}) {
+    CAPTURE(experts);
+    const mrr::RouteShape shape{experts, 48, 8};
+    const std::int64_t tokens = 700;
+    std::vector<std::int32_t> wide;
+    for (mrr::SequenceId uid = 1; uid <= 3; ++uid) {
+      const auto part = routes_of(uid, tokens, shape);
+      wide.insert(wide.end(), part.begin(), part.end());
+    }
+    const std::size_t per_seq = static_cast<std::size_t>(tokens) * 48 * 8;
+    std::vector<std::uint16_t> u16(wide.begin(), wide.end());
+    auto i32_store = mrr::FileRouteStore::create(dir / ("i32_" + std::to_string(experts)), shape);
+    auto u16_store = mrr::FileRouteStore::create(dir / ("u16_" + std::to_string(experts)), shape);
+    for (mrr::SequenceId uid = 1; uid <= 3; ++uid) {
+      const std::size_t at = (uid - 1) * per_seq;
+      i32_store.record_sequence(uid, 0, tokens, 0, 48, std::span<const std::int32_t>(wide.data() + at, per_seq));
+      u16_store.record_sequence(uid, 0, tokens, 0, 48, std::span<const std::uint16_t>(u16.data() + at, per_seq));
+    }
+    std::vector<mrr::FileRouteStore*> stores = {&i32_store, &u16_store};
+    std::optional<mrr::FileRouteStore> u8_store;
+    if (experts <= 256) {
+      std::vector<std::uint8_t> u8(wide.begin(), wide.end());
+      u8_store.emplace(mrr::FileRouteStore::create(dir / "u8", shape));
+      for (mrr::SequenceId uid = 1; uid <= 3; ++uid)
+        u8_store->record_sequence(uid, 0, tokens, 0, 48,
+                                  std::span<const std::uint8_t>(u8.data() + (uid - 1) * per_seq, per_seq));
+      stores.push_back(&*u8_store);
+      // The same bytes reach the file: equal sizes, and an identical re-record writes nothing.
+      u8_store->close();
+      i32_store.close();
+      CHECK(std::filesystem::file_size(dir / "u8") ==
+            std::filesystem::file_size(dir / ("i32_" + std::to_string(experts))));
+    }
+    const std::vector<mrr::SequenceId> uids = {3, 1, 2};
+    const auto layout = mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, tokens, 2 * tokens, 3 * tokens});
+    for (int l : {0, 23, 47}) {
+      mrr::ExpertIds want, got;
+      std::vector<std::uint8_t> found;
+      REQUIRE(stores[0]->lookup(l, layout, want, found) == static_cast<std::size_t>(3 * tokens));
+      for (std::size_t s = 1; s < stores.size(); ++s) {
+        REQUIRE(stores[s]->lookup(l, layout, got, found) == static_cast<std::size_t>(3 * tokens));
+        CHECK(got == want);
+      }
+      // And they are the ids that were given (sequence 3 first in this layout).
+      CHECK(want(0, 0) == wide[2 * per_seq + static_cast<std::size_t>(l) * 8]);
+    }
+  }
+
+  // Out of range in its own type: uint8 64 in a 64-expert file is an error naming where; nothing
+  // is written. A conflicting re-record is an error; an identical one is a no-op.
+  const mrr::RouteShape shape{64, 2, 2};
+  auto store = mrr::FileRouteStore::create(dir / "checks", shape);
+  std::vector<std::uint8_t> ids = {1, 2, 3, 4, 5, 6, 7, 8};  // [2 tokens][2 layers][2]
+  ids[5] = 64;
+  CHECK_THROWS_WITH_AS(store.record_sequence(9, 0, 2, 0, 2, std::span<const std::uint8_t>(ids)),
+                       doctest::Contains("sequence 9 position 1 layer 0"), mrr::InvalidArgument);
+  CHECK_FALSE(store.contains(9));
+  ids[5] = 6;
+  store.record_sequence(9, 0, 2, 0, 2, std::span<const std::uint8_t>(ids));
+  const auto size = std::filesystem::file_size(dir / "checks");
+  store.record_sequence(9, 0, 2, 0, 2, std::span<const std::uint8_t>(ids));
+  CHECK(std::filesystem::file_size(dir / "checks") == size);
+  // A held sequence extended with a bad id (checked before its records are compared): an error.
+  std::vector<std::uint8_t> more = {1, 2, 3, 200};  // position 2, [2 layers][2]; 200 >= 64
+  CHECK_THROWS_WITH_AS(store.record_sequence(9, 2, 1, 0, 2, std::span<const std::uint8_t>(more)),
+                       doctest::Contains("sequence 9 position 2 layer 1"), mrr::InvalidArgument);
+  CHECK(store.recorded_positions(9) == 2);
+  ids[0] = 9;
+  CHECK_THROWS_WITH_AS(store.record_sequence(9, 0, 2, 0, 2, std::span<const std::uint8_t>(ids)),
+                       doctest::Contains("already recorded with different experts"), mrr::RouteStoreError);
+  // vLLM's uint8 array through import_routed_experts takes the same path.
+  const std::vector<std::uint8_t> routed = {10, 11, 12, 13};  // [1 token][2 layers][2]
+  mrr::import_routed_experts<mrr::FileRouteStore, std::uint8_t>(store, 10, routed, 1, 2, 2);
+  mrr::ExpertIds got;
+  std::vector<std::uint8_t> found;
+  const std::vector<mrr::SequenceId> one = {10};
+  REQUIRE(store.lookup(1, mrr::TokenLayout::packed(one, std::vector<std::int64_t>{0, 1}), got, found) == 1);
+  CHECK(got(0, 0) == 12);
+  CHECK(got(0, 1) == 13);
 }

@@ -196,9 +196,26 @@ class FileRouteStore final {
   }
 
   // A span of one sequence for a range of layers, ids laid out [tokens][layers][k] (vLLM order).
-  // An identical re-record is a no-op; otherwise the whole block is one record.
+  // An identical re-record is a no-op; otherwise the whole block is one record. Ids are int32
+  // (the router's), or uint8 / uint16 as vLLM returns routed_experts: those are range-checked and
+  // encoded as they are (a 1-byte file copies 1-byte ids), never widened to int32 first.
   void record_sequence(SequenceId uid, std::int64_t first_position, std::int64_t num_tokens, int first_layer,
                        int num_layers, std::span<const std::int32_t> ids) {
+    record_block(uid, first_position, num_tokens, first_layer, num_layers, ids);
+  }
+  void record_sequence(SequenceId uid, std::int64_t first_position, std::int64_t num_tokens, int first_layer,
+                       int num_layers, std::span<const std::uint16_t> ids) {
+    record_block(uid, first_position, num_tokens, first_layer, num_layers, ids);
+  }
+  void record_sequence(SequenceId uid, std::int64_t first_position, std::int64_t num_tokens, int first_layer,
+                       int num_layers, std::span<const std::uint8_t> ids) {
+    record_block(uid, first_position, num_tokens, first_layer, num_layers, ids);
+  }
+
+ private:
+  template <class Id>
+  void record_block(SequenceId uid, std::int64_t first_position, std::int64_t num_tokens, int first_layer,
+                    int num_layers, std::span<const Id> ids) {
     constexpr const char* fn = "FileRouteStore::record_sequence";
     require_writable(fn);
     cache_.check_block_extent(first_position, num_tokens, first_layer, num_layers, ids.size(), fn);
@@ -207,10 +224,20 @@ class FileRouteStore final {
     if (num_tokens == 0) return;  // nothing to record (and an empty span's data() may be null)
     const int k = shape().topk;
     const auto row_stride = static_cast<std::size_t>(num_layers) * static_cast<std::size_t>(k);
-    for (int l = 0; l < num_layers; ++l)
-      check_id_rows(ids.data() + static_cast<std::size_t>(l) * static_cast<std::size_t>(k), row_stride,
-                    static_cast<std::size_t>(num_tokens), fn, TokenRun{uid, first_position, 0, 0}, first_layer + l);
-    const SequenceIndex* seq = ensure_loaded(uid);
+    // Every id in range before anything is compared or written. The pass per layer, with rows
+    // num_layers * k ids apart, does not vectorise: it runs only to name a bad id. A sequence the
+    // file does not hold yet (the common case) is checked by the encoding itself (one pass over
+    // the ids, into the write buffer, nothing written on failure); one it holds, by a contiguous
+    // pass first, before its records are compared with the new ids.
+    auto name_bad_id = [&] {
+      for (int l = 0; l < num_layers; ++l)
+        check_id_rows(ids.data() + static_cast<std::size_t>(l) * static_cast<std::size_t>(k), row_stride,
+                      static_cast<std::size_t>(num_tokens), fn, TokenRun{uid, first_position, 0, 0}, first_layer + l);
+      detail::throw_invalid_argument(fn, "sequence ", uid, ": an expert id is outside [0, ", shape().num_experts, ")");
+    };
+    const bool held = loaded_.find(uid) != loaded_.end() || index_.find(uid) != nullptr;
+    if (held && !ids_in_range(ids.data(), ids.size())) name_bad_id();
+    const SequenceIndex* seq = held ? ensure_loaded(uid) : nullptr;
     bool any_new = seq == nullptr;
     const std::int64_t end = first_position + num_tokens;
     if (seq != nullptr)
@@ -233,12 +260,16 @@ class FileRouteStore final {
     batch.clear();
     auto* payload = batch.begin(codec_, uid, first_position, static_cast<std::uint32_t>(num_tokens), first_layer,
                                 num_layers);
-    (void)codec_.encode_ids(ids.data(), ids.size(), payload);  // range-checked above
+    if (!codec_.encode_ids(ids.data(), ids.size(), payload)) {  // the range check of a new sequence
+      batch.clear();
+      name_bad_id();
+    }
     batch.finish();
     check_sparse_before_write(batch, fn);
     commit(batch, fn);
   }
 
+ public:
   // As MemoryRouteStore::lookup. Ids are read from the file in chunks and decoded into `out`; each
   // record is verified (checksum, id range, agreement with overlapping records) when its sequence
   // is first used. No allocation once `out`, `found`, the read buffer and the sequence's index are
@@ -588,8 +619,19 @@ class FileRouteStore final {
 
   // Range check of `count` rows (`stride` ids apart) of positions run.first_position...: one
   // branch-free pass; the row-by-row check that names the bad id runs only when it fails.
-  void check_id_rows(const std::int32_t* ids, std::size_t stride, std::size_t count, const char* fn,
-                     const TokenRun& run, int layer) const {
+  // Whether all n ids are in [0, num_experts) (branch-free; a negative id is huge as unsigned).
+  template <class Id>
+  bool ids_in_range(const Id* ids, std::size_t n) const {
+    const auto limit = static_cast<std::uint32_t>(shape().num_experts);
+    std::uint32_t top = 0;
+    for (std::size_t i = 0; i < n; ++i)
+      top = std::max(top, static_cast<std::uint32_t>(ids[i]));
+    return n == 0 || top < limit;
+  }
+
+  template <class Id>
+  void check_id_rows(const Id* ids, std::size_t stride, std::size_t count, const char* fn, const TokenRun& run,
+                     int layer) const {
     const auto k = static_cast<std::size_t>(shape().topk);
     const auto limit = static_cast<std::uint32_t>(shape().num_experts);
     bool bad = false;
@@ -601,8 +643,11 @@ class FileRouteStore final {
     }
     if (!bad) [[likely]]
       return;
-    for (std::size_t r = 0; r < count; ++r)
-      cache_.check_ids(ids + r * stride, fn, run.uid, run.first_position + static_cast<std::int64_t>(r), layer);
+    std::vector<std::int32_t> row(k);  // the row widened, for the message that names the bad id
+    for (std::size_t r = 0; r < count; ++r) {
+      std::copy_n(ids + r * stride, k, row.data());
+      cache_.check_ids(row.data(), fn, run.uid, run.first_position + static_cast<std::int64_t>(r), layer);
+    }
   }
 
   // A writer never makes a sequence that readers would refuse as too sparse.

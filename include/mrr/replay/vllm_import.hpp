@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
@@ -33,6 +34,14 @@ void import_routed_experts(Store& store, SequenceId uid, std::span<const Int> ro
   const bool fits = tokens >= 0 && detail::checked_product(expect, tokens, layers, k);
   detail::require(fits && routed_experts.size() == expect, fn, "sequence ", uid, ": routed_experts holds ",
                   routed_experts.size(), " values for shape [", tokens, ", ", layers, ", ", k, "]");
+  // uint8 / uint16 ids (vLLM's routed_experts for <= 256 / <= 65,536 experts) go to a store that
+  // takes them as they are (FileRouteStore: range-checked and encoded without widening).
+  if constexpr (std::is_same_v<Int, std::uint8_t> || std::is_same_v<Int, std::uint16_t>) {
+    if constexpr (requires { store.record_sequence(uid, first_position, tokens, 0, 1, routed_experts); }) {
+      store.record_sequence(uid, first_position, tokens, 0, static_cast<int>(layers), routed_experts);
+      return;
+    }
+  }
   std::vector<std::int32_t> ids(routed_experts.size());
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const auto v = static_cast<std::int64_t>(routed_experts[i]);

@@ -18,6 +18,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
@@ -55,9 +56,22 @@ class RouteCodec {
 
   // Ids to their little-endian encoding, range-checked in the same pass (one loop per width;
   // __restrict lets it vectorise, since a byte store may otherwise alias the ids): false when one
-  // is outside [0, num_experts).
-  [[nodiscard]] bool encode_ids(const std::int32_t* __restrict ids, std::size_t n, unsigned char* __restrict out) const {
+  // is outside [0, num_experts). Id: int32 (the router's), or uint8 / uint16 as rollout engines
+  // return them (vLLM's routed_experts): a 1-byte file takes 1-byte ids with a copy and a max.
+  template <class Id>
+  [[nodiscard]] bool encode_ids(const Id* __restrict ids, std::size_t n, unsigned char* __restrict out) const {
+    static_assert(
+        std::is_same_v<Id, std::int32_t> || std::is_same_v<Id, std::uint16_t> || std::is_same_v<Id, std::uint8_t>,
+        "RouteCodec::encode_ids: ids are int32, uint16 or uint8");
     std::uint32_t top = 0;  // the largest id as unsigned: a negative id is huge
+    if constexpr (std::is_same_v<Id, std::uint8_t>) {
+      if (width_ == 1) {
+        if (n != 0) std::memcpy(out, ids, n);
+        for (std::size_t i = 0; i < n; ++i)
+          top = std::max<std::uint32_t>(top, ids[i]);
+        return top < static_cast<std::uint32_t>(num_experts_);
+      }
+    }
     switch (width_) {
       case 1:
         for (std::size_t i = 0; i < n; ++i) {
@@ -83,7 +97,6 @@ class RouteCodec {
     }
     return top < static_cast<std::uint32_t>(num_experts_);
   }
-
   // `count` rows of k ids, `stride` ids apart, to their encoding (contiguous rows in one loop);
   // false when an id is out of range.
   [[nodiscard]] bool encode_rows(const std::int32_t* __restrict ids, std::size_t stride, std::size_t count,
@@ -114,8 +127,9 @@ class RouteCodec {
     }
   }
 
-  // Whether the encoded row at p holds exactly these k ids.
-  bool same_row(const unsigned char* p, const std::int32_t* ids) const {
+  // Whether the encoded row at p holds exactly these k ids (int32, uint16 or uint8).
+  template <class Id>
+  bool same_row(const unsigned char* p, const Id* ids) const {
     for (std::size_t j = 0; j < k_; ++j)
       if (load_id(p + j * static_cast<std::size_t>(width_), width_) != static_cast<std::uint32_t>(ids[j])) return false;
     return true;
