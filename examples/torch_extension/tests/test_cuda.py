@@ -163,6 +163,9 @@ def test_cuda_bad_rows_raise_the_cpu_routers_errors(mt):
         router.replay(logits, torch.tensor([[0, 1], [2, 3], [4, 5]]))
     with pytest.raises(mt.InvalidArgumentError, match="dtype"):
         router.route(logits.double())
+    for check in (True, False):  # the fused kernel never reads a row as if it had 8 columns
+        with pytest.raises(mt.InvalidArgumentError, match=r"expected \[3, 8\]"):
+            router.route(torch.randn(3, 5).cuda(), check=check)
 
 
 def test_cuda_router_may_be_dropped_before_backward(mt):

@@ -173,6 +173,7 @@ TensorRouting run(const device::TopKRouter<T>& router, const at::Tensor& logits,
   out.status = at::empty({rows}, logits.options().dtype(at::kByte));
   const TensorWorkspace ws(device::TopKRouter<T>::workspace_bytes(rows), logits);
   const auto lv = view<const In>(logits, fn, "logits");
+  device::require_view(lv, rows, router.num_experts(), fn, "logits");  // before any kernel reads E columns
   const auto iv = view<std::int64_t>(out.ids, fn, "ids");
   const auto wv = view<T>(weights, fn, "weights");
   std::uint8_t* st = out.status.data_ptr<std::uint8_t>();
