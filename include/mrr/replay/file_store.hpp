@@ -617,8 +617,6 @@ class FileRouteStore final {
     return bad;
   }
 
-  // Range check of `count` rows (`stride` ids apart) of positions run.first_position...: one
-  // branch-free pass; the row-by-row check that names the bad id runs only when it fails.
   // Whether all n ids are in [0, num_experts) (branch-free; a negative id is huge as unsigned).
   template <class Id>
   bool ids_in_range(const Id* ids, std::size_t n) const {
@@ -629,6 +627,8 @@ class FileRouteStore final {
     return n == 0 || top < limit;
   }
 
+  // Range check of `count` rows (`stride` ids apart) of positions run.first_position...: one
+  // branch-free pass; the row-by-row check that names the bad id runs only when it fails.
   template <class Id>
   void check_id_rows(const Id* ids, std::size_t stride, std::size_t count, const char* fn, const TokenRun& run,
                      int layer) const {

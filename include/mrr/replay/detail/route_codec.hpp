@@ -97,6 +97,7 @@ class RouteCodec {
     }
     return top < static_cast<std::uint32_t>(num_experts_);
   }
+
   // `count` rows of k ids, `stride` ids apart, to their encoding (contiguous rows in one loop);
   // false when an id is out of range.
   [[nodiscard]] bool encode_rows(const std::int32_t* __restrict ids, std::size_t stride, std::size_t count,
