@@ -31,14 +31,67 @@ MRR_NAMESPACE_BEGIN
 
 namespace kernels {
 
+// The per-element math of the diagnostics, written once for the host functions below and the
+// device executors (mrr/thrust/diagnostics.hpp).
+
 // Experts of one row's routing in `a` and not in `b` (k - |a ∩ b|; ids within a row are distinct).
-template <class Id>
-MRR_HOST_DEVICE inline int differing_experts(const Id* a, const Id* b, int k) {
+template <class IdA, class IdB = IdA>
+MRR_HOST_DEVICE inline int differing_experts(const IdA* a, const IdB* b, int k) {
   int same = 0;
   for (int i = 0; i < k; ++i)
     for (int j = 0; j < k; ++j)
-      same += a[i] == b[j] ? 1 : 0;
+      same += static_cast<long long>(a[i]) == static_cast<long long>(b[j]) ? 1 : 0;
   return k - same;
+}
+
+// Whether row r is compared: its `compare` and `found` entries (null: every row) are non-zero.
+MRR_HOST_DEVICE inline bool row_compared(const std::uint8_t* compare, const std::uint8_t* found, long r) {
+  return (compare == nullptr || compare[r] != 0) && (found == nullptr || found[r] != 0);
+}
+
+// One sampled token's terms: d = log p - log q, verl's low_var_kl k3 (kernels/ppo/kl.hpp) and |d|.
+struct DivergenceTerms {
+  double d = 0, k3 = 0, abs = 0;
+};
+MRR_HOST_DEVICE inline DivergenceTerms divergence_terms(double log_p, double log_q) {
+  const double d = log_p - log_q;
+  return {d, mrr::kernels::ppo::kl_k3<double>(log_p, log_q).value, d < 0 ? -d : d};
+}
+
+// Sums of the terms over a run of tokens (one block of a fixed partition: host and device add the
+// same blocks in the same order, so their sums are the same bits).
+struct DivergenceSums {
+  double tokens = 0, k1 = 0, k3 = 0, abs = 0;
+};
+inline constexpr long kDivergenceBlock = 256;  // tokens per block
+
+MRR_HOST_DEVICE inline void add(DivergenceSums& s, const DivergenceTerms& t) {
+  s.tokens += 1, s.k1 += t.d, s.k3 += t.k3, s.abs += t.abs;
+}
+MRR_HOST_DEVICE inline void add(DivergenceSums& s, const DivergenceSums& o) {
+  s.tokens += o.tokens, s.k1 += o.k1, s.k3 += o.k3, s.abs += o.abs;
+}
+
+// Nearest-rank q-quantile (q in (0, 1]) of n > 0 sorted values: the index of the ceil(q n)-th smallest.
+MRR_HOST_DEVICE inline long nearest_rank_index(long n, double q) {
+  double rank = q * static_cast<double>(n);
+  auto r = static_cast<long>(rank);
+  if (static_cast<double>(r) < rank) ++r;  // ceil
+  r = r < 1 ? 1 : (r > n ? n : r);
+  return r - 1;
+}
+
+// Values of sorted[0, n) above x (n minus the upper bound of x).
+MRR_HOST_DEVICE inline long count_above(const double* sorted, long n, double x) {
+  long lo = 0, hi = n;  // the first index whose value is > x lies in [lo, hi]
+  while (lo < hi) {
+    const long mid = lo + (hi - lo) / 2;
+    if (sorted[mid] > x)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return n - lo;
 }
 
 }  // namespace kernels
@@ -142,7 +195,9 @@ class RoutingMismatchCounter {
     const auto l = static_cast<std::size_t>(layer);
     for (long r = 0; r < rows_; ++r) {
       const auto ri = static_cast<std::size_t>(r);
-      if ((!compare_.empty() && compare_[ri] == 0) || (!found.empty() && found[ri] == 0)) continue;
+      if (!kernels::row_compared(compare_.empty() ? nullptr : compare_.data(), found.empty() ? nullptr : found.data(),
+                                 r))
+        continue;
       const int d = kernels::differing_experts(detail::row_ptr(a, r), detail::row_ptr(b, r), k);
       ++m_.decisions, ++m_.layer_decisions[l];
       m_.experts += k, m_.differing_experts += d;
@@ -201,19 +256,6 @@ struct LogProbDivergence {
   }
 };
 
-namespace detail {
-
-// The nearest-rank q-quantile of sorted values (q in (0, 1]): the ceil(q n)-th smallest.
-inline double nearest_rank(const std::vector<double>& sorted, double q) {
-  if (sorted.empty()) return 0.0;
-  const auto n = static_cast<double>(sorted.size());
-  auto rank = static_cast<std::size_t>(std::ceil(q * n));
-  rank = std::clamp<std::size_t>(rank, 1, sorted.size());
-  return sorted[rank - 1];
-}
-
-}  // namespace detail
-
 // F(tau) for each threshold and the quantiles of a set of |log p - log q| values (the part of
 // LogProbDivergence that is not a sum: callers that gather the values of several ranks call this
 // on the union). `abs_diff` is sorted in place.
@@ -226,13 +268,12 @@ inline void summarize_abs_differences(std::vector<double>& abs_diff, std::span<c
   out.fraction_above.assign(thresholds.size(), 0.0);
   if (abs_diff.empty()) return;
   std::sort(abs_diff.begin(), abs_diff.end());
-  const auto n = static_cast<double>(abs_diff.size());
-  for (std::size_t t = 0; t < thresholds.size(); ++t) {
-    const auto first_above = std::upper_bound(abs_diff.begin(), abs_diff.end(), std::log(thresholds[t]));
-    out.fraction_above[t] = static_cast<double>(abs_diff.end() - first_above) / n;
-  }
-  out.p50_abs = detail::nearest_rank(abs_diff, 0.50);
-  out.p99_abs = detail::nearest_rank(abs_diff, 0.99);
+  const auto n = static_cast<long>(abs_diff.size());
+  for (std::size_t t = 0; t < thresholds.size(); ++t)
+    out.fraction_above[t] =
+        static_cast<double>(kernels::count_above(abs_diff.data(), n, std::log(thresholds[t]))) / static_cast<double>(n);
+  out.p50_abs = abs_diff[static_cast<std::size_t>(kernels::nearest_rank_index(n, 0.50))];
+  out.p99_abs = abs_diff[static_cast<std::size_t>(kernels::nearest_rank_index(n, 0.99))];
   out.max_abs = abs_diff.back();
 }
 
@@ -245,26 +286,21 @@ LogProbDivergence logprob_divergence(std::span<const T> log_p, std::span<const T
   LogProbDivergence out;
   std::vector<double> abs_diff;
   abs_diff.reserve(log_p.size());
-  double k1 = 0, k3 = 0;
+  kernels::DivergenceSums total, block;
   for (std::size_t i = 0; i < log_p.size(); ++i) {
+    if (i % kernels::kDivergenceBlock == 0) kernels::add(total, block), block = {};
     if (!mask.empty() && mask[i] == T(0)) continue;
     const double p = static_cast<double>(log_p[i]), q = static_cast<double>(log_q[i]);
     detail::require(std::isfinite(p) && std::isfinite(q), fn, "token ", i, " has log p = ", p, ", log q = ", q,
                     "; log-probabilities of sampled tokens must be finite");
-    const double d = p - q;
-    k1 += d;
-    k3 += mrr::kernels::ppo::kl_k3<double>(p, q).value;  // the one k3 of mrr (verl's low_var_kl)
-    abs_diff.push_back(std::abs(d));
+    const auto t = kernels::divergence_terms(p, q);
+    kernels::add(block, t);
+    abs_diff.push_back(t.abs);
   }
+  kernels::add(total, block);
   out.tokens = static_cast<std::int64_t>(abs_diff.size());
-  if (out.tokens > 0) {
-    const auto n = static_cast<double>(out.tokens);
-    out.k1 = k1 / n;
-    out.k3 = k3 / n;
-    double sum = 0;
-    for (const double a : abs_diff) sum += a;
-    out.mean_abs = sum / n;
-  }
+  if (out.tokens > 0)
+    out.k1 = total.k1 / total.tokens, out.k3 = total.k3 / total.tokens, out.mean_abs = total.abs / total.tokens;
   summarize_abs_differences(abs_diff, thresholds, out);
   return out;
 }

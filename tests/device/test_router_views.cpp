@@ -5,6 +5,7 @@
 #include <mrr/router.hpp>
 
 #include "count_allocations.hpp"
+#include "host_memory.hpp"
 #include "router_views_body.hpp"
 #include "router_views_cases.hpp"
 
@@ -12,21 +13,7 @@
 
 #include <vector>
 
-namespace {
-
-// Backend memory on the OpenMP system is host memory.
-struct HostMemory {
-  template <class U>
-  struct Buffer {
-    std::vector<U> v;
-    explicit Buffer(std::size_t n) : v(n) {}
-    explicit Buffer(const std::vector<U>& h) : v(h) {}
-    U* data() { return v.data(); }
-    std::vector<U> host() const { return v; }
-  };
-};
-
-}  // namespace
+using mrr::test::HostMemory;
 
 TEST_CASE("device views: route / replay / backward on caller buffers equal the CPU router, allocate nothing") {
   for (const auto& config : mrr::test::router_view_configs()) {

@@ -25,6 +25,7 @@
 #endif
 #include <thrust/system/cpp/execution_policy.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <new>
@@ -102,6 +103,24 @@ inline constexpr std::int32_t status_ok = 0;
 inline constexpr std::int32_t status_expert_out_of_range = 1;  // index: the slot t * k + j
 
 inline constexpr std::size_t kWorkspaceAlignment = 256;  // cudaMalloc's, enough for every type
+
+namespace kernels {
+
+// *slot = min(*slot, value), atomically: a kernel's "lowest bad index" whatever order the work
+// items ran in (one long of workspace, where a search would take temporaries that grow with it).
+MRR_HOST_DEVICE inline void atomic_lower(long* slot, long value) {
+#if defined(__CUDA_ARCH__)
+  static_assert(sizeof(long) == sizeof(long long));
+  atomicMin(reinterpret_cast<long long*>(slot), static_cast<long long>(value));
+#else
+  std::atomic_ref<long> ref(*slot);
+  long seen = ref.load(std::memory_order_relaxed);
+  while (value < seen && !ref.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+#endif
+}
+
+}  // namespace kernels
 
 namespace detail {
 

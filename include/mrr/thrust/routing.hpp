@@ -33,7 +33,6 @@
 #include <thrust/transform.h>
 #include <thrust/tuple.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -221,16 +220,7 @@ struct LowerToBadRow {
   const std::uint8_t* status;
   long* first;
   MRR_HOST_DEVICE void operator()(long t) const {
-    if (status[t] == row_ok) return;
-#if defined(__CUDA_ARCH__)
-    static_assert(sizeof(long) == sizeof(long long));
-    atomicMin(reinterpret_cast<long long*>(first), static_cast<long long>(t));
-#else
-    std::atomic_ref<long> ref(*first);
-    long seen = ref.load(std::memory_order_relaxed);
-    while (t < seen && !ref.compare_exchange_weak(seen, t, std::memory_order_relaxed)) {
-    }
-#endif
+    if (status[t] != row_ok) atomic_lower(first, t);
   }
 };
 
