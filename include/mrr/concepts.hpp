@@ -3,6 +3,7 @@
 // sentence instead of a template backtrace.
 #pragma once
 
+#include <mrr/comm/row_blocks.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/replay/layout.hpp>
 #include <mrr/replay/none_store.hpp>
@@ -68,6 +69,15 @@ concept Communicator = requires(const C& c, std::span<float> f, std::span<const 
   c.all_to_all_v(cf, counts, f, counts);
   c.all_to_all_v(cd, counts, d, counts);
   c.all_to_all_v(ci, counts, i, counts);
+};
+
+// A Communicator that also moves rows by gather/scatter lists (mrr/comm/row_blocks.hpp):
+// SingleProcess, InProcessGroup and MpiCommunicator. The MoE layer's exchanges then skip their
+// staging copies; with any other communicator they stage through all_to_all_v.
+template <class C, class T>
+concept RowCommunicator = Communicator<C> &&
+    requires(const C& c, const T* send, T* recv, const RowBlocks& blocks, std::size_t n) {
+  c.all_to_all_rows(send, n, blocks, recv, n, blocks, n);
 };
 
 // The experts one rank holds (a contiguous block [first_expert, first_expert + num_experts) of

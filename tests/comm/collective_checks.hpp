@@ -134,9 +134,68 @@ void check_all_reduce_sum(const Comm& comm, std::size_t n) {
     CHECK(std::memcmp(everyone.data() + static_cast<std::size_t>(p) * n, data.data(), n * sizeof(T)) == 0);
 }
 
+// all_to_all_rows (mrr/comm/row_blocks.hpp). Row r of rank `from`'s send buffer holds
+// from * 1000 + r * 10 + c in column c. Rank `from` sends rank `to` rows picked out of order, some
+// twice (rows_sent); the receiver scatters the j-th row from each peer to a position drawn from a
+// permutation of its buffer, which has spare rows that must stay untouched.
+constexpr std::size_t kRowsPerRank = 9, kRowElems = 5;
+
+inline std::vector<std::int64_t> rows_sent(int from, int to, int round) {
+  std::vector<std::int64_t> rows;
+  const std::size_t n = block_count(from, to, round);
+  for (std::size_t i = 0; i < n; ++i)
+    rows.push_back(static_cast<std::int64_t>((static_cast<std::size_t>(from + 3 * to + round) + 4 * i) % kRowsPerRank));
+  return rows;
+}
+
+template <class T, class Comm>
+void check_all_to_all_rows(const Comm& comm, int round) {
+  const int P = comm.size(), me = comm.rank();
+  auto value = [](int from, std::int64_t row, std::size_t c) {
+    return static_cast<T>(from * 1000 + static_cast<int>(row) * 10 + static_cast<int>(c));
+  };
+  std::vector<T> send(kRowsPerRank * kRowElems);
+  for (std::size_t r = 0; r < kRowsPerRank; ++r)
+    for (std::size_t c = 0; c < kRowElems; ++c)
+      send[r * kRowElems + c] = value(me, static_cast<std::int64_t>(r), c);
+  mrr::RowBlocks send_blocks, recv_blocks;
+  send_blocks.start(P);
+  std::size_t total = 0;
+  for (int p = 0; p < P; ++p) {
+    for (const auto r : rows_sent(me, p, round))
+      send_blocks.add(r, 1);
+    send_blocks.next_peer();
+    total += rows_sent(p, me, round).size();
+  }
+  const std::size_t spare = 3, recv_rows = total + spare;
+  std::vector<std::int64_t> position(recv_rows);
+  for (std::size_t i = 0; i < recv_rows; ++i)
+    position[i] = static_cast<std::int64_t>((i * 7 + static_cast<std::size_t>(round)) % recv_rows);
+  if (recv_rows % 7 == 0)  // 7 i mod n is a permutation only when gcd(7, n) = 1
+    for (std::size_t i = 0; i < recv_rows; ++i)
+      position[i] = static_cast<std::int64_t>(recv_rows - 1 - i);
+  const T sentinel = static_cast<T>(-1);
+  std::vector<T> recv(recv_rows * kRowElems, sentinel);
+  std::vector<T> expected = recv;
+  recv_blocks.start(P);
+  std::size_t at = 0;
+  for (int p = 0; p < P; ++p) {
+    for (const auto r : rows_sent(p, me, round)) {
+      const auto pos = position[at++];
+      recv_blocks.add(pos, 1);
+      for (std::size_t c = 0; c < kRowElems; ++c)
+        expected[static_cast<std::size_t>(pos) * kRowElems + c] = value(p, r, c);
+    }
+    recv_blocks.next_peer();
+  }
+  comm.all_to_all_rows(send.data(), kRowsPerRank, send_blocks, recv.data(), recv_rows, recv_blocks, kRowElems);
+  CHECK(std::memcmp(recv.data(), expected.data(), recv.size() * sizeof(T)) == 0);
+}
+
 template <class T, class Comm>
 void check_collectives_of(const Comm& comm) {
   for (int round = 0; round < 6; ++round) {
+    if constexpr (mrr::RowCommunicator<Comm, T>) check_all_to_all_rows<T>(comm, round);
     check_all_to_all_v<T>(comm, round);
     check_all_gather<T>(comm, round);
     check_broadcast<T>(comm, round);
@@ -163,6 +222,53 @@ void check_still_works(const Comm& comm) {
   check_all_reduce_sum<double>(comm, 17);
 }
 
+// all_to_all_rows with bad arguments on one rank: every rank throws InvalidArgument naming it.
+template <class Comm>
+void check_mismatched_rows(const Comm& comm) {
+  const int P = comm.size(), me = comm.rank();
+  const std::size_t W = 3, n = static_cast<std::size_t>(P) + 2;
+  std::vector<float> send(n * W, 1.f), recv(n * W);
+  auto one_row_each = [&](mrr::RowBlocks& b, int extra_for_last) {
+    b.start(P);
+    for (int p = 0; p < P; ++p) {
+      b.add(p, 1 + (p == P - 1 ? extra_for_last : 0));
+      b.next_peer();
+    }
+  };
+  mrr::RowBlocks ok_send, ok_recv, bad;
+  one_row_each(ok_send, 0);
+  one_row_each(ok_recv, 0);
+  auto throws_naming = [&](const mrr::RowBlocks& s, const mrr::RowBlocks& r, std::size_t row_elems, const char* what) {
+    CAPTURE(what);
+    try {
+      comm.all_to_all_rows(send.data(), n, s, recv.data(), n, r, row_elems);
+      FAIL_CHECK("did not throw");
+    } catch (const mrr::InvalidArgument& e) {
+      CHECK(std::string(e.what()).find(what) != std::string::npos);
+    }
+  };
+  // Rank 0 expects two rows from rank P - 1, which sends one.
+  one_row_each(bad, 1);
+  throws_naming(ok_send, me == 0 ? bad : ok_recv, W, "rows to rank 0, which expects");
+  // A block past the end of rank P - 1's send buffer.
+  bad = ok_send;
+  bad.first[0] = static_cast<std::int64_t>(n);
+  throws_naming(me == P - 1 ? bad : ok_send, ok_recv, W, "'s row blocks are malformed");
+  // Two recv blocks over one row, on rank 0 (with more than one rank).
+  bad = ok_recv;
+  if (P > 1) bad.first[1] = bad.first[0];
+  if (P > 1) throws_naming(ok_send, me == 0 ? bad : ok_recv, W, "'s row blocks are malformed");
+  // Rows of different widths.
+  if (P > 1) throws_naming(ok_send, ok_recv, me == 1 ? W - 1 : W, "moves rows of");
+  // A recv buffer overlapping the send buffer.
+  try {
+    comm.all_to_all_rows(send.data(), n, ok_send, send.data(), n, ok_recv, W);
+    FAIL_CHECK("did not throw");
+  } catch (const mrr::InvalidArgument& e) {
+    CHECK(std::string(e.what()).find("overlap") != std::string::npos);
+  }
+}
+
 // Rank r expects one element more from its left neighbour than that neighbour sends: every rank
 // throws InvalidArgument (not only the ranks whose own counts disagree).
 template <class Comm>
@@ -183,6 +289,7 @@ void check_mismatched_counts(const Comm& comm) {
   std::vector<std::size_t> too_few(static_cast<std::size_t>(P) - (me == 0 ? 1 : 0), 1);
   CHECK_THROWS_AS(comm.all_to_all_v(cspan(send), cspan(too_few), mspan(recv), cspan(recv_counts)),
                   mrr::InvalidArgument);
+  if constexpr (mrr::RowCommunicator<Comm, float>) check_mismatched_rows(comm);
   check_still_works(comm);
 }
 

@@ -25,6 +25,7 @@ using namespace mrr::test::comm;
 
 static_assert(mrr::Communicator<mrr::SingleProcess>);
 static_assert(mrr::Communicator<mrr::InProcessComm>);
+static_assert(mrr::RowCommunicator<mrr::SingleProcess, float> && mrr::RowCommunicator<mrr::InProcessComm, double>);
 
 // Runs f; a hang past the limit ends the process with a message instead of blocking ctest.
 template <class F>

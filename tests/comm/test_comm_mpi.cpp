@@ -23,6 +23,7 @@ namespace {
 using namespace mrr::test::comm;
 
 static_assert(mrr::Communicator<mrr::MpiCommunicator>);
+static_assert(mrr::RowCommunicator<mrr::MpiCommunicator, float>);
 
 const mrr::MpiCommunicator& world() {
   static const mrr::MpiCommunicator comm(MPI_COMM_WORLD);

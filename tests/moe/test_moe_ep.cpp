@@ -23,12 +23,46 @@ using mrr::test::MoEResult;
 
 namespace {
 
+// InProcessComm without all_to_all_rows: the layer then stages its exchanges through
+// all_to_all_v (as with NCCL or a user's communicator). Both paths must give the same bits.
+struct StagingComm {
+  mrr::InProcessComm comm;
+  int rank() const { return comm.rank(); }
+  int size() const { return comm.size(); }
+  void barrier() const { comm.barrier(); }
+  template <class T>
+  void all_reduce_sum(std::span<T> d) const {
+    comm.all_reduce_sum(d);
+  }
+  template <class T>
+  void all_gather(std::span<const T> s, std::span<T> r) const {
+    comm.all_gather(s, r);
+  }
+  template <class T>
+  void broadcast(std::span<T> d, int root) const {
+    comm.broadcast(d, root);
+  }
+  template <class T>
+  void all_to_all_v(std::span<const T> s, std::span<const std::size_t> sc, std::span<T> r,
+                    std::span<const std::size_t> rc) const {
+    comm.all_to_all_v(s, sc, r, rc);
+  }
+};
+static_assert(mrr::Communicator<StagingComm> && !mrr::RowCommunicator<StagingComm, float>);
+static_assert(mrr::RowCommunicator<mrr::InProcessComm, float>);
+
 template <class S>
-MoEResult<S> run_group(const MoEModel<S>& m, const RowMatrix<S>& x, const RowMatrix<S>& gy, int ranks) {
+MoEResult<S> run_group(const MoEModel<S>& m, const RowMatrix<S>& x, const RowMatrix<S>& gy, int ranks,
+                       bool staging = false) {
   MoEResult<S> out(x.rows(), m.hidden, m.num_experts(), m.topk(), ranks);
   mrr::InProcessGroup(ranks).run([&](const mrr::InProcessComm& comm) {
-    auto layer = m.layer(comm);
-    mrr::test::run_rank(layer, x, gy, out);
+    if (staging) {
+      auto layer = m.layer(StagingComm{comm});
+      mrr::test::run_rank(layer, x, gy, out);
+    } else {
+      auto layer = m.layer(comm);
+      mrr::test::run_rank(layer, x, gy, out);
+    }
   });
   return out;
 }
@@ -49,6 +83,7 @@ void check_ep_invariance(const mrr::RouterConfig& config, int hidden, int interm
     CAPTURE(ranks);
     auto group = run_group(m, x, gy, ranks);
     check_same(single, group);
+    if (ranks > 1) check_same(single, run_group(m, x, gy, ranks, /*staging=*/true));
   }
 }
 

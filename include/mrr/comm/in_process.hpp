@@ -5,6 +5,7 @@
 #pragma once
 
 #include <mrr/comm/detail/collective_check.hpp>
+#include <mrr/comm/row_blocks.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 
@@ -36,6 +37,7 @@ class InProcessState {
     const void* send = nullptr;
     void* recv = nullptr;
     const std::size_t* send_counts = nullptr;
+    const RowBlocks* send_blocks = nullptr;  // all_to_all_rows
   };
 
   explicit InProcessState(int size)
@@ -167,6 +169,29 @@ class InProcessComm {
           offset += peer.send_counts[q];
         std::copy_n(static_cast<const T*>(peer.send) + offset, recv_counts[p], recv.data() + at);
         at += recv_counts[p];
+      }
+    });
+  }
+
+  // Gather/scatter all-to-all of rows (comm/row_blocks.hpp): each rank copies its peers' rows
+  // straight from their buffers into its blocks, one copy per row.
+  template <class T>
+  void all_to_all_rows(const T* send, std::size_t send_rows, const RowBlocks& send_blocks, T* recv,
+                       std::size_t recv_rows, const RowBlocks& recv_blocks, std::size_t row_elems) const {
+    static_assert(std::is_trivially_copyable_v<T>, "communicators move trivially copyable elements only");
+    auto& post = state_->post(rank_);
+    post.send = send;
+    post.send_blocks = &send_blocks;
+    detail::describe_all_to_all_rows<T>(state_->record(rank_), size(), send, send_rows, send_blocks, recv, recv_rows,
+                                        recv_blocks, row_elems);
+    exchange("InProcessComm::all_to_all_rows", [&] {
+      const auto me = static_cast<std::size_t>(rank_);
+      for (std::size_t p = 0; p < static_cast<std::size_t>(size()); ++p) {
+        const auto& peer = state_->post(static_cast<int>(p));
+        const RowBlocks& theirs = *peer.send_blocks;
+        detail::copy_row_blocks(static_cast<const T*>(peer.send), theirs, theirs.peer_begin[me],
+                                theirs.peer_begin[me + 1], recv, recv_blocks, recv_blocks.peer_begin[p],
+                                recv_blocks.peer_begin[p + 1], row_elems);
       }
     });
   }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <mrr/comm/detail/collective_check.hpp>
+#include <mrr/comm/row_blocks.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 
@@ -327,6 +328,67 @@ class MpiCommunicator {
     state_->watchdog().wait(request, fn, "MPI_Ialltoallv");
   }
 
+  // Gather/scatter all-to-all of rows (comm/row_blocks.hpp): each peer's blocks become an MPI
+  // datatype (hindexed rows), and one MPI_Ialltoallw moves them; MPI packs straight from the
+  // send blocks and unpacks into the recv blocks, with no staging buffer of ours.
+  template <class T>
+  void all_to_all_rows(const T* send, std::size_t send_rows, const RowBlocks& send_blocks, T* recv,
+                       std::size_t recv_rows, const RowBlocks& recv_blocks, std::size_t row_elems) const {
+    static_assert(std::is_trivially_copyable_v<T>, "communicators move trivially copyable elements only");
+    constexpr const char* fn = "MpiCommunicator::all_to_all_rows";
+    auto mine = blank_record();
+    detail::describe_all_to_all_rows<T>(mine, size_, send, send_rows, send_blocks, recv, recv_rows, recv_blocks,
+                                        row_elems);
+    agree(fn, mine, INT_MAX);
+    // Equal on every rank (agreed above), so this throws on all of them or none.
+    detail::require(row_elems * scale<T> <= static_cast<std::size_t>(INT_MAX), fn, "rows of ", row_elems,
+                    " elements exceed MPI's int count");
+    Datatypes types;
+    MPI_Datatype row = MPI_DATATYPE_NULL;
+    detail::mpi_check(MPI_Type_contiguous(static_cast<int>(row_elems * scale<T>), detail::mpi_datatype<T>(), &row), fn,
+                      "MPI_Type_contiguous");
+    types.owned.push_back(row);
+    detail::mpi_check(MPI_Type_commit(&row), fn, "MPI_Type_commit");
+    const auto P = static_cast<std::size_t>(size_);
+    std::vector<int> sc(P), rc(P), zero(P, 0);
+    std::vector<MPI_Datatype> st(P), rt(P);
+    const auto row_bytes = static_cast<MPI_Aint>(row_elems * sizeof(T));
+    auto peer_type = [&](const RowBlocks& b, std::size_t p, int& count, MPI_Datatype& type) {
+      const std::size_t i0 = b.peer_begin[p], i1 = b.peer_begin[p + 1];
+      std::vector<int> lengths;
+      std::vector<MPI_Aint> displacements;
+      for (std::size_t i = i0; i < i1; ++i) {
+        if (b.rows[i] == 0) continue;
+        lengths.push_back(static_cast<int>(b.rows[i]));  // <= the peer's rows, agreed <= INT_MAX
+        displacements.push_back(static_cast<MPI_Aint>(b.first[i]) * row_bytes);
+      }
+      count = lengths.empty() ? 0 : 1;
+      type = row;
+      if (lengths.empty()) return;
+      detail::mpi_check(
+          MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(), displacements.data(), row, &type),
+          fn, "MPI_Type_create_hindexed");
+      types.owned.push_back(type);
+      detail::mpi_check(MPI_Type_commit(&type), fn, "MPI_Type_commit");
+    };
+    const auto me = static_cast<std::size_t>(rank_);
+    for (std::size_t p = 0; p < P; ++p) {
+      if (p == me) {  // copied here, directly (MPI would pack into a temporary and unpack it)
+        st[p] = rt[p] = row;
+        continue;
+      }
+      peer_type(send_blocks, p, sc[p], st[p]);
+      peer_type(recv_blocks, p, rc[p], rt[p]);
+    }
+    MPI_Request request = MPI_REQUEST_NULL;
+    detail::mpi_check(MPI_Ialltoallw(send, sc.data(), zero.data(), st.data(), recv, rc.data(), zero.data(), rt.data(),
+                                     native(), &request),
+                      fn, "MPI_Ialltoallw");
+    detail::copy_row_blocks(send, send_blocks, send_blocks.peer_begin[me], send_blocks.peer_begin[me + 1], recv,
+                            recv_blocks, recv_blocks.peer_begin[me], recv_blocks.peer_begin[me + 1], row_elems);
+    state_->watchdog().wait(request, fn, "MPI_Ialltoallw");
+  }
+
   template <class T>
   void all_gather(std::span<const T> send, std::span<T> recv) const {
     static_assert(std::is_trivially_copyable_v<T>, "communicators move trivially copyable elements only");
@@ -396,6 +458,18 @@ class MpiCommunicator {
   }
 
  private:
+  // Datatypes a call created, freed when it returns or throws.
+  struct Datatypes {
+    std::vector<MPI_Datatype> owned;
+    Datatypes() = default;
+    Datatypes(const Datatypes&) = delete;
+    Datatypes& operator=(const Datatypes&) = delete;
+    ~Datatypes() {
+      for (auto& t : owned)
+        MPI_Type_free(&t);
+    }
+  };
+
   template <class T>
   static constexpr std::size_t scale = detail::mpi_named_type<T> ? 1 : sizeof(T);
   template <class T>

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <mrr/comm/detail/collective_check.hpp>
+#include <mrr/comm/row_blocks.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 
@@ -51,6 +52,19 @@ struct SingleProcess {
     detail::describe_all_to_all_v<T>(record, send, send_counts, recv, recv_counts);
     detail::check_collective("SingleProcess::all_to_all_v", 1, record);
     std::copy_n(send.begin(), send_counts[0], recv.begin());
+  }
+
+  // Gather/scatter all-to-all of rows (comm/row_blocks.hpp): rank 0's send blocks into its recv
+  // blocks, one copy.
+  template <class T>
+  void all_to_all_rows(const T* send, std::size_t send_rows, const RowBlocks& send_blocks, T* recv,
+                       std::size_t recv_rows, const RowBlocks& recv_blocks, std::size_t row_elems) const {
+    detail::SingleRankRecord record;
+    detail::describe_all_to_all_rows<T>(record, 1, send, send_rows, send_blocks, recv, recv_rows, recv_blocks,
+                                        row_elems);
+    detail::check_collective("SingleProcess::all_to_all_rows", 1, record);
+    detail::copy_row_blocks(send, send_blocks, 0, send_blocks.first.size(), recv, recv_blocks, 0,
+                            recv_blocks.first.size(), row_elems);
   }
 };
 

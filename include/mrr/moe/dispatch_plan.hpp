@@ -4,6 +4,7 @@
 // of the forward and the backward, and by combine.
 #pragma once
 
+#include <mrr/comm/row_blocks.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/moe/placement.hpp>
 #include <mrr/router/permute.hpp>
@@ -25,6 +26,10 @@ struct DispatchPlan {
   // [local experts + 1]: local expert e's received rows are [local_offsets[e], local_offsets[e + 1])
   // of the expert-major matrix the exchange hands the experts.
   std::vector<std::int64_t> local_offsets;
+  // The same rows as block lists (comm/row_blocks.hpp), for communicators that move rows in place:
+  // by source rank, its rows for each local expert in the expert-major matrix; by owner rank, its
+  // block of this rank's permuted rows.
+  RowBlocks grouped_blocks, permuted_blocks;
   int experts_per_rank = 0;
   int hidden = 0;
 

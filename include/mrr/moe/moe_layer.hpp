@@ -182,6 +182,12 @@ class MoELayer {
       permute_tokens_into<Scalar>(f.expert_inputs, f.input, f.permutation);
       return;
     }
+    if constexpr (RowCommunicator<Comm, Scalar>) {
+      if (f.input.outerStride() == hidden_size()) {  // the tokens' rows go straight to their experts
+        exchange_.gather_to_experts(comm_, f.input, f, f.expert_inputs);
+        return;
+      }
+    }
     permute_tokens_into<Scalar>(permuted_, f.input, f.permutation);
     exchange_.to_experts(comm_, permuted_, f, f.expert_inputs);
   }

@@ -3,6 +3,9 @@
 // per local expert in (source rank, token) order — global token order for contiguous token chunks,
 // so each expert sees the same rows in the same order for any P. From the experts: the mirror.
 // The forward's dispatch and combine and the backward's two exchanges all run these two steps.
+// With a RowCommunicator (SingleProcess, InProcessGroup, MpiCommunicator) the rows move between
+// the matrices directly (all_to_all_rows); with another, through a staging buffer and
+// all_to_all_v. The same rows land in the same places either way.
 #pragma once
 
 #include <mrr/concepts.hpp>
@@ -41,6 +44,44 @@ class TokenExchange {
       }
     for (std::size_t e = 0; e < per; ++e)
       plan.local_offsets[e + 1] += plan.local_offsets[e];
+    std::vector<std::int64_t> filled(plan.local_offsets.begin(), plan.local_offsets.end() - 1);
+    plan.grouped_blocks.start(static_cast<int>(p));
+    plan.permuted_blocks.start(static_cast<int>(p));
+    std::int64_t permuted = 0;
+    const auto hidden = static_cast<std::size_t>(plan.hidden);
+    for (std::size_t s = 0; s < p; ++s) {
+      for (std::size_t e = 0; e < per; ++e) {
+        plan.grouped_blocks.add(filled[e], plan.recv_rows[s * per + e]);
+        filled[e] += plan.recv_rows[s * per + e];
+      }
+      plan.grouped_blocks.next_peer();
+      const auto rows = static_cast<std::int64_t>(hidden == 0 ? 0 : plan.send_counts[s] / hidden);
+      plan.permuted_blocks.add(permuted, rows);
+      plan.permuted_blocks.next_peer();
+      permuted += rows;
+    }
+  }
+
+  // Straight from the tokens: each slot's token row (plan.permutation.source_token, in the
+  // permuted order) to the owner of its expert, into grouped as to_experts lays it out, without
+  // forming the permuted matrix. Needs a RowCommunicator and contiguous token rows. Collective.
+  template <class C>
+  requires RowCommunicator<C, Scalar>
+  void gather_to_experts(const C& comm, MatrixRef<Scalar> tokens, const DispatchPlan& plan,
+                         RowMatrix<Scalar>& grouped) {
+    grouped.resize(plan.local_rows(), plan.hidden);
+    const auto& source = plan.permutation.source_token;
+    gather_.start(plan.ranks());
+    std::size_t row = 0;
+    for (int s = 0; s < plan.ranks(); ++s) {
+      const auto end = row + plan.send_counts[static_cast<std::size_t>(s)] / static_cast<std::size_t>(plan.hidden);
+      for (; row < end; ++row)
+        gather_.add(source[row], 1);
+      gather_.next_peer();
+    }
+    comm.all_to_all_rows(tokens.data(), static_cast<std::size_t>(tokens.rows()), gather_, grouped.data(),
+                         static_cast<std::size_t>(grouped.rows()), plan.grouped_blocks,
+                         static_cast<std::size_t>(plan.hidden));
   }
 
   // permuted [plan rows, hidden] -> grouped [plan.local_rows(), hidden]: the local experts' rows,
@@ -54,6 +95,7 @@ class TokenExchange {
       exchange(comm, permuted.data(), plan.send_counts, grouped.data(), plan.recv_counts);
       return;
     }
+    if (move_rows(comm, permuted, plan.permuted_blocks, grouped, plan.grouped_blocks, plan.hidden)) return;
     staging_.resize(plan.received_elements());
     exchange(comm, permuted.data(), plan.send_counts, staging_.data(), plan.recv_counts);
     move_blocks(plan, staging_.data(), grouped.data(), /*src_is_staging=*/true);
@@ -68,12 +110,29 @@ class TokenExchange {
       exchange(comm, grouped.data(), plan.recv_counts, permuted.data(), plan.send_counts);
       return;
     }
+    if (move_rows(comm, grouped, plan.grouped_blocks, permuted, plan.permuted_blocks, plan.hidden)) return;
     staging_.resize(plan.received_elements());
     move_blocks(plan, grouped.data(), staging_.data(), /*src_is_staging=*/false);
     exchange(comm, staging_.data(), plan.recv_counts, permuted.data(), plan.send_counts);
   }
 
  private:
+  // src's blocks to dst's blocks in one all_to_all_rows, where the communicator has it and src's
+  // rows are contiguous; false: the caller stages instead.
+  template <Communicator C>
+  static bool move_rows(const C& comm, MatrixRef<Scalar> src, const RowBlocks& src_blocks, RowMatrix<Scalar>& dst,
+                        const RowBlocks& dst_blocks, int hidden) {
+    if constexpr (RowCommunicator<C, Scalar>) {
+      if (src.outerStride() != hidden) return false;
+      comm.all_to_all_rows(src.data(), static_cast<std::size_t>(src.rows()), src_blocks, dst.data(),
+                           static_cast<std::size_t>(dst.rows()), dst_blocks, static_cast<std::size_t>(hidden));
+      return true;
+    } else {
+      (void)comm, (void)src, (void)src_blocks, (void)dst, (void)dst_blocks, (void)hidden;
+      return false;
+    }
+  }
+
   template <Communicator C>
   static void exchange(const C& comm, const Scalar* send, const std::vector<std::size_t>& send_counts, Scalar* recv,
                        const std::vector<std::size_t>& recv_counts) {
@@ -107,6 +166,7 @@ class TokenExchange {
   // Received rows before regrouping, grouped rows before sending; reused from call to call (a
   // fresh 100 MB buffer per call costs more in page faults than the copy into it).
   std::vector<Scalar> staging_;
+  RowBlocks gather_;  // gather_to_experts' send blocks, capacity reused
 };
 
 MRR_NAMESPACE_END

@@ -35,6 +35,7 @@ enum class CollectiveOp : std::uint64_t {
   all_reduce_sum = 4,
   barrier = 5,
   leave = 6,
+  all_to_all_rows = 7,
 };
 
 inline const char* collective_name(std::uint64_t op) {
@@ -51,6 +52,8 @@ inline const char* collective_name(std::uint64_t op) {
       return "barrier";
     case CollectiveOp::leave:
       return "leave";
+    case CollectiveOp::all_to_all_rows:
+      return "all_to_all_rows";
   }
   return "an unknown collective";
 }
@@ -90,10 +93,12 @@ inline std::string describe_call(std::uint64_t op, std::uint64_t tag) {
 // Record layout, one row per rank: [op, element tag, a, b, c, d, flags, counts[2P]].
 // all_to_all_v: a/b = send/recv buffer sizes, c/d = number of send/recv counts, then send counts
 // and recv counts; all_gather: a/b = send/recv sizes; broadcast: a = size, b = root;
-// all_reduce_sum: a = size; barrier and leave: nothing. Flags are local facts every rank must
-// learn, so a rank's bad call fails on every rank.
+// all_reduce_sum: a = size; all_to_all_rows: a/b = send/recv buffer rows, c = elements per row,
+// d = P, then the rows sent to and received from every rank; barrier and leave: nothing. Flags are local facts every
+// rank must learn, so a rank's bad call fails on every rank.
 enum RecordField : std::size_t { op_field, type_field, a_field, b_field, c_field, d_field, flags_field, counts_field };
 inline constexpr std::uint64_t buffers_overlap_flag = 1;
+inline constexpr std::uint64_t malformed_row_blocks_flag = 2;  // all_to_all_rows (comm/row_blocks.hpp)
 
 inline std::size_t collective_record_width(int ranks) {
   return counts_field + 2 * static_cast<std::size_t>(ranks);
@@ -199,6 +204,26 @@ inline void check_collective(std::string_view function, int ranks, std::span<con
       for (std::size_t a = 0; a < P; ++a) {
         for (std::size_t b = 0; b < P; ++b) {
           require(count(a, b) == count(b, P + a), function, "rank ", a, " sends ", count(a, b), " elements to rank ", b,
+                  ", which expects ", count(b, P + a), " from it");
+        }
+      }
+      return;
+    }
+    case CollectiveOp::all_to_all_rows: {
+      for (std::size_t r = 0; r < P; ++r) {
+        require((at(r, flags_field) & malformed_row_blocks_flag) == 0, function, "rank ", r,
+                "'s row blocks are malformed: each list needs one entry per rank (", P,
+                "), every block inside its buffer, and no row received twice");
+        require(at(r, c_field) == at(0, c_field), function, "rank ", r, " moves rows of ", at(r, c_field),
+                " elements but rank 0 rows of ", at(0, c_field));
+        for (std::size_t p = 0; p < P; ++p) {
+          within_limit(count(r, p), "send rows", r);
+          within_limit(count(r, P + p), "recv rows", r);
+        }
+      }
+      for (std::size_t a = 0; a < P; ++a) {
+        for (std::size_t b = 0; b < P; ++b) {
+          require(count(a, b) == count(b, P + a), function, "rank ", a, " sends ", count(a, b), " rows to rank ", b,
                   ", which expects ", count(b, P + a), " from it");
         }
       }
