@@ -241,6 +241,55 @@ TEST_CASE("a flipped byte is an error when its sequence is read, never wrong ids
                        mrr::RouteFileError);
 }
 
+// Lookups verify each record when they first read it (from the same read that decodes it), not
+// the whole sequence up front: a damaged record is an error whenever any of its ids is asked for
+// (however few, from a record larger than one read too), and the other records' ids stay usable.
+TEST_CASE("a flipped byte in one layer's record: that layer's lookups fail, every time; the others are exact") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{64, 3, 8};
+  const std::vector<mrr::SequenceId> uids = {5};
+  for (const std::int64_t tokens : {std::int64_t{100}, std::int64_t{40000}}) {  // 800 B and 320 KB records
+    CAPTURE(tokens);
+    const auto path = dir / ("routes" + std::to_string(tokens) + ".mrr");
+    const auto layout = mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, tokens});
+    std::vector<mrr::ExpertIds> want;
+    {
+      auto store = mrr::FileRouteStore::create(path, shape);
+      for (int l = 0; l < shape.num_layers; ++l) {  // one record per layer, as R2 writes them
+        mrr::ExpertIds ids(tokens, shape.topk);
+        for (std::int64_t t = 0; t < tokens; ++t)
+          for (int j = 0; j < shape.topk; ++j)
+            ids(t, j) = static_cast<std::int32_t>((t * 7 + j * 8 + l) % 64);
+        store.record(l, layout, ids);
+        want.push_back(ids);
+      }
+    }
+    auto bytes = read_bytes(path);
+    const std::size_t record = mrr::route_file::record_bytes(static_cast<std::uint64_t>(tokens * shape.topk));
+    const std::size_t last_byte_of_layer1 = mrr::route_file::kHeaderBytes + 2 * record - 1;
+    bytes[last_byte_of_layer1] = static_cast<char>(bytes[last_byte_of_layer1] ^ 0x04);
+    const auto bad = dir / ("bad" + std::to_string(tokens) + ".mrr");
+    write_bytes(bad, bytes, bytes.size());
+    auto s = mrr::FileRouteStore::open(bad, shape);
+    CHECK(s.recovery().opened_from_index);
+    const auto first_rows = mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, 3});  // 3 rows only
+    for (int pass = 0; pass < 2; ++pass) {
+      mrr::ExpertIds got;
+      std::vector<std::uint8_t> found;
+      for (const int l : {0, 2}) {
+        REQUIRE(s.lookup(l, layout, got, found) == static_cast<std::size_t>(tokens));
+        CHECK(got == want[static_cast<std::size_t>(l)]);
+      }
+      CHECK_THROWS_WITH_AS(s.lookup(1, first_rows, got, found), doctest::Contains("fails its checksum"),
+                           mrr::RouteFileError);
+      CHECK_THROWS_WITH_AS(s.lookup(1, layout, got, found), doctest::Contains("fails its checksum"),
+                           mrr::RouteFileError);
+      CHECK_THROWS_AS(s.sequence(5), mrr::RouteFileError);  // the table needs every record
+      s.release_cache();                                    // read and verified again on the next pass
+    }
+  }
+}
+
 TEST_CASE("a damaged record size is damage, never mistaken for a torn tail (no later record is dropped)") {
   mrr::test::TempDir dir;
   const auto path = dir / "routes.mrr";

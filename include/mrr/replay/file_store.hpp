@@ -271,8 +271,9 @@ class FileRouteStore final {
 
  public:
   // As MemoryRouteStore::lookup. Ids are read from the file in chunks and decoded into `out`; each
-  // record is verified (checksum, id range, agreement with overlapping records) when its sequence
-  // is first used. No allocation once `out`, `found`, the read buffer and the sequence's index are
+  // record is verified (checksum, id range) before any of its ids is used, from the read that
+  // decodes it when it fits one (records that overlap are verified and compared when their
+  // sequence is first used). No allocation once `out`, `found`, the read buffer and the sequence's index are
   // sized. Throws RouteFileError when the file was truncated or replaced since it was opened.
   std::size_t lookup(int layer, const TokenLayout& layout, ExpertIds& out, std::vector<std::uint8_t>& found) const {
     constexpr const char* fn = "FileRouteStore::lookup";
@@ -285,20 +286,28 @@ class FileRouteStore final {
     std::size_t hits = 0;
     bool read_any = false;
     for (const TokenRun& run : layout.runs()) {
-      const SequenceIndex* seq = ensure_loaded(run.uid, &read_any);
+      SequenceIndex* seq = ensure_loaded(run.uid, &read_any, /*lazy=*/true);
       if (seq == nullptr) continue;
       std::int64_t cursor = run.first_position;  // rows below it are filled (overlapping records agree)
       const std::int64_t run_end = run.first_position + static_cast<std::int64_t>(run.count);
       seq->for_each_overlap(layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
         a = std::max(a, cursor);
         if (b <= a) return;
-        for_each_row_chunk(s, a, b, read_buffer_, [&](std::int64_t pos, std::size_t n, const unsigned char* src) {
+        auto decode = [&](std::int64_t pos, std::size_t n, const unsigned char* src) {
           const std::size_t row = run.first_row + static_cast<std::size_t>(pos - run.first_position);
           codec_.decode_rows(src, s.stride, n, out.data() + row * static_cast<std::size_t>(k));
           std::memset(found.data() + row, 1, n);
-        });
+        };
         hits += static_cast<std::size_t>(b - a);
         cursor = b;
+        // A record read for the first time is verified before any of its ids is used; when it
+        // fits one read, the ids are decoded from that same read.
+        if (const unsigned char* record = verify_on_first_read(*seq, s.record)) {
+          decode(a, static_cast<std::size_t>(b - a),
+                 record + (s.payload - s.record) + static_cast<std::uint64_t>(a - s.first) * s.stride);
+          return;
+        }
+        for_each_row_chunk(s, a, b, read_buffer_, decode);
       });
     }
     if (hits > 0 || read_any) file_.check_unchanged(fn);  // what was read is this file's, not a replacement's
@@ -310,7 +319,7 @@ class FileRouteStore final {
 
   std::int64_t recorded_positions(SequenceId uid) const {
     bool read_any = false;
-    const SequenceIndex* s = ensure_loaded(uid, &read_any);
+    const SequenceIndex* s = ensure_loaded(uid, &read_any, /*lazy=*/true);  // the headers say it
     if (read_any) file_.check_unchanged("FileRouteStore::recorded_positions");
     return s != nullptr && !s->segments.empty() ? s->end : 0;
   }
@@ -664,11 +673,19 @@ class FileRouteStore final {
     }, fn);
   }
 
-  // The record index of a sequence: read (headers checked, records verified) on first use, kept
-  // up to date by this writer's appends. nullptr for a sequence the file does not hold. Sets
-  // *read_any when it read the file (the caller then checks the file is unchanged).
-  const SequenceIndex* ensure_loaded(SequenceId uid, bool* read_any = nullptr) const {
-    if (auto found = loaded_.find(uid); found != loaded_.end()) return &found->second;
+  // The record index of a sequence: read (headers checked) on first use, kept up to date by this
+  // writer's appends. nullptr for a sequence the file does not hold. Sets *read_any when it read
+  // the file (the caller then checks the file is unchanged). Its records are verified (checksum,
+  // id range) before it returns, or with `lazy` (lookup) each when it is first read
+  // (verify_on_first_read): a pass over a fresh sequence then reads each byte once.
+  SequenceIndex* ensure_loaded(SequenceId uid, bool* read_any = nullptr, bool lazy = false) const {
+    if (auto found = loaded_.find(uid); found != loaded_.end()) {
+      if (!lazy && !found->second.unverified.empty()) {
+        if (read_any != nullptr) *read_any = true;
+        verify_pending(found->second);
+      }
+      return &found->second;
+    }
     const std::vector<std::uint64_t>* offsets = index_.find(uid);
     if (offsets == nullptr) return nullptr;
     if (read_any != nullptr) *read_any = true;
@@ -681,10 +698,11 @@ class FileRouteStore final {
       if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes)
         damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
       // One read for the header and, when it fits a chunk, the whole record: its extent is known
-      // (the next record starts at record_limit), so nothing beyond it is read.
+      // (the next record starts at record_limit), so nothing beyond it is read. Lazy: the header.
       const std::uint64_t limit = record_limit(offset);
-      const auto want = static_cast<std::size_t>(
-          std::clamp<std::uint64_t>(limit - offset, route_file::kRecordHeaderBytes, kReadChunk));
+      const auto want = lazy ? route_file::kRecordHeaderBytes
+                             : static_cast<std::size_t>(std::clamp<std::uint64_t>(
+                                   limit - offset, route_file::kRecordHeaderBytes, kReadChunk));
       const unsigned char* record = file_.read_at(offset, want, read_buffer_);
       unsigned char* hb = headers.data() + i * route_file::kRecordHeaderBytes;
       std::memcpy(hb, record, route_file::kRecordHeaderBytes);
@@ -692,7 +710,10 @@ class FileRouteStore final {
       if (!route_file::decode(hb, h) || h.type != route_file::RecordType::routes || h.uid != uid)
         damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
       check_route_record(h, offset, limit);
-      verify_record(h, hb, offset, record + route_file::kRecordHeaderBytes, want - route_file::kRecordHeaderBytes);
+      if (lazy)
+        seq.unverified.emplace_back(offset, route_file::kRecordHeaderBytes + h.payload_bytes);
+      else
+        verify_record(h, hb, offset, record + route_file::kRecordHeaderBytes, want - route_file::kRecordHeaderBytes);
       seq.count(h);
     }
     if (const std::string why = detail::sparse_violation(shape(), {uid, seq.first, seq.end, seq.rows_held}); !why.empty())
@@ -704,8 +725,52 @@ class FileRouteStore final {
       seq.append_segments(h, (*offsets)[i], row_bytes);
     }
     seq.sort();
+    std::sort(seq.unverified.begin(), seq.unverified.end());
+    if (seq.has_overlaps()) verify_pending(seq);  // overlapping rows are compared: verified first
     check_overlaps_agree(seq, uid);
     return &loaded_.insert_or_assign(uid, std::move(seq)).first->second;
+  }
+
+  // Verifies every record of `seq` not verified yet.
+  void verify_pending(SequenceIndex& seq) const {
+    for (const auto& [offset, bytes] : seq.unverified) {
+      unsigned char hb[route_file::kRecordHeaderBytes];
+      std::memcpy(hb, file_.read_at(offset, route_file::kRecordHeaderBytes, read_buffer_), sizeof hb);
+      route_file::RecordHeader h;
+      if (!route_file::decode(hb, h) || route_file::kRecordHeaderBytes + h.payload_bytes != bytes)
+        damaged(offset, "a route record changed since its header was read");
+      verify_record(h, hb, offset, nullptr, 0);
+    }
+    seq.unverified.clear();
+  }
+
+  // When the record at `offset` is not verified yet, verifies it. Returns the whole record, read
+  // once into read_buffer_, when it fits one read (the caller decodes from it), else nullptr (it
+  // was verified by streaming it, or was verified before: the caller reads what it needs).
+  const unsigned char* verify_on_first_read(SequenceIndex& seq, std::uint64_t offset) const {
+    if (seq.unverified.empty()) return nullptr;
+    const auto it = std::lower_bound(seq.unverified.begin(), seq.unverified.end(),
+                                     std::pair<std::uint64_t, std::uint64_t>{offset, 0});
+    if (it == seq.unverified.end() || it->first != offset) return nullptr;
+    const std::uint64_t bytes = it->second;
+    const unsigned char* record = nullptr;
+    unsigned char hb[route_file::kRecordHeaderBytes];
+    if (bytes <= kReadChunk) {
+      record = file_.read_at(offset, static_cast<std::size_t>(bytes), read_buffer_);
+      std::memcpy(hb, record, sizeof hb);
+    } else {
+      std::memcpy(hb, file_.read_at(offset, route_file::kRecordHeaderBytes, read_buffer_), sizeof hb);
+    }
+    route_file::RecordHeader h;
+    if (!route_file::decode(hb, h) || route_file::kRecordHeaderBytes + h.payload_bytes != bytes)
+      damaged(offset, "a route record changed since its header was read");
+    if (record != nullptr)
+      verify_record(h, hb, offset, record + route_file::kRecordHeaderBytes,
+                    static_cast<std::size_t>(bytes) - route_file::kRecordHeaderBytes);
+    else
+      verify_record(h, hb, offset, nullptr, 0);
+    seq.unverified.erase(it);
+    return record;
   }
 
   // Records covering the same (position, layer) must agree: each overlapped row is compared with

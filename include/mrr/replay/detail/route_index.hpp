@@ -40,6 +40,22 @@ struct SequenceIndex {
   std::int64_t first = kMaxPositions, end = 0;  // positions its records span
   std::uint64_t rows_held = 0;                  // (position, layer) rows its records hold
   bool overlapping = false;                     // some segments of a layer overlap (and agree)
+  // Records whose checksum and ids a reader has not verified yet, sorted: (offset, bytes with the
+  // header). FileRouteStore::lookup verifies each from the same read that decodes it.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> unverified;
+
+  // Whether some segments of one layer overlap (their rows must then be compared).
+  bool has_overlaps() const {
+    for (std::size_t i = 1, reach = 0; i < segments.size(); ++i) {
+      if (segments[reach].layer != segments[i].layer) {
+        reach = i;
+        continue;
+      }
+      if (segments[reach].end() > segments[i].first) return true;
+      if (segments[i].end() > segments[reach].end()) reach = i;
+    }
+    return false;
+  }
 
   static bool segment_order(const RouteSegment& a, const RouteSegment& b) {
     return a.layer != b.layer ? a.layer < b.layer : a.first != b.first ? a.first < b.first : a.payload < b.payload;
