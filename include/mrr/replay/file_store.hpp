@@ -731,14 +731,23 @@ class FileRouteStore final {
     return &loaded_.insert_or_assign(uid, std::move(seq)).first->second;
   }
 
+  // The header of a record whose header was checked when its sequence was loaded, read again from
+  // `read` into hb: it must still describe a record of `bytes` bytes.
+  route_file::RecordHeader header_again(std::uint64_t offset, std::uint64_t bytes, const unsigned char* read,
+                                        unsigned char* hb) const {
+    std::memcpy(hb, read, route_file::kRecordHeaderBytes);
+    route_file::RecordHeader h;
+    if (!route_file::decode(hb, h) || route_file::kRecordHeaderBytes + h.payload_bytes != bytes)
+      damaged(offset, "a route record changed since its header was read");
+    return h;
+  }
+
   // Verifies every record of `seq` not verified yet.
   void verify_pending(SequenceIndex& seq) const {
     for (const auto& [offset, bytes] : seq.unverified) {
       unsigned char hb[route_file::kRecordHeaderBytes];
-      std::memcpy(hb, file_.read_at(offset, route_file::kRecordHeaderBytes, read_buffer_), sizeof hb);
-      route_file::RecordHeader h;
-      if (!route_file::decode(hb, h) || route_file::kRecordHeaderBytes + h.payload_bytes != bytes)
-        damaged(offset, "a route record changed since its header was read");
+      const auto h =
+          header_again(offset, bytes, file_.read_at(offset, route_file::kRecordHeaderBytes, read_buffer_), hb);
       verify_record(h, hb, offset, nullptr, 0);
     }
     seq.unverified.clear();
@@ -753,17 +762,12 @@ class FileRouteStore final {
                                      std::pair<std::uint64_t, std::uint64_t>{offset, 0});
     if (it == seq.unverified.end() || it->first != offset) return nullptr;
     const std::uint64_t bytes = it->second;
-    const unsigned char* record = nullptr;
+    const unsigned char* record =
+        bytes <= kReadChunk ? file_.read_at(offset, static_cast<std::size_t>(bytes), read_buffer_) : nullptr;
     unsigned char hb[route_file::kRecordHeaderBytes];
-    if (bytes <= kReadChunk) {
-      record = file_.read_at(offset, static_cast<std::size_t>(bytes), read_buffer_);
-      std::memcpy(hb, record, sizeof hb);
-    } else {
-      std::memcpy(hb, file_.read_at(offset, route_file::kRecordHeaderBytes, read_buffer_), sizeof hb);
-    }
-    route_file::RecordHeader h;
-    if (!route_file::decode(hb, h) || route_file::kRecordHeaderBytes + h.payload_bytes != bytes)
-      damaged(offset, "a route record changed since its header was read");
+    const auto h = header_again(
+        offset, bytes, record != nullptr ? record : file_.read_at(offset, route_file::kRecordHeaderBytes, read_buffer_),
+        hb);
     if (record != nullptr)
       verify_record(h, hb, offset, record + route_file::kRecordHeaderBytes,
                     static_cast<std::size_t>(bytes) - route_file::kRecordHeaderBytes);

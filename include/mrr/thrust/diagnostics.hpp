@@ -5,14 +5,14 @@
 //
 //   device::RoutingMismatchCounter<> c(exec, workspace, num_layers, rows, compare);  // compare: device, or null
 //   for (int l = 0; l < num_layers; ++l) c.add_layer(l, rollout_ids[l], train_ids[l]);  // queued on exec.stream
-//   mrr::RoutingMismatch m = c.result();  // synchronises once
+//   mrr::RoutingMismatch m = c.result();  // waits for the stream, reads the counts back
 //   auto lp = device::logprob_divergence<float>(exec, workspace, train_lp, rollout_lp, mask, {2.0, 5.0});
 //
 // The results equal the host functions' bit for bit: the counts are integers, and the log-prob
 // sums add the same fixed blocks of tokens (kernels::kDivergenceBlock) in the same order on every
 // executor and thread count; the quantiles and F(tau) come from the same sorted values. The
 // per-element math is mrr/diagnostics.hpp's kernels. Nothing is allocated once the workspace is
-// given; nothing synchronises before result() / the divergence's return.
+// given; nothing waits for the stream before result() / the divergence's return.
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -179,8 +179,8 @@ struct FinishDivergence {
 // Routing mismatch (mrr::RoutingMismatch, the R3 paper's definitions) of two routings of the same
 // `rows` rows over `num_layers` layers, counted where the ids are. The counters live in the
 // caller's workspace (workspace_bytes); `compare` (device memory, [rows], or null: every row) skips
-// rows whose entry is 0, as the host counter's. add_layer queues work on the stream; result()
-// synchronises and returns the host struct.
+// rows whose entry is 0, as the host counter's. add_layer queues work on the stream; result() waits
+// for it, copies the counts back and returns the host struct.
 template <class Backend = ThrustDeviceBackend>
 class RoutingMismatchCounter {
  public:
