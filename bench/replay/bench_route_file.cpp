@@ -303,6 +303,19 @@ int main() {
   const auto open_read = mrr::bench::time_it([&] { replay_all(mrr::FileRouteStore::open(path, shape)); }, 1.0, 5);
   // Later PPO epochs over the same sequences: records already verified, lookups only.
   const auto reread = mrr::bench::time_it([&] { replay_all(reader, false); }, 1.0, 5);
+  // The same lookups into 1-byte ids (what a GPU trainer uploads, vLLM's dtype): no widening.
+  mrr::RowMatrix<std::uint8_t> out_u8;
+  auto replay_u8 = [&](const mrr::FileRouteStore& store, bool reverify) {
+    std::size_t hits = 0;
+    for (std::size_t mb = 0; mb < micro_batches; ++mb) {
+      for (int l = 0; l < kLayers; ++l)
+        hits += store.lookup(l, data.layouts[mb], out_u8, found);
+      if (reverify) store.release_cache();
+    }
+    mrr::bench::do_not_optimize(hits);
+  };
+  const auto read_u8 = mrr::bench::time_it([&] { replay_u8(reader, true); }, 1.0, 5);
+  const auto reread_u8 = mrr::bench::time_it([&] { replay_u8(reader, false); }, 1.0, 5);
   std::vector<unsigned char> back(raw.size());
   const auto fread_t = mrr::bench::time_it(
       [&] {
@@ -315,6 +328,9 @@ int main() {
   mrr::bench::print_row("replay read (lookup every layer)", read.median_s, fread_t.median_s, 2 * id_bytes, bw);
   mrr::bench::print_row("open + replay read", open_read.median_s, fread_t.median_s, 2 * id_bytes, bw);
   mrr::bench::print_row("replay read, records verified earlier", reread.median_s, fread_t.median_s, 2 * id_bytes, bw);
+  mrr::bench::print_row("replay read into uint8 ids", read_u8.median_s, fread_t.median_s, 2 * id_bytes, bw);
+  mrr::bench::print_row("replay read into uint8, verified earlier", reread_u8.median_s, fread_t.median_s, 2 * id_bytes,
+                        bw);
   std::printf("    -> mrr %.0f MB/s (open + replay %.0f MB/s), fread %.0f MB/s\n", id_bytes / read.median_s / 1e6,
               id_bytes / open_read.median_s / 1e6, id_bytes / fread_t.median_s / 1e6);
 
@@ -335,6 +351,8 @@ int main() {
     mrr::bench::print_row("write from uint8 ids vs np.save", write_u8.median_s, np_save, 2 * id_bytes, bw);
     mrr::bench::print_row("replay read vs np.load", read.median_s, np_load, 2 * id_bytes, bw);
     mrr::bench::print_row("open + replay read vs np.load", open_read.median_s, np_load, 2 * id_bytes, bw);
+    mrr::bench::print_row("replay read into uint8 vs np.load", read_u8.median_s, np_load, 2 * id_bytes, bw);
+    mrr::bench::print_row("  the same, verified earlier", reread_u8.median_s, np_load, 2 * id_bytes, bw);
   } else {
     std::printf("    (np.save / np.load baseline skipped: no /usr/bin/python3 with numpy)\n");
   }

@@ -276,6 +276,9 @@ TEST_CASE("a flipped byte in one layer's record: that layer's lookups fail, ever
     for (int pass = 0; pass < 2; ++pass) {
       mrr::ExpertIds got;
       std::vector<std::uint8_t> found;
+      mrr::RowMatrix<std::uint8_t> narrow;  // 1-byte ids, read (and verified) first: the same ids
+      REQUIRE(s.lookup(2, layout, narrow, found) == static_cast<std::size_t>(tokens));
+      CHECK(narrow == want[2].cast<std::uint8_t>());
       for (const int l : {0, 2}) {
         REQUIRE(s.lookup(l, layout, got, found) == static_cast<std::size_t>(tokens));
         CHECK(got == want[static_cast<std::size_t>(l)]);
@@ -283,6 +286,9 @@ TEST_CASE("a flipped byte in one layer's record: that layer's lookups fail, ever
       CHECK_THROWS_WITH_AS(s.lookup(1, first_rows, got, found), doctest::Contains("fails its checksum"),
                            mrr::RouteFileError);
       CHECK_THROWS_WITH_AS(s.lookup(1, layout, got, found), doctest::Contains("fails its checksum"),
+                           mrr::RouteFileError);
+      // a lookup into 1-byte ids verifies the same way
+      CHECK_THROWS_WITH_AS(s.lookup(1, first_rows, narrow, found), doctest::Contains("fails its checksum"),
                            mrr::RouteFileError);
       CHECK_THROWS_AS(s.sequence(5), mrr::RouteFileError);  // the table needs every record
       s.release_cache();                                    // read and verified again on the next pass

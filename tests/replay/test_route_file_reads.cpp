@@ -1,6 +1,7 @@
-// The route file's read path (lookups decode straight from the mapped file, no decoded copy)
+// The route file's read path (lookups decode from positioned reads of the file, no decoded copy)
 // against MemoryRouteStore, and the cases its record index must get right: overlapping records,
-// multi-layer records, 2-byte ids, reads after close(), and sequences too sparse for readers.
+// multi-layer records, 2-byte ids, lookups into narrow and wide ids, reads after close(), and
+// sequences too sparse for readers.
 #include <mrr/replay.hpp>
 
 #include <doctest/doctest.h>
@@ -8,11 +9,30 @@
 #include "temp_dir.hpp"
 
 #include <random>
+#include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-// Same ids from both stores for every layer of the layout; returns the file store's hits.
+// The file store's lookup into `Id` gives the int32 lookup's ids and found flags (rows not
+// found: -1, which is all ones for unsigned ids).
+template <class Id, class A>
+void same_as_int32(const A& file, int layer, const mrr::TokenLayout& layout, const mrr::ExpertIds& want,
+                   const std::vector<std::uint8_t>& want_found) {
+  CAPTURE(sizeof(Id));
+  mrr::RowMatrix<Id> got(1, 1);
+  std::vector<std::uint8_t> found(3, 7);
+  const std::size_t hits = file.lookup(layer, layout, got, found);
+  CHECK(hits == std::size_t(std::count(want_found.begin(), want_found.end(), 1)));
+  CHECK(found == want_found);
+  REQUIRE(got.rows() == want.rows());
+  REQUIRE(got.cols() == want.cols());
+  CHECK(got == want.template cast<Id>());
+}
+
+// Same ids from both stores for every layer of the layout; returns the file store's hits. The
+// file store's lookups into int64, uint16 and (files of at most 256 experts) uint8 agree too.
 template <class A, class B>
 std::size_t same_lookups(const A& a, const B& b, const mrr::TokenLayout& layout) {
   mrr::ExpertIds out_a, out_b;
@@ -24,6 +44,17 @@ std::size_t same_lookups(const A& a, const B& b, const mrr::TokenLayout& layout)
     CHECK(ha == std::size_t(std::count(found_a.begin(), found_a.end(), 1)));
     CHECK(found_a == found_b);
     CHECK(out_a == out_b);
+    if constexpr (std::is_same_v<A, mrr::FileRouteStore>) {
+      same_as_int32<std::int64_t>(a, l, layout, out_a, found_a);
+      same_as_int32<std::uint16_t>(a, l, layout, out_a, found_a);
+      if (a.shape().num_experts <= 256) {
+        same_as_int32<std::uint8_t>(a, l, layout, out_a, found_a);
+      } else {
+        mrr::RowMatrix<std::uint8_t> narrow;
+        CHECK_THROWS_WITH_AS(a.lookup(l, layout, narrow, found_b), doctest::Contains("8-bit ids cannot hold"),
+                             std::invalid_argument);
+      }
+    }
   }
   return hits;
 }
@@ -71,7 +102,7 @@ TEST_CASE("route file lookups match the memory store: overlaps, gaps, multi-laye
       const mrr::TokenLayout probe(keys);
       CHECK(same_lookups(file, memory, probe) > 0);  // while writing
       file.close();
-      CHECK(same_lookups(file, memory, probe) > 0);  // after close(): the mapping stays
+      CHECK(same_lookups(file, memory, probe) > 0);  // after close(): still readable
       auto reader = mrr::FileRouteStore::open(dir / "r.mrr", shape);
       CHECK(reader.recovery().clean());
       CHECK(same_lookups(reader, memory, probe) == same_lookups(memory, memory, probe));
@@ -98,4 +129,73 @@ TEST_CASE("a writer refuses a sequence too sparse for readers, and writes nothin
   auto reader = mrr::FileRouteStore::open(dir / "r.mrr", shape);
   CHECK(reader.recovery().records == 1);
   CHECK(reader.recorded_positions(5) == 1);
+}
+
+TEST_CASE("the id encoding refuses every id outside [0, num_experts), wherever it is and whatever its value") {
+  // Each width's loop (1-byte ids from int32 have their own SSE2 form on x86-64: 16 ids a step,
+  // then a tail), with one bad id at every position of blocks that end in the body or the tail.
+  for (const int experts : {1, 200, 256, 300, 70000}) {
+    CAPTURE(experts);
+    mrr::route_file::FileHeader h;
+    h.shape = {experts, 1, 1};
+    h.id_width = static_cast<std::uint8_t>(experts <= 256 ? 1 : experts <= 65536 ? 2 : 4);
+    const mrr::detail::RouteCodec codec(h);
+    const std::vector<std::int64_t> bad = {experts,
+                                           std::int64_t{experts} + 1,
+                                           255 + 1,
+                                           -1,
+                                           -2,
+                                           32767,
+                                           32768,
+                                           -32768,
+                                           -32769,
+                                           65535,
+                                           65536,
+                                           0x7fffffff,
+                                           -0x7fffffff - 1};
+    for (const std::size_t n : {std::size_t{1}, std::size_t{15}, std::size_t{16}, std::size_t{33}, std::size_t{64}}) {
+      std::vector<std::int32_t> ids(n);
+      for (std::size_t i = 0; i < n; ++i)
+        ids[i] = static_cast<std::int32_t>((i * 37 + 5) % static_cast<std::size_t>(experts));
+      std::vector<unsigned char> out(n * 4);
+      REQUIRE(codec.encode_ids(ids.data(), n, out.data()));
+      for (std::size_t i = 0; i < n; ++i) {  // the bytes are the ids', little-endian
+        std::uint32_t v = 0;
+        for (int b = 0; b < h.id_width; ++b)
+          v |= std::uint32_t{out[i * h.id_width + static_cast<std::size_t>(b)]} << (8 * b);
+        REQUIRE(v == static_cast<std::uint32_t>(ids[i]));
+      }
+      ids.back() = experts - 1;  // the largest id is in range
+      CHECK(codec.encode_ids(ids.data(), n, out.data()));
+      for (std::size_t at = 0; at < n; ++at)
+        for (const std::int64_t b : bad) {
+          if (b >= 0 && b < experts) continue;  // in range for this shape (256 with 300 experts)
+          auto with_bad = ids;
+          with_bad[at] = static_cast<std::int32_t>(b);
+          CAPTURE(at);
+          CAPTURE(b);
+          CHECK_FALSE(codec.encode_ids(with_bad.data(), n, out.data()));
+        }
+      if (experts <= 65536) {  // uint16 ids (and uint8 ones where they can be out of range)
+        std::vector<std::uint16_t> narrow(ids.begin(), ids.end());
+        CHECK(codec.encode_ids(narrow.data(), n, out.data()));
+        for (std::size_t at = 0; at < n; ++at) {
+          auto with_bad = narrow;
+          with_bad[at] = static_cast<std::uint16_t>(std::min(experts, 65535));
+          CHECK(codec.encode_ids(with_bad.data(), n, out.data()) == (experts == 65536));
+        }
+      }
+      if (experts < 256) {
+        std::vector<std::uint8_t> bytes(ids.begin(), ids.end());
+        CHECK(codec.encode_ids(bytes.data(), n, out.data()));
+        CHECK(std::equal(bytes.begin(), bytes.end(), out.begin()));
+        for (std::size_t at = 0; at < n; ++at)
+          for (const int b : {experts, 255}) {
+            auto with_bad = bytes;
+            with_bad[at] = static_cast<std::uint8_t>(b);
+            CHECK_FALSE(codec.encode_ids(with_bad.data(), n, out.data()));
+          }
+      }
+    }
+  }
 }

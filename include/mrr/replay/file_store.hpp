@@ -36,11 +36,14 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <random>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -275,8 +278,23 @@ class FileRouteStore final {
   // decodes it when it fits one (records that overlap are verified and compared when their
   // sequence is first used). No allocation once `out`, `found`, the read buffer and the sequence's index are
   // sized. Throws RouteFileError when the file was truncated or replaced since it was opened.
-  std::size_t lookup(int layer, const TokenLayout& layout, ExpertIds& out, std::vector<std::uint8_t>& found) const {
+  //
+  // Id: int32 (ExpertIds, what the routers take), int64 (torch's topk), or the narrow uint8 /
+  // uint16 of rollout engines (vLLM's routed_experts) when every expert id fits it: a file of 1-byte
+  // ids then copies its rows out without widening (a quarter of the bytes to write, or to send to a
+  // GPU). Rows not found are -1 for signed ids and all ones for unsigned ones; `found` says which.
+  template <class Id>
+  std::size_t lookup(int layer, const TokenLayout& layout, RowMatrix<Id>& out, std::vector<std::uint8_t>& found) const {
+    static_assert(std::is_same_v<Id, std::int32_t> || std::is_same_v<Id, std::int64_t> ||
+                      std::is_same_v<Id, std::uint16_t> || std::is_same_v<Id, std::uint8_t>,
+                  "FileRouteStore::lookup: ids are int32, int64, uint16 or uint8");
     constexpr const char* fn = "FileRouteStore::lookup";
+    if constexpr (sizeof(Id) < 4) {
+      if (shape().num_experts - 1 > static_cast<std::int64_t>(std::numeric_limits<Id>::max()))
+        throw std::invalid_argument(detail::str(fn, ": ", sizeof(Id) * 8,
+                                                "-bit ids cannot hold the file's expert ids (", shape().num_experts,
+                                                " experts); look up into int32 ids"));
+    }
     cache_.check_layer(layer, fn);
     require_readable(fn);
     const int k = shape().topk;
@@ -313,7 +331,7 @@ class FileRouteStore final {
     if (hits > 0 || read_any) file_.check_unchanged(fn);  // what was read is this file's, not a replacement's
     if (hits != rows)
       for (std::size_t r = 0; r < rows; ++r)
-        if (found[r] == 0) std::fill_n(out.data() + r * static_cast<std::size_t>(k), k, -1);
+        if (found[r] == 0) std::fill_n(out.data() + r * static_cast<std::size_t>(k), k, static_cast<Id>(-1));
     return hits;
   }
 
