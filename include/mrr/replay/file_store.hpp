@@ -41,7 +41,6 @@
 #include <optional>
 #include <random>
 #include <span>
-#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -289,12 +288,10 @@ class FileRouteStore final {
                       std::is_same_v<Id, std::uint16_t> || std::is_same_v<Id, std::uint8_t>,
                   "FileRouteStore::lookup: ids are int32, int64, uint16 or uint8");
     constexpr const char* fn = "FileRouteStore::lookup";
-    if constexpr (sizeof(Id) < 4) {
-      if (shape().num_experts - 1 > static_cast<std::int64_t>(std::numeric_limits<Id>::max()))
-        throw std::invalid_argument(detail::str(fn, ": ", sizeof(Id) * 8,
-                                                "-bit ids cannot hold the file's expert ids (", shape().num_experts,
-                                                " experts); look up into int32 ids"));
-    }
+    if constexpr (sizeof(Id) < 4)
+      detail::require(shape().num_experts - 1 <= static_cast<std::int64_t>(std::numeric_limits<Id>::max()), fn,
+                      sizeof(Id) * 8, "-bit ids cannot hold the file's expert ids (", shape().num_experts,
+                      " experts); look up into int32 ids");
     cache_.check_layer(layer, fn);
     require_readable(fn);
     const int k = shape().topk;
