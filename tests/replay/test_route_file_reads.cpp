@@ -21,6 +21,7 @@ template <class Id, class A>
 void same_as_int32(const A& file, int layer, const mrr::TokenLayout& layout, const mrr::ExpertIds& want,
                    const std::vector<std::uint8_t>& want_found) {
   CAPTURE(sizeof(Id));
+  file.release_cache();  // read and verified afresh: the first-read path, not only the verified one
   mrr::RowMatrix<Id> got(1, 1);
   std::vector<std::uint8_t> found(3, 7);
   const std::size_t hits = file.lookup(layer, layout, got, found);
