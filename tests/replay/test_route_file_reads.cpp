@@ -15,16 +15,17 @@
 
 namespace {
 
-// The file store's lookup into `Id` gives the int32 lookup's ids and found flags (rows not
-// found: -1, which is all ones for unsigned ids).
-template <class Id, class A>
-void same_as_int32(const A& file, int layer, const mrr::TokenLayout& layout, const mrr::ExpertIds& want,
+// A store's lookup into `Id` gives the int32 lookup's ids and found flags (rows not found: -1,
+// which is all ones for unsigned ids).
+template <class Id, class S>
+void same_as_int32(const S& store, int layer, const mrr::TokenLayout& layout, const mrr::ExpertIds& want,
                    const std::vector<std::uint8_t>& want_found) {
   CAPTURE(sizeof(Id));
-  file.release_cache();  // read and verified afresh: the first-read path, not only the verified one
+  if constexpr (std::is_same_v<S, mrr::FileRouteStore>)
+    store.release_cache();  // read and verified afresh: the first-read path, not only the verified one
   mrr::RowMatrix<Id> got(1, 1);
   std::vector<std::uint8_t> found(3, 7);
-  const std::size_t hits = file.lookup(layer, layout, got, found);
+  const std::size_t hits = store.lookup(layer, layout, got, found);
   CHECK(hits == std::size_t(std::count(want_found.begin(), want_found.end(), 1)));
   CHECK(found == want_found);
   REQUIRE(got.rows() == want.rows());
@@ -32,8 +33,25 @@ void same_as_int32(const A& file, int layer, const mrr::TokenLayout& layout, con
   CHECK(got == want.template cast<Id>());
 }
 
-// Same ids from both stores for every layer of the layout; returns the file store's hits. The
-// file store's lookups into int64, uint16 and (files of at most 256 experts) uint8 agree too.
+// Every lookup of a store into int64, uint16 and (at most 256 experts) uint8 ids agrees with its
+// int32 lookup; 8-bit ids of more experts are refused.
+template <class S>
+void narrow_lookups_agree(const S& store, int layer, const mrr::TokenLayout& layout, const mrr::ExpertIds& want,
+                          const std::vector<std::uint8_t>& want_found) {
+  same_as_int32<std::int64_t>(store, layer, layout, want, want_found);
+  same_as_int32<std::uint16_t>(store, layer, layout, want, want_found);
+  if (store.shape().num_experts <= 256) {
+    same_as_int32<std::uint8_t>(store, layer, layout, want, want_found);
+  } else {
+    mrr::RowMatrix<std::uint8_t> narrow;
+    std::vector<std::uint8_t> found;
+    CHECK_THROWS_WITH_AS(store.lookup(layer, layout, narrow, found), doctest::Contains("8-bit ids cannot hold"),
+                         std::invalid_argument);
+  }
+}
+
+// Same ids from both stores for every layer of the layout; returns the first store's hits. The
+// lookups into int64, uint16 and uint8 agree too, in each store.
 template <class A, class B>
 std::size_t same_lookups(const A& a, const B& b, const mrr::TokenLayout& layout) {
   mrr::ExpertIds out_a, out_b;
@@ -45,17 +63,8 @@ std::size_t same_lookups(const A& a, const B& b, const mrr::TokenLayout& layout)
     CHECK(ha == std::size_t(std::count(found_a.begin(), found_a.end(), 1)));
     CHECK(found_a == found_b);
     CHECK(out_a == out_b);
-    if constexpr (std::is_same_v<A, mrr::FileRouteStore>) {
-      same_as_int32<std::int64_t>(a, l, layout, out_a, found_a);
-      same_as_int32<std::uint16_t>(a, l, layout, out_a, found_a);
-      if (a.shape().num_experts <= 256) {
-        same_as_int32<std::uint8_t>(a, l, layout, out_a, found_a);
-      } else {
-        mrr::RowMatrix<std::uint8_t> narrow;
-        CHECK_THROWS_WITH_AS(a.lookup(l, layout, narrow, found_b), doctest::Contains("8-bit ids cannot hold"),
-                             std::invalid_argument);
-      }
-    }
+    narrow_lookups_agree(a, l, layout, out_a, found_a);
+    narrow_lookups_agree(b, l, layout, out_b, found_b);
   }
   return hits;
 }

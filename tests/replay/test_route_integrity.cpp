@@ -354,5 +354,14 @@ TEST_CASE("AnyRouteStore: a configuration picks memory or a route file at run ti
   auto replayed = mrr::AnyRouteStore::from_config(config, shape);
   CHECK(replayed.is_file());
   CHECK(replayed.recorded_positions(4) == 16);
+  mrr::ExpertIds ids;  // lookups into int32 and into 1-byte ids, through the variant
+  mrr::RowMatrix<std::uint8_t> bytes;
+  std::vector<std::uint8_t> found, found_bytes;
+  const auto layout = span_layout(4, 0, 20);  // 16 recorded positions and 4 beyond them
+  CHECK(replayed.lookup(1, layout, ids, found) == 16);
+  CHECK(replayed.lookup(1, layout, bytes, found_bytes) == 16);
+  CHECK(found_bytes == found);
+  CHECK(bytes.topRows(16) == ids.topRows(16).cast<std::uint8_t>());
+  CHECK((bytes.bottomRows(4).array() == 0xff).all());
   CHECK_THROWS_AS(mrr::AnyRouteStore::from_config(config, {32, 3, 2}), mrr::RouteFileError);  // another model
 }

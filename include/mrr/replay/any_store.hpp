@@ -36,7 +36,8 @@ class AnyRouteStore {
   void record(int layer, const TokenLayout& layout, ExpertIdsRef ids) {
     std::visit([&](auto& s) { s.record(layer, layout, ids); }, store_);
   }
-  std::size_t lookup(int layer, const TokenLayout& layout, ExpertIds& out, std::vector<std::uint8_t>& found) const {
+  template <class Id>  // int32, int64, uint16, uint8: as the stores' lookup
+  std::size_t lookup(int layer, const TokenLayout& layout, RowMatrix<Id>& out, std::vector<std::uint8_t>& found) const {
     return std::visit([&](const auto& s) { return s.lookup(layer, layout, out, found); }, store_);
   }
   std::int64_t recorded_positions(SequenceId uid) const {

@@ -36,13 +36,11 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <random>
 #include <span>
 #include <string>
-#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -284,14 +282,8 @@ class FileRouteStore final {
   // GPU). Rows not found are -1 for signed ids and all ones for unsigned ones; `found` says which.
   template <class Id>
   std::size_t lookup(int layer, const TokenLayout& layout, RowMatrix<Id>& out, std::vector<std::uint8_t>& found) const {
-    static_assert(std::is_same_v<Id, std::int32_t> || std::is_same_v<Id, std::int64_t> ||
-                      std::is_same_v<Id, std::uint16_t> || std::is_same_v<Id, std::uint8_t>,
-                  "FileRouteStore::lookup: ids are int32, int64, uint16 or uint8");
     constexpr const char* fn = "FileRouteStore::lookup";
-    if constexpr (sizeof(Id) < 4)
-      detail::require(shape().num_experts - 1 <= static_cast<std::int64_t>(std::numeric_limits<Id>::max()), fn,
-                      sizeof(Id) * 8, "-bit ids cannot hold the file's expert ids (", shape().num_experts,
-                      " experts); look up into int32 ids");
+    detail::require_ids_fit<Id>(shape(), fn);
     cache_.check_layer(layer, fn);
     require_readable(fn);
     const int k = shape().topk;

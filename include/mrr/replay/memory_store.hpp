@@ -55,9 +55,11 @@ class MemoryRouteStore {
       for (int l = 0; l < num_layers; ++l) seq.put(first_position + t, first_layer + l, ids.data() + (t * num_layers + l) * k);
   }
 
-  // Fills out [layout rows, k] with the recorded ids of `layer` (-1 where none) and found[r] = 1
-  // where row r has a route; returns how many rows do.
-  std::size_t lookup(int layer, const TokenLayout& layout, ExpertIds& out, std::vector<std::uint8_t>& found) const {
+  // Fills out [layout rows, k] with the recorded ids of `layer` (-1 where none: all ones for
+  // unsigned ids) and found[r] = 1 where row r has a route; returns how many rows do. Id: int32
+  // (ExpertIds), int64, or uint16 / uint8 when every expert id fits (else std::invalid_argument).
+  template <class Id>
+  std::size_t lookup(int layer, const TokenLayout& layout, RowMatrix<Id>& out, std::vector<std::uint8_t>& found) const {
     return table_.lookup(layer, layout, out, found, "MemoryRouteStore::lookup");
   }
 

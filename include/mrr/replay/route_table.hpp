@@ -44,14 +44,18 @@ class SequenceRoutes {
     return pos >= base_ && pos < positions_ && present_[slot(pos, layer)] != 0;
   }
 
-  // Copies the k ids of (pos, layer) to out; false when nothing is recorded there.
-  bool get(std::int64_t pos, int layer, std::int32_t* out) const {
+  // Copies the k ids of (pos, layer) to out; false when nothing is recorded there. Id holds every
+  // id of the shape (the caller checked: detail::require_ids_fit).
+  template <class Id>
+  bool get(std::int64_t pos, int layer, Id* out) const {
     if (!has(pos, layer)) return false;
     const std::uint8_t* p = row(pos, layer);
     if (width_ == 1) {
-      for (int j = 0; j < k_; ++j) out[j] = p[j];
+      for (int j = 0; j < k_; ++j)
+        out[j] = static_cast<Id>(p[j]);
     } else {
-      for (int j = 0; j < k_; ++j) out[j] = static_cast<std::int32_t>(detail::load_id(p + j * width_, width_));
+      for (int j = 0; j < k_; ++j)
+        out[j] = static_cast<Id>(detail::load_id(p + j * width_, width_));
     }
     return true;
   }
@@ -367,10 +371,12 @@ class RouteTable {
     check_sparse_growth(shape_, added, [&](SequenceId uid) { return extent(uid); }, fn);
   }
 
-  std::size_t lookup(int layer, const TokenLayout& layout, ExpertIds& out, std::vector<std::uint8_t>& found,
+  template <class Id>
+  std::size_t lookup(int layer, const TokenLayout& layout, RowMatrix<Id>& out, std::vector<std::uint8_t>& found,
                      const char* fn) const {
+    require_ids_fit<Id>(shape_, fn);
     check_layer(layer, fn);
-    out.setConstant(static_cast<Eigen::Index>(layout.size()), shape_.topk, -1);
+    out.setConstant(static_cast<Eigen::Index>(layout.size()), shape_.topk, static_cast<Id>(-1));
     found.assign(layout.size(), 0);
     std::size_t hits = 0;
     for (const TokenRun& run : layout.runs()) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 MRR_NAMESPACE_BEGIN
 
@@ -60,6 +61,22 @@ MRR_FORCEINLINE std::uint32_t load_id(const std::uint8_t* p, int width) {
   if (width >= 2) v |= static_cast<std::uint32_t>(p[1]) << 8;
   if (width == 4) v |= static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24;
   return v;
+}
+
+// What a store's lookup writes: int32 (ExpertIds, what the routers take), int64 (torch's topk), or
+// the narrow uint8 / uint16 of rollout engines (vLLM's routed_experts).
+template <class Id>
+inline constexpr bool is_lookup_id_v = std::is_same_v<Id, std::int32_t> || std::is_same_v<Id, std::int64_t> ||
+                                       std::is_same_v<Id, std::uint16_t> || std::is_same_v<Id, std::uint8_t>;
+
+// A lookup into Id needs every expert id of the shape to fit it (never a silent truncation).
+template <class Id>
+void require_ids_fit(const RouteShape& shape, const char* fn) {
+  static_assert(is_lookup_id_v<Id>, "route lookups write int32, int64, uint16 or uint8 ids");
+  if constexpr (sizeof(Id) < 4)
+    require(std::int64_t{shape.num_experts} - 1 <= static_cast<std::int64_t>(std::numeric_limits<Id>::max()), fn,
+            sizeof(Id) * 8, "-bit ids cannot hold the expert ids of ", shape.num_experts,
+            " experts; look up into int32 ids");
 }
 
 }  // namespace detail
