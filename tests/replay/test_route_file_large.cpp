@@ -44,18 +44,19 @@ mrr::TokenLayout span_layout(std::uint64_t uid, std::int64_t first, std::int64_t
   return mrr::TokenLayout(std::move(rows));
 }
 
-// Looks up layer `layer` of [first, first + n) of `uid` and counts ids differing from the formula
-// (rows not found count k each).
-template <class Store>
+// Looks up layer `layer` of [first, first + n) of `uid` into `Id` ids and counts ids differing
+// from the formula (rows not found count k each).
+template <class Id = std::int32_t, class Store>
 std::int64_t wrong_ids(const Store& store, std::uint64_t uid, std::int64_t first, std::int64_t n, int layer) {
   const int experts = store.shape().num_experts, k = store.shape().topk;
-  mrr::ExpertIds got;
+  mrr::RowMatrix<Id> got;
   std::vector<std::uint8_t> found;
   const std::size_t hits = store.lookup(layer, span_layout(uid, first, n), got, found);
   std::int64_t wrong = (n - static_cast<std::int64_t>(hits)) * k;
   for (std::int64_t t = 0; t < n; ++t)
     if (found[static_cast<std::size_t>(t)] != 0)
-      for (int j = 0; j < k; ++j) wrong += got(t, j) != expected_id(uid, first + t, layer, j, experts, k);
+      for (int j = 0; j < k; ++j)
+        wrong += static_cast<std::int64_t>(got(t, j)) != expected_id(uid, first + t, layer, j, experts, k);
   return wrong;
 }
 
@@ -140,12 +141,19 @@ TEST_CASE("a 256 MB route file (48 layers, 256 experts, k = 8): every id read eq
   // The writer still reads after close().
   CHECK(wrong_ids(writer, 1000, 0, T, 0) == 0);
 
-  // Through the index: every id of every sequence and layer.
+  // Through the index: every id of every sequence and layer, half of the layers into 1-byte ids
+  // (each record read first by whichever lookup comes first), then all of them again the other way.
   const auto reader = mrr::FileRouteStore::open(path, mrr::RouteShape{E, L, k});
   CHECK(reader.recovery().opened_from_index);
   std::int64_t wrong = 0;
-  for (int s = 0; s < sequences; ++s)
-    for (int l = 0; l < L; ++l) wrong += wrong_ids(reader, 1000u + static_cast<unsigned>(s), 0, T, l);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int s = 0; s < sequences; ++s)
+      for (int l = 0; l < L; ++l) {
+        const auto uid = 1000u + static_cast<unsigned>(s);
+        wrong += (l + pass) % 2 == 0 ? wrong_ids(reader, uid, 0, T, l) : wrong_ids<std::uint8_t>(reader, uid, 0, T, l);
+      }
+    reader.release_cache();
+  }
   CHECK(wrong == 0);
 
   // A micro-batch mixing sequences, reversed positions and padding, as a reshuffled update pass.
