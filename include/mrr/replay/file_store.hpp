@@ -835,7 +835,7 @@ class FileRouteStore final {
   // nobody else changed it; memory state changes only after the write succeeded.
   void commit(const detail::RecordBatch& batch, const char* fn) {
     if (batch.empty()) return;
-    const std::vector<unsigned char>& bytes = batch.bytes();
+    const auto& bytes = batch.bytes();
     file_.check_still_ours(fn, end_);
     file_.write_all(bytes.data(), bytes.size(), end_);
     const auto row_bytes = static_cast<std::uint32_t>(codec_.row_bytes());

@@ -15,10 +15,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__SSE2__) && !defined(__AVX2__)
@@ -241,6 +244,28 @@ inline std::string route_record_problem(const route_file::RecordHeader& h, const
   return {};
 }
 
+// An allocator whose value-less construct leaves bytes uninitialised: RecordBatch grows its buffer
+// by the record's size and writes every byte itself (header, payload, padding), so zeroing it
+// first was a memset of every record, 4% of a write's time in perf.
+template <class T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <class U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
 // Routes records encoded in memory, header and checksum included, so that one record call
 // reaches the file in one write.
 class RecordBatch {
@@ -254,8 +279,10 @@ class RecordBatch {
     bytes_.clear();
     records_.clear();
   }
+  using Bytes = std::vector<unsigned char, UninitializedAllocator<unsigned char>>;
+
   bool empty() const { return bytes_.empty(); }
-  const std::vector<unsigned char>& bytes() const { return bytes_; }
+  const Bytes& bytes() const { return bytes_; }
   const std::vector<Record>& records() const { return records_; }
 
   // Reserves a routes record and returns where its payload goes (the caller encodes the ids
@@ -273,7 +300,8 @@ class RecordBatch {
     const std::size_t at = bytes_.size();
     const auto bytes = static_cast<std::size_t>(route_file::record_bytes(h.payload_bytes));
     if (bytes_.capacity() < at + bytes) bytes_.reserve(std::max(at + bytes, 2 * bytes_.capacity()));
-    bytes_.resize(at + bytes);  // header and padding are written by finish / below, the payload by the caller
+    bytes_.resize(at +
+                  bytes);  // not zeroed: the header is written by finish, the padding below, the payload by the caller
     std::memset(bytes_.data() + at + route_file::kRecordHeaderBytes + h.payload_bytes, 0,
                 bytes - route_file::kRecordHeaderBytes - static_cast<std::size_t>(h.payload_bytes));
     records_.push_back({h, at});
@@ -287,7 +315,7 @@ class RecordBatch {
   }
 
  private:
-  std::vector<unsigned char> bytes_;
+  Bytes bytes_;
   std::vector<Record> records_;
 };
 
