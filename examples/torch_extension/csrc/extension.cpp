@@ -257,17 +257,35 @@ struct RouteFile {
     store.record(layer, rows, host);
   }
 
-  py::tuple lookup(int layer, const at::Tensor& uids, const at::Tensor& positions) const {
+  // The ids in the dtype asked for (int64 by default, as torch.topk; int32; uint8 when every
+  // expert id fits it, a quarter of int32's bytes to send to a GPU), read by the store straight
+  // into that type: one copy into the tensor.
+  py::tuple lookup(int layer, const at::Tensor& uids, const at::Tensor& positions, const py::object& dtype) const {
     constexpr const char* fn = "RouteFile.lookup";
     check_layer(layer, fn);
     const mrr::TokenLayout rows = token_rows(uids, positions, fn);
-    mrr::ExpertIds out;
     std::vector<std::uint8_t> found;
-    store.lookup(layer, rows, out, found);
-    at::Tensor ids = mrr::torch::to_tensor(out, at::kLong);
+    const py::module_ torch = py::module_::import("torch");
+    at::Tensor ids;
+    if (dtype.is_none() || dtype.equal(torch.attr("int64")))
+      ids = lookup_as<std::int64_t>(layer, rows, found);
+    else if (dtype.equal(torch.attr("int32")))
+      ids = lookup_as<std::int32_t>(layer, rows, found);
+    else if (dtype.equal(torch.attr("uint8")))
+      ids = lookup_as<std::uint8_t>(layer, rows, found);
+    else
+      throw_invalid_argument(fn, "'dtype' is ", py::str(dtype).cast<std::string>(),
+                             "; expected torch.int64, torch.int32 or torch.uint8");
     at::Tensor hit = at::empty({static_cast<std::int64_t>(found.size())}, at::kBool);
     for (std::size_t i = 0; i < found.size(); ++i) hit.data_ptr<bool>()[i] = found[i] != 0;
     return py::make_tuple(ids, hit);
+  }
+
+  template <class Id>
+  at::Tensor lookup_as(int layer, const mrr::TokenLayout& rows, std::vector<std::uint8_t>& found) const {
+    mrr::RowMatrix<Id> out;
+    store.lookup(layer, rows, out, found);
+    return mrr::torch::to_tensor(out, mrr::torch::scalar_type_of<Id>());
   }
 
   // Any store with record_sequence (the memory or the file alternative).
@@ -477,8 +495,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Raises InvalidArgumentError unless ids [rows, k] are in [0, num_experts) (in their own dtype) and no row "
         "repeats an expert.");
 
-  py::class_<RouteFile, std::shared_ptr<RouteFile>>(m, "RouteFile",
-                                                    "A route store: a route file (record_file / replay_file) or memory.")
+  py::class_<RouteFile, std::shared_ptr<RouteFile>>(
+      m, "RouteFile", "A route store: a route file (record_file / replay_file) or memory.")
       .def_property_readonly("mode", [](const RouteFile& f) { return std::string(mrr::to_string(f.config.mode)); })
       .def_property_readonly("is_file", [](const RouteFile& f) { return f.store.is_file(); })
       .def_property_readonly("record_file",
@@ -497,12 +515,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("record", &RouteFile::record, py::arg("layer"), py::arg("uids"), py::arg("positions"), py::arg("ids"),
            "Records ids [rows, k] of tokens (uids[i], positions[i]) in `layer`.")
       .def("lookup", &RouteFile::lookup, py::arg("layer"), py::arg("uids"), py::arg("positions"),
-           "(ids int64 [rows, k], -1 where none; found bool [rows]).")
-      .def("recorded_positions", [](const RouteFile& f, std::uint64_t uid) { return f.store.recorded_positions(uid); },
-           py::arg("uid"))
-      .def("contains", [](const RouteFile& f, std::uint64_t uid) { return f.store.contains(uid); }, py::arg("uid"))
-      .def("end_step", [](RouteFile& f) { f.store.end_step(); },
-           "A training step ended: memory forgets its routes, a file its read cache.")
+           py::arg("dtype") = py::none(),
+           "(ids [rows, k], found bool [rows]). ids: int64 by default, or dtype=torch.int32 / torch.uint8 "
+           "(uint8 when every expert id fits; 1-byte route files copy rows out without widening); rows not "
+           "found are -1 (255 in uint8).")
+      .def(
+          "recorded_positions", [](const RouteFile& f, std::uint64_t uid) { return f.store.recorded_positions(uid); },
+          py::arg("uid"))
+      .def(
+          "contains", [](const RouteFile& f, std::uint64_t uid) { return f.store.contains(uid); }, py::arg("uid"))
+      .def(
+          "end_step", [](RouteFile& f) { f.store.end_step(); },
+          "A training step ended: memory forgets its routes, a file its read cache.")
       .def("flush", &RouteFile::flush, "Asks the device to persist what was appended (records are written through).")
       .def("close", &RouteFile::close, "Writes the file's index and releases its write lock (it stays readable).")
       .def("import_vllm", &RouteFile::import_vllm, py::arg("uid"), py::arg("routed_experts"),

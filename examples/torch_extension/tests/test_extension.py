@@ -146,6 +146,28 @@ def test_vllm_import_uint16_above_256_experts(mt):
     assert ids[:2].tolist() == [[0, 298], [299, 2]] and ids[2].tolist() == [-1, -1]
 
 
+@pytest.mark.parametrize("in_file", [False, True])
+def test_lookup_into_int64_int32_and_uint8(mt, tmp_path, in_file):
+    # The same ids whatever dtype a lookup asks for; rows not recorded are -1 (255 in uint8).
+    config = {"mode": "R2", "record_file": str(tmp_path / "r.mrr")} if in_file else {"mode": "R2"}
+    store = mt.open_route_file(config, E, L, K)
+    ids = distinct_ids(6, torch.Generator().manual_seed(5))
+    store.record(1, torch.full((6,), 9), torch.arange(6), ids)
+    uids, positions = torch.full((8,), 9), torch.arange(8)
+    wide, found = store.lookup(1, uids, positions)
+    assert wide.dtype == torch.int64 and found.tolist() == [True] * 6 + [False] * 2
+    assert torch.equal(wide[:6], ids) and (wide[6:] == -1).all()
+    for dtype, missing in ((torch.int64, -1), (torch.int32, -1), (torch.uint8, 255)):
+        got, got_found = store.lookup(1, uids, positions, dtype=dtype)
+        assert got.dtype == dtype and got.shape == (8, K) and torch.equal(got_found, found)
+        assert torch.equal(got[:6].long(), ids) and (got[6:] == missing).all()
+    with pytest.raises(mt.InvalidArgumentError, match="'dtype' is torch.float32"):
+        store.lookup(1, uids, positions, dtype=torch.float32)
+    wider = mt.open_route_file({"mode": "R2"}, 300, L, K)  # 8-bit ids cannot hold 300 experts' ids
+    with pytest.raises(mt.InvalidArgumentError, match="8-bit ids cannot hold the expert ids of 300 experts"):
+        wider.lookup(0, uids, positions, dtype=torch.uint8)
+
+
 def test_vllm_import_checks_ids_and_shape(mt):
     store = memory_store(mt, "R3")
     bad = np.zeros((3, L, K), dtype=np.uint16)
