@@ -143,7 +143,8 @@ TEST_CASE("a writer refuses a sequence too sparse for readers, and writes nothin
 
 TEST_CASE("the id encoding refuses every id outside [0, num_experts), wherever it is and whatever its value") {
   // Each width's loop (1-byte ids from int32 have their own SSE2 form on x86-64: 16 ids a step,
-  // then a tail), with one bad id at every position of blocks that end in the body or the tail.
+  // then a tail; the portable loops are held to the same cases), with one bad id at every position
+  // of blocks that end in the body or the tail.
   for (const int experts : {1, 200, 256, 300, 70000}) {
     CAPTURE(experts);
     mrr::route_file::FileHeader h;
@@ -168,12 +169,16 @@ TEST_CASE("the id encoding refuses every id outside [0, num_experts), wherever i
       for (std::size_t i = 0; i < n; ++i)
         ids[i] = static_cast<std::int32_t>((i * 37 + 5) % static_cast<std::size_t>(experts));
       std::vector<unsigned char> out(n * 4);
-      REQUIRE(codec.encode_ids(ids.data(), n, out.data()));
-      for (std::size_t i = 0; i < n; ++i) {  // the bytes are the ids', little-endian
-        std::uint32_t v = 0;
-        for (int b = 0; b < h.id_width; ++b)
-          v |= std::uint32_t{out[i * h.id_width + static_cast<std::size_t>(b)]} << (8 * b);
-        REQUIRE(v == static_cast<std::uint32_t>(ids[i]));
+      for (const bool portable : {false, true}) {
+        std::fill(out.begin(), out.end(), 0xAB);
+        REQUIRE((portable ? codec.encode_ids_portable(ids.data(), n, out.data())
+                          : codec.encode_ids(ids.data(), n, out.data())));
+        for (std::size_t i = 0; i < n; ++i) {  // the bytes are the ids', little-endian
+          std::uint32_t v = 0;
+          for (int b = 0; b < h.id_width; ++b)
+            v |= std::uint32_t{out[i * h.id_width + static_cast<std::size_t>(b)]} << (8 * b);
+          REQUIRE(v == static_cast<std::uint32_t>(ids[i]));
+        }
       }
       ids.back() = experts - 1;  // the largest id is in range
       CHECK(codec.encode_ids(ids.data(), n, out.data()));
@@ -185,6 +190,7 @@ TEST_CASE("the id encoding refuses every id outside [0, num_experts), wherever i
           CAPTURE(at);
           CAPTURE(b);
           CHECK_FALSE(codec.encode_ids(with_bad.data(), n, out.data()));
+          CHECK_FALSE(codec.encode_ids_portable(with_bad.data(), n, out.data()));
         }
       if (experts <= 65536) {  // uint16 ids (and uint8 ones where they can be out of range)
         std::vector<std::uint16_t> narrow(ids.begin(), ids.end());

@@ -85,6 +85,13 @@ class RouteCodec {
       if (width_ == 1) return encode_bytes_sse2(ids, n, out);
     }
 #endif
+    return encode_ids_portable(ids, n, out);
+  }
+
+  // encode_ids without its instruction-set forms: the loops every other build runs (public so
+  // that tests hold both to the same cases on any machine).
+  template <class Id>
+  [[nodiscard]] bool encode_ids_portable(const Id* __restrict ids, std::size_t n, unsigned char* __restrict out) const {
     // An id u (as unsigned: a negative id is huge) is outside [0, num_experts) exactly when
     // u | (last - u) has its top bit set (modulo 2^32; num_experts <= 2^31): an OR and a subtract
     // per id, where a 32-bit unsigned max has no SSE2 instruction and made the loop 2.5x slower.
