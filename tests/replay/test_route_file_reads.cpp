@@ -182,6 +182,7 @@ TEST_CASE("the id encoding refuses every id outside [0, num_experts), wherever i
       }
       ids.back() = experts - 1;  // the largest id is in range
       CHECK(codec.encode_ids(ids.data(), n, out.data()));
+      CHECK(codec.ids_in_range(ids.data(), n));
       for (std::size_t at = 0; at < n; ++at)
         for (const std::int64_t b : bad) {
           if (b >= 0 && b < experts) continue;  // in range for this shape (256 with 300 experts)
@@ -191,6 +192,7 @@ TEST_CASE("the id encoding refuses every id outside [0, num_experts), wherever i
           CAPTURE(b);
           CHECK_FALSE(codec.encode_ids(with_bad.data(), n, out.data()));
           CHECK_FALSE(codec.encode_ids_portable(with_bad.data(), n, out.data()));
+          CHECK_FALSE(codec.ids_in_range(with_bad.data(), n));
         }
       if (experts <= 65536) {  // uint16 ids (and uint8 ones where they can be out of range)
         std::vector<std::uint16_t> narrow(ids.begin(), ids.end());
@@ -210,6 +212,7 @@ TEST_CASE("the id encoding refuses every id outside [0, num_experts), wherever i
             auto with_bad = bytes;
             with_bad[at] = static_cast<std::uint8_t>(b);
             CHECK_FALSE(codec.encode_ids(with_bad.data(), n, out.data()));
+            CHECK_FALSE(codec.ids_in_range(with_bad.data(), n));
           }
       }
     }

@@ -236,7 +236,7 @@ class FileRouteStore final {
       detail::throw_invalid_argument(fn, "sequence ", uid, ": an expert id is outside [0, ", shape().num_experts, ")");
     };
     const bool held = loaded_.find(uid) != loaded_.end() || index_.find(uid) != nullptr;
-    if (held && !ids_in_range(ids.data(), ids.size())) name_bad_id();
+    if (held && !codec_.ids_in_range(ids.data(), ids.size())) name_bad_id();
     const SequenceIndex* seq = held ? ensure_loaded(uid) : nullptr;
     bool any_new = seq == nullptr;
     const std::int64_t end = first_position + num_tokens;
@@ -631,16 +631,6 @@ class FileRouteStore final {
         if (!codec_.same_row(rows + i * s.stride, ids_of(pos + static_cast<std::int64_t>(i)))) bad = pos + static_cast<std::int64_t>(i);
     });
     return bad;
-  }
-
-  // Whether all n ids are in [0, num_experts) (branch-free; a negative id is huge as unsigned).
-  template <class Id>
-  bool ids_in_range(const Id* ids, std::size_t n) const {
-    const auto limit = static_cast<std::uint32_t>(shape().num_experts);
-    std::uint32_t top = 0;
-    for (std::size_t i = 0; i < n; ++i)
-      top = std::max(top, static_cast<std::uint32_t>(ids[i]));
-    return n == 0 || top < limit;
   }
 
   // Range check of `count` rows (`stride` ids apart) of positions run.first_position...: one

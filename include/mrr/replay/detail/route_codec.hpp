@@ -88,6 +88,19 @@ class RouteCodec {
     return encode_ids_portable(ids, n, out);
   }
 
+  // Whether all n ids are in [0, num_experts), without encoding them: the check of encode_ids.
+  template <class Id>
+  [[nodiscard]] bool ids_in_range(const Id* __restrict ids, std::size_t n) const {
+    if constexpr (std::is_same_v<Id, std::uint8_t>) return max_byte(ids, n) < static_cast<std::uint32_t>(num_experts_);
+    const auto last = static_cast<std::uint32_t>(num_experts_ - 1);
+    std::uint32_t any = 0;  // as encode_ids_portable
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto v = static_cast<std::uint32_t>(ids[i]);
+      any |= v | (last - v);
+    }
+    return (any >> 31) == 0;
+  }
+
   // encode_ids without its instruction-set forms: the loops every other build runs (public so
   // that tests hold both to the same cases on any machine).
   template <class Id>
