@@ -90,9 +90,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     {
       auto store = mrr::FileRouteStore::append(path, shape);
-      const std::vector<std::int32_t> ids(
-          static_cast<std::size_t>(shape.num_layers) * static_cast<std::size_t>(shape.topk), 0);
-      if (ids.size() <= (1u << 16)) store.record_sequence(0xf00d, 5, 1, 0, shape.num_layers, ids);
+      // One token of every layer, when that is small: sized before anything is allocated (a file's
+      // shape may declare 65,535 layers x 4,096 experts per token, a 1 GiB row).
+      const std::size_t n = static_cast<std::size_t>(shape.num_layers) * static_cast<std::size_t>(shape.topk);
+      if (n <= (1u << 16)) store.record_sequence(0xf00d, 5, 1, 0, shape.num_layers, std::vector<std::int32_t>(n, 0));
       store.close();
     }
     auto again = mrr::FileRouteStore::open(path, shape);
