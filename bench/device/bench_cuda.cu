@@ -184,9 +184,22 @@ int run(long divisor) {
                                           T, out, thrust::raw_pointer_cast(w.data())),
             "fused_route_replay");
   };
-  report("  fused warp-per-token kernel", median_ms([&] { fused(nullptr, thrust::raw_pointer_cast(ids.data())); }),
+  // fused_route_replay runs the segment-per-token kernel here (k <= 8, E a multiple of 32); the
+  // warp-per-token kernel it replaced (still the path for k > 8, E > 256, masks) beside it.
+  auto warp_kernel = [&](const mrr::device::RouterParams& p, const float* bias, std::int32_t* out) {
+    cuda_ok(mrr::cuda::detail::launch_fused_warps(p, thrust::raw_pointer_cast(z.data()), bias, nullptr, nullptr, T,
+                                                  out, thrust::raw_pointer_cast(w.data()), nullptr, nullptr),
+            "launch_fused_warps");
+  };
+  report("  fused segment-per-token kernel", median_ms([&] { fused(nullptr, thrust::raw_pointer_cast(ids.data())); }),
+         route_bytes, gating("softmax_topk_eager_us"));
+  report("  fused warp-per-token kernel (before)",
+         median_ms([&] { warp_kernel(softmax.params(), nullptr, thrust::raw_pointer_cast(replayed.data())); }),
          route_bytes, gating("softmax_topk_eager_us"));
   {
+    fused(nullptr, thrust::raw_pointer_cast(ids.data()));
+    warp_kernel(softmax.params(), nullptr, thrust::raw_pointer_cast(replayed.data()));
+    std::printf("  segment ids equal the warp kernel's: %s\n", replayed == ids ? "yes" : "NO");
     const auto thrust_ids = softmax.route(z).ids;
     std::printf("  fused ids equal the Thrust path's: %s\n", thrust_ids == ids ? "yes" : "NO");
   }
@@ -225,7 +238,11 @@ int run(long divisor) {
   const thrust::device_vector<float> ds_bias(host_bias.begin(), host_bias.end());
   report("DeepSeek-V3 grouped sigmoid + bias, thrust", median_ms([&] { (void)ds.route(z); }), route_bytes,
          gating("ds_grouped_eager_us"));
-  report("  fused warp-per-token kernel (group limits in registers)", median_ms([&] {
+  report("  fused warp-per-token kernel (before)", median_ms([&] {
+           warp_kernel(ds.params(), thrust::raw_pointer_cast(ds_bias.data()), thrust::raw_pointer_cast(replayed.data()));
+         }),
+         route_bytes, gating("ds_grouped_eager_us"));
+  report("  fused segment-per-token kernel (group limits in registers)", median_ms([&] {
            cuda_ok(mrr::cuda::fused_route_replay(
                        ds.params(), thrust::raw_pointer_cast(z.data()), thrust::raw_pointer_cast(ds_bias.data()),
                        nullptr, nullptr, T, thrust::raw_pointer_cast(ids.data()), thrust::raw_pointer_cast(w.data())),
@@ -243,6 +260,7 @@ int run(long divisor) {
       same += row ? 1 : 0;
     }
     std::printf("  fused grouped ids equal the Thrust path's in %ld of %ld rows\n", same, T);
+    std::printf("  segment grouped ids equal the warp kernel's: %s\n", replayed == ids ? "yes" : "NO");
     // The softmax routes again: the buffers below (replay) read them.
     fused(nullptr, thrust::raw_pointer_cast(ids.data()));
   }

@@ -90,7 +90,7 @@ namespace {
 // The fused kernel on logits stored as In (float or mrr::bf16).
 template <class In>
 FusedRoute fused_route(const RouterConfig& config, const In* logits, long rows, const float* bias,
-                       const std::int32_t* replay_ids, const std::uint8_t* replay_mask) {
+                       const std::int32_t* replay_ids, const std::uint8_t* replay_mask, bool warps_only) {
   FusedRoute out;
   try {
     config.validate();
@@ -117,9 +117,14 @@ FusedRoute fused_route(const RouterConfig& config, const In* logits, long rows, 
   upload(&d_ids, static_cast<const std::int32_t*>(nullptr), slots);
   upload(&d_weights, static_cast<const float*>(nullptr), slots);
   upload(&d_status, static_cast<const std::uint8_t*>(nullptr), static_cast<std::size_t>(rows));
+  if (err.empty() && warps_only && !mrr::cuda::fused_routing_supports(p)) err = check(cudaErrorInvalidValue);
   if (err.empty())
-    err = check(mrr::cuda::fused_route_replay(p, d_logits, d_bias, d_replay, replay_ids ? d_mask : nullptr, rows, d_ids,
-                                         d_weights, d_status));
+    err = check(warps_only ? mrr::cuda::detail::launch_fused_warps(p, d_logits, d_bias, d_replay,
+                                                                   replay_ids ? d_mask : nullptr, rows, d_ids,
+                                                                   d_weights, d_status, nullptr)
+                           : mrr::cuda::fused_route_replay(p, d_logits, d_bias, d_replay,
+                                                           replay_ids ? d_mask : nullptr, rows, d_ids, d_weights,
+                                                           d_status));
   if (err.empty()) err = check(cudaDeviceSynchronize());
   if (err.empty()) {
     out.ids.resize(slots);
@@ -143,19 +148,25 @@ FusedRoute fused_route(const RouterConfig& config, const In* logits, long rows, 
 }  // namespace
 
 FusedRoute device_fused_route(const RouterConfig& config, const float* logits, long rows, const float* bias,
-                              const std::int32_t* replay_ids, const std::uint8_t* replay_mask) {
-  return fused_route(config, logits, rows, bias, replay_ids, replay_mask);
+                              const std::int32_t* replay_ids, const std::uint8_t* replay_mask, bool warps_only) {
+  return fused_route(config, logits, rows, bias, replay_ids, replay_mask, warps_only);
+}
+
+bool fused_segments_apply(const RouterConfig& config) {
+  const device::RouterParams p = device::resolve(config);
+  alignas(16) static const float aligned[4] = {};
+  return mrr::cuda::fused_routing_supports(p) && mrr::cuda::detail::fused_segments_apply(p, aligned, aligned);
 }
 
 FusedRoute device_fused_route_bf16(const RouterConfig& config, const float* logits, long rows, const float* bias,
-                                   const std::int32_t* replay_ids, const std::uint8_t* replay_mask) {
+                                   const std::int32_t* replay_ids, const std::uint8_t* replay_mask, bool warps_only) {
   std::vector<bf16> stored(static_cast<std::size_t>(rows) * static_cast<std::size_t>(config.num_experts));
   std::vector<float> widened(stored.size());
   for (std::size_t i = 0; i < stored.size(); ++i) {
     stored[i] = bf16::from_float(logits[i]);
     widened[i] = stored[i].to_float();
   }
-  FusedRoute out = fused_route(config, stored.data(), rows, bias, replay_ids, replay_mask);
+  FusedRoute out = fused_route(config, stored.data(), rows, bias, replay_ids, replay_mask, warps_only);
   out.logits = std::move(widened);
   return out;
 }

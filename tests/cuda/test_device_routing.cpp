@@ -95,6 +95,15 @@ mrr::RouterConfig config(int experts, int k, mrr::ScoreFunction score, bool pre,
   return c;
 }
 
+// Native routing that runs the segment-per-token kernel gives the warp-per-token kernel's result:
+// ids, status codes and weights, bit for bit (the weights' reductions run over the same k lanes in
+// the same order).
+bool same_as_warp_kernel(const mrr::test::FusedRoute& segments, const mrr::test::FusedRoute& warps) {
+  return segments.error.empty() && warps.error.empty() && segments.ids == warps.ids &&
+         segments.status == warps.status && segments.weights.size() == warps.weights.size() &&
+         std::memcmp(segments.weights.data(), warps.weights.data(), segments.weights.size() * sizeof(float)) == 0;
+}
+
 }  // namespace
 
 // The fused warp-per-token kernel against the CPU router itself: E not a multiple of 32 (partial
@@ -106,8 +115,9 @@ TEST_CASE("fused routing kernel: ids equal the CPU router's, weights within 1e-5
   struct Shape {
     int experts, k;
   };
+  int segment_runs = 0;  // cases that ran the segment-per-token kernel
   for (const Shape shape : {Shape{8, 2}, Shape{40, 7}, Shape{64, 8}, Shape{200, 1}, Shape{256, 8}, Shape{32, 32},
-                            Shape{1000, 32}}) {
+                            Shape{1000, 32}, Shape{96, 6}, Shape{128, 4}, Shape{256, 2}, Shape{32, 1}}) {
     for (int variant = 0; variant < 5; ++variant) {
       const SF score = variant < 3 ? SF::softmax : (variant == 3 ? SF::sigmoid : SF::sqrt_softplus);
       const bool pre = variant == 1 || variant == 2, bias = variant == 3, scaled = variant == 2 || variant == 4;
@@ -137,6 +147,12 @@ TEST_CASE("fused routing kernel: ids equal the CPU router's, weights within 1e-5
       else
         CHECK(differing == 0);
       CHECK(worst <= 1e-5);
+      if (mrr::test::fused_segments_apply(cfg)) {
+        ++segment_runs;
+        const auto warps =
+            mrr::test::device_fused_route(cfg, z.data(), rows, bias ? b.data() : nullptr, nullptr, nullptr, true);
+        CHECK(same_as_warp_kernel(dev, warps));
+      }
       // Replay of the CPU's ids, every third row routing natively instead.
       std::vector<std::uint8_t> mask(static_cast<std::size_t>(rows), 1);
       for (std::size_t t = 0; t < mask.size(); t += 3) mask[t] = 0;
@@ -163,6 +179,8 @@ TEST_CASE("fused routing kernel: ids equal the CPU router's, weights within 1e-5
       CHECK(std::memcmp(segments.weights.data(), warps.weights.data(), segments.weights.size() * sizeof(float)) == 0);
     }
   }
+  // E in {32, 64, 96, 128, 256} with k <= 8, every variant but unrenormalised pre-softmax.
+  CHECK(segment_runs == 24);
 }
 
 // Group limits in the fused kernel: HF DeepSeek-V3 (0.0 masking, groups score their top 2) and
@@ -197,6 +215,9 @@ TEST_CASE("fused routing kernel: group-limited routing (DeepSeek-V3, HF and Mega
     MESSAGE(c.name << ": " << differing << " of " << rows << " rows differ");
     CHECK(differing <= rows / 100);
     CHECK(worst <= 1e-5 * c.cfg.scaling_factor.value_or(1.0));
+    // Groups of 32 or 64 experts, 4 to 8 groups: the segment kernel, equal to the warp kernel.
+    CHECK(mrr::test::fused_segments_apply(c.cfg));
+    CHECK(same_as_warp_kernel(dev, mrr::test::device_fused_route(c.cfg, z.data(), rows, b.data(), nullptr, nullptr, true)));
     const auto replayed = mrr::test::device_fused_route(c.cfg, z.data(), rows, b.data(), host.ids.data(), nullptr);
     REQUIRE(replayed.error == "");
     CHECK(std::equal(replayed.ids.begin(), replayed.ids.end(), host.ids.data()));
@@ -213,7 +234,7 @@ TEST_CASE("fused routing kernel: group-limited routing (DeepSeek-V3, HF and Mega
 // router gives on the same bf16-rounded values, weights within 1e-5, and replay of those ids.
 TEST_CASE("fused routing kernel: bf16 logits give the CPU router's ids on the rounded values") {
   using SF = mrr::ScoreFunction;
-  for (const int experts : {64, 128, 1000}) {
+  for (const int experts : {64, 128, 256, 1000}) {
     for (const SF score : {SF::softmax, SF::sigmoid}) {
       CAPTURE(experts);
       const int k = 8;
@@ -223,6 +244,10 @@ TEST_CASE("fused routing kernel: bf16 logits give the CPU router's ids on the ro
       const auto z = logits(static_cast<int>(rows), experts, static_cast<unsigned>(experts + 3), false);
       const auto dev = mrr::test::device_fused_route_bf16(cfg, z.data(), rows, nullptr, nullptr, nullptr);
       REQUIRE(dev.error == "");
+      CHECK(mrr::test::fused_segments_apply(cfg) == (experts <= 256));
+      if (experts <= 256)
+        CHECK(same_as_warp_kernel(
+            dev, mrr::test::device_fused_route_bf16(cfg, z.data(), rows, nullptr, nullptr, nullptr, true)));
       REQUIRE(dev.logits.size() == static_cast<std::size_t>(rows * experts));
       const Eigen::Map<const mrr::RowMatrix<float>> rounded(dev.logits.data(), rows, experts);
       CHECK(rounded != z);  // the device really read rounded values
@@ -242,15 +267,24 @@ TEST_CASE("fused routing kernel: bf16 logits give the CPU router's ids on the ro
 }
 
 TEST_CASE("fused routing kernel: bad rows get the Thrust path's status codes, ids -1 and NaN weights") {
-  const int E = 40, k = 4;
+  // E = 40: the warp-per-token kernel; E = 256: native rows run the segment kernel.
+  for (const int E : {40, 256}) {
+  CAPTURE(E);
+  const int k = 4;
   auto z = logits(8, E, 5, false);
   z(0, 3) = NAN;                                 // invalid logit
   z(1, 39) = INFINITY;                           // invalid logit
   for (int e = 0; e < E - 2; ++e) z(2, e) = -INFINITY;  // 2 finite < k
   for (int e = 0; e < E - 4; ++e) z(3, e) = -INFINITY;  // exactly k finite: fine
+  for (int e = 0; e < E; ++e) z(4, e) = 0.f;            // all tied: the lowest k indices
   const auto cfg = config(E, k, mrr::ScoreFunction::softmax, false, false, false);
   const auto dev = mrr::test::device_fused_route(cfg, z.data(), 8, nullptr, nullptr, nullptr);
   REQUIRE(dev.error == "");
+  CHECK(mrr::test::fused_segments_apply(cfg) == (E == 256));
+  CHECK(same_as_warp_kernel(dev, mrr::test::device_fused_route(cfg, z.data(), 8, nullptr, nullptr, nullptr, true)));
+  CHECK(std::vector<std::int32_t>(dev.ids.begin() + 4 * k, dev.ids.begin() + 5 * k) ==
+        std::vector<std::int32_t>{0, 1, 2, 3});
+  for (int j = 0; j < k; ++j) CHECK(dev.weights[static_cast<std::size_t>(4 * k + j)] == 0.25f);
   CHECK(dev.status == std::vector<std::uint8_t>{1, 1, 3, 0, 0, 0, 0, 0});
   for (int j = 0; j < k; ++j) {
     CHECK(dev.ids[static_cast<std::size_t>(2 * k + j)] == -1);
@@ -284,6 +318,7 @@ TEST_CASE("fused routing kernel: bad rows get the Thrust path's status codes, id
   REQUIRE(replay_pre.error == "");
   CHECK(replay_pre.status == std::vector<std::uint8_t>{1, 1, 0, 0, 2, 2, 2, 0});
   for (int j = 0; j < k; ++j) CHECK(replay_pre.weights[static_cast<std::size_t>(7 * k + j)] == 0.f);
+  }
 }
 
 #include "gpu_test_main.hpp"

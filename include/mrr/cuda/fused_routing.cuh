@@ -342,6 +342,279 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
                                 : rk::row_ok;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Native routing, k <= 8 and E a multiple of 32 up to 256: a segment of 8 lanes per token (4 tokens
+// a warp), the warp-per-token kernel's result with about a quarter of its instructions per token
+// (that kernel spends ~75 per logit sorting and popping 64-bit keys: compute-bound at 4.6x the
+// read limit on an H100).
+// - Lane j of a segment holds experts 32 q + 4 j + r (r < 4): one 16-byte load per q, and a
+//   segment reads 128 contiguous bytes per load.
+// - Threshold: the k-th largest of the 8 lanes' maxima, tau, is at most the row's k-th largest
+//   selection score (k lanes each hold a value >= tau), so every expert of the top k scores >= tau.
+//   Those candidates (~k to 2k on real logits) are listed in shared memory, and their packed keys
+//   (select_key: larger value, then lower index) are ranked against each other: rank < k is the
+//   slot. Lists of more than 48 (ties, masks) take k rounds of a segment arg-max instead, the same
+//   keys and order.
+// - Group limits (groups of whole multiples of 32 experts, at most 8 groups): register q is group
+//   q / (experts_per_group / 32); each group's top-2 scores merge over the segment, lane g ranks
+//   group g, and the other groups' experts become -inf or 0.0 as in the warp kernel.
+// - Checks as the warp kernel's: a NaN-propagating maximum finds NaN / +inf logits; rows that may
+//   have fewer than k finite logits (tau = -inf, or a -inf logit when selecting on scores) count
+//   them. Weights as the replay segments: the same reductions over the k slot lanes.
+inline constexpr int kSegmentWarpsPerBlock = 4;
+
+__device__ __forceinline__ float max_nan(float a, float b) {  // NaN if either is NaN
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+#endif
+}
+
+// Four consecutive logits widened to float (bf16: its bits are a float's upper half).
+__device__ __forceinline__ void load4(const float* p, float* x) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  x[0] = v.x;
+  x[1] = v.y;
+  x[2] = v.z;
+  x[3] = v.w;
+}
+__device__ __forceinline__ void load4(const bf16* p, float* x) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  x[0] = __uint_as_float(v.x << 16);
+  x[1] = __uint_as_float(v.x & 0xffff0000u);
+  x[2] = __uint_as_float(v.y << 16);
+  x[3] = __uint_as_float(v.y & 0xffff0000u);
+}
+
+template <int Q, class In>
+__global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
+    fused_route_segments(device::RouterParams p, const In* __restrict__ logits, const float* __restrict__ bias,
+                         long tokens, std::int32_t* __restrict__ ids, float* __restrict__ weights,
+                         std::uint8_t* __restrict__ status) {
+  namespace rk = mrr::kernels;
+  constexpr int kLane = 4 * Q;                        // values a lane holds
+  constexpr int kSegs = 4 * kSegmentWarpsPerBlock;    // tokens a block
+  __shared__ unsigned long long list[kSegs][32 * Q + 2];  // a segment's candidates: room for its whole row
+  // (+2: the segments' lists start in different banks)
+  __shared__ unsigned long long slot[kSegs][8];       // the chosen keys, by rank
+  const int lane = threadIdx.x & 31, j = lane & 7, seg = threadIdx.x >> 3, first_lane = lane & ~7;
+  const unsigned seg_mask = 0xffu << first_lane;
+  const long t = static_cast<long>(blockIdx.x) * kSegs + seg;
+  const bool live = t < tokens;  // not an early return: the shuffles below are full-warp
+  const int n = p.num_experts, k = p.topk, nq = n / 32;
+  const In* z = logits + (live ? t : 0) * static_cast<long>(n);
+
+  float v[kLane];
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    if (q < nq && live) {
+      load4(z + 32 * q + 4 * j, v + 4 * q);
+    } else {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) v[4 * q + r] = 0.f;
+    }
+  }
+  // NaN / +inf logits; a -inf logit (only needed when selecting on scores).
+  float xmax = -INFINITY, xmin = INFINITY;
+#pragma unroll
+  for (int q = 0; q < Q; ++q)
+    if (q < nq)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) xmax = max_nan(xmax, v[4 * q + r]);
+  const bool scored = !p.selects_on_logits && (p.score != 0 || p.has_bias);
+  const bool logits_are_scores = !scored && !p.grouped;
+  if (!logits_are_scores) {
+#pragma unroll
+    for (int q = 0; q < Q; ++q)
+      if (q < nq)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) xmin = fminf(xmin, v[4 * q + r]);
+  }
+  if (scored) {  // selection scores replace the logits (chosen logits are read again for weights)
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      if (q >= nq) continue;
+      float b[4] = {0.f, 0.f, 0.f, 0.f};
+      if (p.has_bias) load4(bias + 32 * q + 4 * j, b);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        float s = v[4 * q + r];
+        if (p.score != 0) s = rk::score_of(p.score, s);
+        if (p.has_bias) s += b[r];
+        v[4 * q + r] = s;
+      }
+    }
+  }
+
+  if (p.grouped) {
+    // Group g is registers [g per, (g + 1) per) of every lane: its top-2 scores over the segment
+    // (a multiset: equal values count twice), summed larger first, as the warp kernel's keys.
+    const int per = p.experts_per_group / 32, groups = p.num_groups;
+    float first = -INFINITY, second = -INFINITY, my_group = -INFINITY;  // lane g: group g's score
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      if (q >= nq) break;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float y = v[4 * q + r];
+        second = fmaxf(second, fminf(first, y));
+        first = fmaxf(first, y);
+      }
+      if (q % per == per - 1) {  // uniform: the group's last register
+#pragma unroll
+        for (int off = 4; off > 0; off >>= 1) {
+          const float f = __shfl_xor_sync(kFullWarp, first, off), s = __shfl_xor_sync(kFullWarp, second, off);
+          second = fmaxf(fminf(first, f), fmaxf(second, s));
+          first = fmaxf(first, f);
+        }
+        const float sum = p.group_score_topk == 2 ? first + second : first;
+        if (j == q / per) my_group = sum;
+        first = second = -INFINITY;
+      }
+    }
+    // Lane g ranks group g (larger score first, lower group among equal ones).
+    int rank = 0;
+#pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      const float other = __shfl_sync(kFullWarp, my_group, first_lane | h);
+      rank += h < groups && (other > my_group || (other == my_group && h < j)) ? 1 : 0;
+    }
+    const unsigned kept = (__ballot_sync(kFullWarp, j < groups && rank < p.group_topk) >> first_lane) & 0xffu;
+    const float masked = p.zero_masking ? 0.0f : -INFINITY;
+#pragma unroll
+    for (int q = 0; q < Q; ++q)
+      if (q < nq && ((kept >> (q / per)) & 1u) == 0u)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) v[4 * q + r] = masked;
+  }
+
+  // tau: the k-th largest of the segment's lane maxima (a bitonic sort of 8 values, descending).
+  float vmax = -INFINITY;
+  if (logits_are_scores) {
+    vmax = xmax;
+  } else {
+#pragma unroll
+    for (int q = 0; q < Q; ++q)
+      if (q < nq)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) vmax = fmaxf(vmax, v[4 * q + r]);
+  }
+  float sorted = vmax;
+#pragma unroll
+  for (int size = 2; size <= 8; size <<= 1)
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      const float other = __shfl_xor_sync(kFullWarp, sorted, stride);
+      const bool descending = (j & size) == 0 || size == 8;
+      sorted = ((j & stride) == 0) == descending ? fmaxf(sorted, other) : fminf(sorted, other);
+    }
+  const float tau = __shfl_sync(kFullWarp, sorted, first_lane | (k - 1));
+
+  // The row's checks, in kernels::route_row's order; the code is segment-uniform.
+  const bool bad = (__ballot_sync(kFullWarp, !(xmax <= FLT_MAX)) & seg_mask) != 0u;
+  const bool maybe_few = logits_are_scores ? !(tau >= -FLT_MAX)
+                                           : (__ballot_sync(kFullWarp, !(xmin >= -FLT_MAX)) & seg_mask) != 0u;
+  bool few = false;
+  if (__any_sync(kFullWarp, live && !bad && maybe_few)) {  // rare: count the finite logits
+    int finite = 0;
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      if (q >= nq || !live) continue;
+      float x[4];
+      load4(z + 32 * q + 4 * j, x);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) finite += x[r] >= -FLT_MAX ? 1 : 0;
+    }
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) finite += __shfl_xor_sync(kFullWarp, finite, off);
+    few = finite < k;
+  }
+  const std::uint8_t code = bad ? rk::row_invalid_logit : few ? rk::row_too_few_finite : rk::row_ok;
+
+  // The candidates (score >= tau), listed in lane order: count, exclusive scan, write.
+  int count = 0;
+#pragma unroll
+  for (int q = 0; q < Q; ++q)
+    if (q < nq)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) count += v[4 * q + r] >= tau ? 1 : 0;
+  if (!live || code != rk::row_ok) count = 0;
+  int inclusive = count;
+#pragma unroll
+  for (int off = 1; off < 8; off <<= 1) {
+    const int other = __shfl_up_sync(kFullWarp, inclusive, off, 8);
+    inclusive += j >= off ? other : 0;
+  }
+  const int total = __shfl_sync(kFullWarp, inclusive, first_lane | 7);
+  unsigned long long* const mine = list[seg];
+  if (count > 0) {
+    int at = inclusive - count;
+#pragma unroll
+    for (int q = 0; q < Q; ++q)
+      if (q < nq)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          if (v[4 * q + r] >= tau) mine[at++] = select_key(v[4 * q + r], 32 * q + 4 * j + r);
+  }
+  __syncwarp();
+  if (__any_sync(kFullWarp, total > 48)) {
+    // Long lists (ties, masked experts): k rounds of a segment arg-max below the last key taken.
+    unsigned long long last = ~0ull;
+    for (int round = 0; round < k; ++round) {
+      unsigned long long head = 0ull;
+      for (int c = j; c < total; c += 8) {
+        const unsigned long long key = mine[c];
+        head = key < last && key > head ? key : head;
+      }
+#pragma unroll
+      for (int off = 4; off > 0; off >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(kFullWarp, head, off);
+        head = other > head ? other : head;
+      }
+      if (j == 0) slot[seg][round] = head;
+      last = head;
+    }
+  } else {
+    // Rank each candidate among the list (keys are distinct: the index is part of one).
+    for (int c = j; c < total; c += 8) {
+      const unsigned long long key = mine[c];
+      int rank = 0;
+      for (int d = 0; d < total; ++d) rank += mine[d] > key ? 1 : 0;
+      if (rank < k) slot[seg][rank] = key;
+    }
+  }
+  __syncwarp();
+
+  const bool active = live && j < k;
+  std::int32_t my_id = -1;
+  float zj = 0.f;
+  if (active && code == rk::row_ok) {
+    const unsigned long long key = slot[seg][j];
+    my_id = expert_of_key(key);
+    zj = scored || p.score != 0 ? device::kernels::widen<float>(z[my_id]) : value_of_key(key);
+  }
+  float w;
+  if (p.score == 0) {
+    const float mx = segment_max<8>(active ? zj : -INFINITY);
+    const float e = active ? expf(zj - mx) : 0.f;
+    w = e / segment_sum<8>(e);
+  } else {
+    w = active ? rk::score_of(p.score, zj) : 0.f;
+    const float sum = segment_sum<8>(w);
+    if (p.normalize) w /= sum + 1e-20f;
+  }
+  if (p.has_scale) w *= static_cast<float>(p.scale);
+  const bool nan_weight = (__ballot_sync(kFullWarp, active && !(w == w)) & seg_mask) != 0u;
+  if (active) {
+    ids[t * k + j] = code == rk::row_ok ? my_id : -1;
+    weights[t * k + j] = code == rk::row_ok ? w : __int_as_float(0x7fc00000);
+  }
+  if (status != nullptr && live && j == 0) status[t] = code != rk::row_ok ? code : nan_weight ? rk::row_nan_weight : rk::row_ok;
+}
+
 }  // namespace kernels
 
 // Whether the fused kernel handles this router: no capacity dropping (a pass over the whole batch,
@@ -359,26 +632,46 @@ inline bool fused_routing_supports(const device::RouterParams& p) {
          p.topk <= 32 && p.topk <= p.num_experts && !(p.score == 0 && p.has_bias);
 }
 
-// Routes (replay_ids null) or replays (rows with replay_mask 0 route natively; every row replays
-// when the mask is null) `tokens` rows of logits [tokens, E] on `stream`; ids and weights
-// [tokens, k]. Logits are fp32 or mrr::bf16 (a bf16 gate's output, widened exactly: the ids of the
-// fp32 path run on the bf16-rounded logits). Pointers are device memory; bias [E] is needed when the router has expert bias
-// (finite: device::TopKRouter::set_expert_bias checks it). status [tokens], when not null, gets
-// each row's device::kernels::RowStatus (row_ok = 0), as the Thrust path computes it; rows that
-// fail get ids -1 and NaN weights either way. Returns the launch error (asynchronous: kernel faults
-// show at the next synchronisation), cudaErrorInvalidValue for an unsupported router or missing
-// buffer.
+namespace detail {
+
+// The segment-per-token native routing kernel applies (kernels::fused_route_segments): no replay,
+// weights over the k chosen logits, k <= 8, E a multiple of 32 up to 256, groups of multiples of
+// 32 experts (at most 8), and 16-byte aligned rows (8-byte for bf16) and bias.
 template <class In>
-cudaError_t fused_route_replay(const device::RouterParams& p, const In* logits, const float* bias,
+bool fused_segments_apply(const device::RouterParams& p, const In* logits, const float* bias) {
+  const auto aligned = [](const void* ptr, std::uintptr_t to) { return reinterpret_cast<std::uintptr_t>(ptr) % to == 0; };
+  return !p.replay_reads_whole_row() && p.topk <= 8 && p.num_experts % 32 == 0 && p.num_experts <= 256 &&
+         (!p.grouped || (p.experts_per_group % 32 == 0 && p.num_groups <= 8)) && aligned(logits, 4 * sizeof(In)) &&
+         (!p.has_bias || aligned(bias, 16));
+}
+
+template <class In>
+cudaError_t launch_fused_segments(const device::RouterParams& p, const In* logits, const float* bias, long tokens,
+                                  std::int32_t* ids, float* weights, std::uint8_t* status, cudaStream_t stream) {
+  constexpr long per_block = 4L * kernels::kSegmentWarpsPerBlock;
+  const long blocks = (tokens + per_block - 1) / per_block;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(blocks)), block(32 * kernels::kSegmentWarpsPerBlock);
+  const int quads = p.num_experts / 32;
+#define MRR_SEGMENTS_LAUNCH(Q) \
+  kernels::fused_route_segments<Q, In><<<grid, block, 0, stream>>>(p, logits, bias, tokens, ids, weights, status)
+  if (quads <= 1)
+    MRR_SEGMENTS_LAUNCH(1);
+  else if (quads <= 2)
+    MRR_SEGMENTS_LAUNCH(2);
+  else if (quads <= 4)
+    MRR_SEGMENTS_LAUNCH(4);
+  else
+    MRR_SEGMENTS_LAUNCH(8);
+#undef MRR_SEGMENTS_LAUNCH
+  return cudaGetLastError();
+}
+
+// The warp-per-token kernel (every supported router; replay), or its replay segments.
+template <class In>
+cudaError_t launch_fused_warps(const device::RouterParams& p, const In* logits, const float* bias,
                                const std::int32_t* replay_ids, const std::uint8_t* replay_mask, long tokens,
-                               std::int32_t* ids, float* weights, std::uint8_t* status = nullptr,
-                               cudaStream_t stream = nullptr) {
-  static_assert(std::is_same_v<In, float> || std::is_same_v<In, bf16>,
-                "fused_route_replay: logits are float or mrr::bf16");
-  if (!fused_routing_supports(p) || tokens < 0) return cudaErrorInvalidValue;
-  if (tokens == 0) return cudaSuccess;
-  if (logits == nullptr || ids == nullptr || weights == nullptr || (p.has_bias && bias == nullptr))
-    return cudaErrorInvalidValue;
+                               std::int32_t* ids, float* weights, std::uint8_t* status, cudaStream_t stream) {
   constexpr int kWarps = kernels::kFusedWarpsPerBlock;
   if (replay_ids != nullptr && replay_mask == nullptr && !p.replay_reads_whole_row() && p.topk <= 16) {
     const int width = p.topk <= 1 ? 1 : p.topk <= 2 ? 2 : p.topk <= 4 ? 4 : p.topk <= 8 ? 8 : 16;
@@ -431,6 +724,35 @@ cudaError_t fused_route_replay(const device::RouterParams& p, const In* logits, 
     MRR_FUSED_LAUNCH(32);
 #undef MRR_FUSED_LAUNCH
   return cudaGetLastError();
+}
+
+}  // namespace detail
+
+// Routes (replay_ids null) or replays (rows with replay_mask 0 route natively; every row replays
+// when the mask is null) `tokens` rows of logits [tokens, E] on `stream`; ids and weights
+// [tokens, k]. Logits are fp32 or mrr::bf16 (a bf16 gate's output, widened exactly: the ids of the
+// fp32 path run on the bf16-rounded logits). Pointers are device memory; bias [E] is needed when the router has expert bias
+// (finite: device::TopKRouter::set_expert_bias checks it). status [tokens], when not null, gets
+// each row's device::kernels::RowStatus (row_ok = 0), as the Thrust path computes it; rows that
+// fail get ids -1 and NaN weights either way. Returns the launch error (asynchronous: kernel faults
+// show at the next synchronisation), cudaErrorInvalidValue for an unsupported router or missing
+// buffer. Native routing with k <= 8 and E a multiple of 32 up to 256 runs the segment-per-token
+// kernel (detail::fused_segments_apply); the rest, the warp-per-token kernel. Both give the CPU
+// router's ids.
+template <class In>
+cudaError_t fused_route_replay(const device::RouterParams& p, const In* logits, const float* bias,
+                               const std::int32_t* replay_ids, const std::uint8_t* replay_mask, long tokens,
+                               std::int32_t* ids, float* weights, std::uint8_t* status = nullptr,
+                               cudaStream_t stream = nullptr) {
+  static_assert(std::is_same_v<In, float> || std::is_same_v<In, bf16>,
+                "fused_route_replay: logits are float or mrr::bf16");
+  if (!fused_routing_supports(p) || tokens < 0) return cudaErrorInvalidValue;
+  if (tokens == 0) return cudaSuccess;
+  if (logits == nullptr || ids == nullptr || weights == nullptr || (p.has_bias && bias == nullptr))
+    return cudaErrorInvalidValue;
+  if (replay_ids == nullptr && detail::fused_segments_apply(p, logits, bias))
+    return detail::launch_fused_segments(p, logits, bias, tokens, ids, weights, status, stream);
+  return detail::launch_fused_warps(p, logits, bias, replay_ids, replay_mask, tokens, ids, weights, status, stream);
 }
 
 }  // namespace cuda
