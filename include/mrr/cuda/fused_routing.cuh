@@ -397,9 +397,10 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
   namespace rk = mrr::kernels;
   constexpr int kLane = 4 * Q;                        // values a lane holds
   constexpr int kSegs = 4 * kSegmentWarpsPerBlock;    // tokens a block
-  __shared__ unsigned long long list[kSegs][32 * Q + 2];  // a segment's candidates: room for its whole row
-  // (+2: the segments' lists start in different banks)
-  __shared__ unsigned long long slot[kSegs][8];       // the chosen keys, by rank
+  constexpr int kList = 48;                          // candidates ranked in shared memory
+  __shared__ unsigned long long list[kSegs][kList + 2];  // (+2: the lists start in different banks)
+  __shared__ unsigned long long slot[kSegs][8];          // the chosen keys, by rank
+  __shared__ __align__(16) float stage[kSegs][32 * Q];   // the scores, where a candidate's bit finds its own
   const int lane = threadIdx.x & 31, j = lane & 7, seg = threadIdx.x >> 3, first_lane = lane & ~7;
   const unsigned seg_mask = 0xffu << first_lane;
   const long t = static_cast<long>(blockIdx.x) * kSegs + seg;
@@ -417,21 +418,20 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
       for (int r = 0; r < 4; ++r) v[4 * q + r] = 0.f;
     }
   }
-  // NaN / +inf logits; a -inf logit (only needed when selecting on scores).
-  float xmax = -INFINITY, xmin = INFINITY;
-#pragma unroll
-  for (int q = 0; q < Q; ++q)
-    if (q < nq)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) xmax = max_nan(xmax, v[4 * q + r]);
+  // Selecting on scores (or masking groups): NaN / +inf logits and -inf ones, before the logits
+  // become scores. Selecting on logits, the lanes' maxima below do both.
   const bool scored = !p.selects_on_logits && (p.score != 0 || p.has_bias);
   const bool logits_are_scores = !scored && !p.grouped;
+  float xmax = -INFINITY, xmin = INFINITY;
   if (!logits_are_scores) {
 #pragma unroll
     for (int q = 0; q < Q; ++q)
       if (q < nq)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) xmin = fminf(xmin, v[4 * q + r]);
+        for (int r = 0; r < 4; ++r) {
+          xmax = max_nan(xmax, v[4 * q + r]);
+          xmin = fminf(xmin, v[4 * q + r]);
+        }
   }
   if (scored) {  // selection scores replace the logits (chosen logits are read again for weights)
 #pragma unroll
@@ -491,27 +491,40 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
         for (int r = 0; r < 4; ++r) v[4 * q + r] = masked;
   }
 
-  // tau: the k-th largest of the segment's lane maxima (a bitonic sort of 8 values, descending).
-  float vmax = -INFINITY;
-  if (logits_are_scores) {
-    vmax = xmax;
-  } else {
+  // Each lane's top 2 selection scores (a multiset); selecting on logits, the maximum propagates
+  // NaN, so it is the NaN / +inf check as well.
+  float first = -INFINITY, second = -INFINITY;
 #pragma unroll
-    for (int q = 0; q < Q; ++q)
-      if (q < nq)
+  for (int q = 0; q < Q; ++q)
+    if (q < nq)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) vmax = fmaxf(vmax, v[4 * q + r]);
-  }
-  float sorted = vmax;
+      for (int r = 0; r < 4; ++r) {
+        const float y = v[4 * q + r];
+        second = fmaxf(second, fminf(first, y));
+        first = logits_are_scores ? max_nan(first, y) : fmaxf(first, y);
+      }
+  if (logits_are_scores) xmax = first;
+  // tau: the k-th largest of the segment's 16 top-2 values (a bitonic sort, value 2 j + s in lane j,
+  // register s; descending), at most the row's k-th largest score: about k candidates on real
+  // logits (the lanes' maxima alone let through 2.6 k).
+  float a0 = first, a1 = second;
 #pragma unroll
-  for (int size = 2; size <= 8; size <<= 1)
+  for (int size = 2; size <= 16; size <<= 1)
 #pragma unroll
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      const float other = __shfl_xor_sync(kFullWarp, sorted, stride);
-      const bool descending = (j & size) == 0 || size == 8;
-      sorted = ((j & stride) == 0) == descending ? fmaxf(sorted, other) : fminf(sorted, other);
+      const bool descending = ((2 * j) & size) == 0;
+      if (stride == 1) {
+        const float hi = fmaxf(a0, a1), lo = fminf(a0, a1);
+        a0 = descending ? hi : lo;
+        a1 = descending ? lo : hi;
+      } else {
+        const float b0 = __shfl_xor_sync(kFullWarp, a0, stride >> 1), b1 = __shfl_xor_sync(kFullWarp, a1, stride >> 1);
+        const bool keep_max = ((j & (stride >> 1)) == 0) == descending;
+        a0 = keep_max ? fmaxf(a0, b0) : fminf(a0, b0);
+        a1 = keep_max ? fmaxf(a1, b1) : fminf(a1, b1);
+      }
     }
-  const float tau = __shfl_sync(kFullWarp, sorted, first_lane | (k - 1));
+  const float tau = __shfl_sync(kFullWarp, ((k - 1) & 1) == 0 ? a0 : a1, first_lane | ((k - 1) >> 1));
 
   // The row's checks, in kernels::route_row's order; the code is segment-uniform.
   const bool bad = (__ballot_sync(kFullWarp, !(xmax <= FLT_MAX)) & seg_mask) != 0u;
@@ -534,14 +547,16 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
   }
   const std::uint8_t code = bad ? rk::row_invalid_logit : few ? rk::row_too_few_finite : rk::row_ok;
 
-  // The candidates (score >= tau), listed in lane order: count, exclusive scan, write.
-  int count = 0;
+  // The candidates (score >= tau): a bit per register, then listed as keys after an exclusive scan
+  // of the lanes' counts (the scores staged in shared memory, where a bit's index can reach them).
+  unsigned candidates = 0u;
 #pragma unroll
   for (int q = 0; q < Q; ++q)
     if (q < nq)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) count += v[4 * q + r] >= tau ? 1 : 0;
-  if (!live || code != rk::row_ok) count = 0;
+      for (int r = 0; r < 4; ++r) candidates |= v[4 * q + r] >= tau ? 1u << (4 * q + r) : 0u;
+  if (!live || code != rk::row_ok) candidates = 0u;
+  const int count = __popc(candidates);
   int inclusive = count;
 #pragma unroll
   for (int off = 1; off < 8; off <<= 1) {
@@ -549,24 +564,21 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
     inclusive += j >= off ? other : 0;
   }
   const int total = __shfl_sync(kFullWarp, inclusive, first_lane | 7);
-  unsigned long long* const mine = list[seg];
-  if (count > 0) {
-    int at = inclusive - count;
+  float* const staged = stage[seg];  // [Q][8 lanes][4]: a lane's 16 bytes side by side
 #pragma unroll
-    for (int q = 0; q < Q; ++q)
-      if (q < nq)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          if (v[4 * q + r] >= tau) mine[at++] = select_key(v[4 * q + r], 32 * q + 4 * j + r);
-  }
-  __syncwarp();
-  if (__any_sync(kFullWarp, total > 48)) {
-    // Long lists (ties, masked experts): k rounds of a segment arg-max below the last key taken.
+  for (int q = 0; q < Q; ++q)
+    if (q < nq)
+      *reinterpret_cast<float4*>(staged + (8 * q + j) * 4) =
+          make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+  if (__any_sync(kFullWarp, total > kList)) {
+    // Long lists (ties, masked experts): k rounds of a segment arg-max, each lane scanning its
+    // staged scores for its best key below the last one taken.
     unsigned long long last = ~0ull;
     for (int round = 0; round < k; ++round) {
       unsigned long long head = 0ull;
-      for (int c = j; c < total; c += 8) {
-        const unsigned long long key = mine[c];
+      for (int i = 0; i < 4 * nq && live; ++i) {
+        const int q = i >> 2, r = i & 3;
+        const unsigned long long key = select_key(staged[(8 * q + j) * 4 + r], 32 * q + 4 * j + r);
         head = key < last && key > head ? key : head;
       }
 #pragma unroll
@@ -578,11 +590,17 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
       last = head;
     }
   } else {
+    int at = inclusive - count;
+    for (unsigned m = candidates; m != 0u; m &= m - 1u) {
+      const int bit = __ffs(static_cast<int>(m)) - 1, q = bit >> 2, r = bit & 3;
+      list[seg][at++] = select_key(staged[(8 * q + j) * 4 + r], 32 * q + 4 * j + r);
+    }
+    __syncwarp();
     // Rank each candidate among the list (keys are distinct: the index is part of one).
     for (int c = j; c < total; c += 8) {
-      const unsigned long long key = mine[c];
+      const unsigned long long key = list[seg][c];
       int rank = 0;
-      for (int d = 0; d < total; ++d) rank += mine[d] > key ? 1 : 0;
+      for (int d = 0; d < total; ++d) rank += list[seg][d] > key ? 1 : 0;
       if (rank < k) slot[seg][rank] = key;
     }
   }
