@@ -373,6 +373,17 @@ __device__ __forceinline__ float max_nan(float a, float b) {  // NaN if either i
 #endif
 }
 
+// 1 / d, correctly rounded, for normal d below 2^126 (exponent field 1 to 252): an approximate
+// reciprocal refined by one fused Newton step, the sequence nvcc's IEEE division runs in that range
+// before its branch to the general case, so the same bits as 1.0f / d there (the CUDA tests compare
+// the segment kernel's sigmoid selections and weights with the warp kernel's, which divides).
+__device__ __forceinline__ float reciprocal_in_range(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  const float err = __fmaf_rn(d, r, -1.0f);
+  return __fmaf_rn(r, -err, r);
+}
+
 // Four consecutive logits widened to float (bf16: its bits are a float's upper half).
 __device__ __forceinline__ void load4(const float* p, float* x) {
   const float4 v = *reinterpret_cast<const float4*>(p);
@@ -434,17 +445,35 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
         }
   }
   if (scored) {  // selection scores replace the logits (chosen logits are read again for weights)
+    if (p.score == rk::score_sigmoid) {
+      // kernels::sigmoid's 1 / (1 + exp(-x)) with the lane's 32 values side by side: the
+      // reciprocal's branch-free range (reciprocal_in_range) for all, division only where a
+      // denominator left it (x below about -87, or NaN), so the exps and reciprocals interleave.
+      bool outside = false;
 #pragma unroll
-    for (int q = 0; q < Q; ++q) {
-      if (q >= nq) continue;
-      float b[4] = {0.f, 0.f, 0.f, 0.f};
-      if (p.has_bias) load4(bias + 32 * q + 4 * j, b);
+      for (int i = 0; i < kLane; ++i) {
+        v[i] = 1.0f + expf(-v[i]);
+        outside |= !(v[i] < 0x1p126f);
+      }
+      if (outside) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        float s = v[4 * q + r];
-        if (p.score != 0) s = rk::score_of(p.score, s);
-        if (p.has_bias) s += b[r];
-        v[4 * q + r] = s;
+        for (int i = 0; i < kLane; ++i) v[i] = v[i] < 0x1p126f ? reciprocal_in_range(v[i]) : 1.0f / v[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < kLane; ++i) v[i] = reciprocal_in_range(v[i]);
+      }
+    } else if (p.score != rk::score_softmax) {
+#pragma unroll
+      for (int i = 0; i < kLane; ++i) v[i] = rk::score_of(p.score, v[i]);
+    }
+    if (p.has_bias) {
+#pragma unroll
+      for (int q = 0; q < Q; ++q) {
+        if (q >= nq) continue;
+        float b[4];
+        load4(bias + 32 * q + 4 * j, b);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) v[4 * q + r] += b[r];
       }
     }
   }
