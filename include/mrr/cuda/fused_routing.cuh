@@ -400,7 +400,9 @@ __device__ __forceinline__ void load4(const bf16* p, float* x) {
   x[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
-template <int Q, class In>
+// Simple: selection on the logits themselves, no groups, E = 32 Q (the launcher's choice): the
+// paths it never takes are compiled out, which frees registers for more warps in flight.
+template <int Q, bool Simple, class In>
 __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
     fused_route_segments(device::RouterParams p, const In* __restrict__ logits, const float* __restrict__ bias,
                          long tokens, std::int32_t* __restrict__ ids, float* __restrict__ weights,
@@ -416,7 +418,7 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
   const unsigned seg_mask = 0xffu << first_lane;
   const long t = static_cast<long>(blockIdx.x) * kSegs + seg;
   const bool live = t < tokens;  // not an early return: the shuffles below are full-warp
-  const int n = p.num_experts, k = p.topk, nq = n / 32;
+  const int n = Simple ? 32 * Q : p.num_experts, k = p.topk, nq = n / 32;
   const In* z = logits + (live ? t : 0) * static_cast<long>(n);
 
   float v[kLane];
@@ -431,8 +433,9 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
   }
   // Selecting on scores (or masking groups): NaN / +inf logits and -inf ones, before the logits
   // become scores. Selecting on logits, the lanes' maxima below do both.
-  const bool scored = !p.selects_on_logits && (p.score != 0 || p.has_bias);
-  const bool logits_are_scores = !scored && !p.grouped;
+  const bool scored = !Simple && !p.selects_on_logits && (p.score != 0 || p.has_bias);
+  const bool grouped = !Simple && p.grouped;
+  const bool logits_are_scores = !scored && !grouped;
   float xmax = -INFINITY, xmin = INFINITY;
   if (!logits_are_scores) {
 #pragma unroll
@@ -478,7 +481,7 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
     }
   }
 
-  if (p.grouped) {
+  if (grouped) {
     // Group g is registers [g per, (g + 1) per) of every lane: its top-2 scores over the segment
     // (a multiset: equal values count twice), summed larger first, as the warp kernel's keys.
     const int per = p.experts_per_group / 32, groups = p.num_groups;
@@ -700,16 +703,31 @@ cudaError_t launch_fused_segments(const device::RouterParams& p, const In* logit
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(blocks)), block(32 * kernels::kSegmentWarpsPerBlock);
   const int quads = p.num_experts / 32;
-#define MRR_SEGMENTS_LAUNCH(Q) \
-  kernels::fused_route_segments<Q, In><<<grid, block, 0, stream>>>(p, logits, bias, tokens, ids, weights, status)
-  if (quads <= 1)
-    MRR_SEGMENTS_LAUNCH(1);
-  else if (quads <= 2)
-    MRR_SEGMENTS_LAUNCH(2);
-  else if (quads <= 4)
-    MRR_SEGMENTS_LAUNCH(4);
-  else
-    MRR_SEGMENTS_LAUNCH(8);
+  const bool simple = !p.grouped && (p.selects_on_logits || (p.score == 0 && !p.has_bias)) && quads * 32 == p.num_experts &&
+                      (quads == 1 || quads == 2 || quads == 4 || quads == 8);
+#define MRR_SEGMENTS_LAUNCH(Q, S) \
+  kernels::fused_route_segments<Q, S, In><<<grid, block, 0, stream>>>(p, logits, bias, tokens, ids, weights, status)
+  if (quads <= 1) {
+    if (simple)
+      MRR_SEGMENTS_LAUNCH(1, true);
+    else
+      MRR_SEGMENTS_LAUNCH(1, false);
+  } else if (quads <= 2) {
+    if (simple)
+      MRR_SEGMENTS_LAUNCH(2, true);
+    else
+      MRR_SEGMENTS_LAUNCH(2, false);
+  } else if (quads <= 4) {
+    if (simple)
+      MRR_SEGMENTS_LAUNCH(4, true);
+    else
+      MRR_SEGMENTS_LAUNCH(4, false);
+  } else {
+    if (simple)
+      MRR_SEGMENTS_LAUNCH(8, true);
+    else
+      MRR_SEGMENTS_LAUNCH(8, false);
+  }
 #undef MRR_SEGMENTS_LAUNCH
   return cudaGetLastError();
 }
