@@ -1,7 +1,9 @@
-// Fused routing + replay kernel: one warp per token, the token's logits in registers, top-k by k
-// rounds of a warp arg-max over packed (value, index) keys (ties: lower index, as
-// kernels/topk.hpp), replayed rows take their ids from the replay buffer, then the weights of
-// DESIGN.md section 3, all in one launch. The fast path for softmax pre/post, sigmoid /
+// Fused routing + replay kernels. Native routing with k <= 8 and E a multiple of 32 up to 256:
+// 8 lanes per token (fused_route_segments: a threshold from the lanes' top-2 scores, the few
+// candidates above it ranked in shared memory). Otherwise one warp per token, the token's logits
+// in registers, top-k by k rounds of a warp arg-max over packed (value, index) keys (ties: lower
+// index, as kernels/topk.hpp), replayed rows take their ids from the replay buffer. Then the
+// weights of DESIGN.md section 3, all in one launch; both kernels give the same bits. The fast path for softmax pre/post, sigmoid /
 // sqrt-softplus, with or without expert bias, and group limits of whole warps of experts
 // (DeepSeek-V3's; fused_routing_supports says which); checked against the CPU router and the
 // Thrust path (mrr/thrust/routing.hpp) in tests/cuda.
