@@ -10,28 +10,19 @@ check=False is the kernel path (nothing waits); check=True adds the one synchron
 a bad row into an error. The limit is reading the fp32 logits once at the measured copy bandwidth.
 """
 
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "torch_extension"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mrr_torch  # noqa: E402
+from pytorch_baselines_cuda import timed_us  # noqa: E402  (CUDA events, the median)
 
 
 def timed(fn, reps=21, warm=5):
-    for _ in range(warm):
-        fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(out)
+    return timed_us(fn, reps, warm)
 
 
 def copy_bandwidth():

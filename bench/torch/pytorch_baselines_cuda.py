@@ -28,7 +28,7 @@ import statistics
 import torch
 
 
-def timed_us(fn, reps, warmup=3):
+def timed_us(fn, reps=21, warmup=3):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
