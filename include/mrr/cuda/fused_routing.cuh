@@ -346,17 +346,18 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
 
 // ---------------------------------------------------------------------------------------------
 // Native routing, k <= 8 and E a multiple of 32 up to 256: a segment of 8 lanes per token (4 tokens
-// a warp), the warp-per-token kernel's result with about a quarter of its instructions per token
-// (that kernel spends ~75 per logit sorting and popping 64-bit keys: compute-bound at 4.6x the
-// read limit on an H100).
+// a warp), the warp-per-token kernel's result, bit for bit, with far fewer instructions (that kernel
+// spends ~75 per logit sorting and popping 64-bit keys: compute-bound, 110 µs for 65,536 x 256 on
+// an H100; this one issues 191 warp instructions a token and takes 30 µs; bench/RESULTS.md).
 // - Lane j of a segment holds experts 32 q + 4 j + r (r < 4): one 16-byte load per q, and a
 //   segment reads 128 contiguous bytes per load.
-// - Threshold: the k-th largest of the 8 lanes' maxima, tau, is at most the row's k-th largest
-//   selection score (k lanes each hold a value >= tau), so every expert of the top k scores >= tau.
-//   Those candidates (~k to 2k on real logits) are listed in shared memory, and their packed keys
-//   (select_key: larger value, then lower index) are ranked against each other: rank < k is the
-//   slot. Lists of more than 48 (ties, masks) take k rounds of a segment arg-max instead, the same
-//   keys and order.
+// - Threshold: tau, the k-th largest of the segment's 16 lane top-2 scores, is at most the row's
+//   k-th largest selection score (k of those values are distinct experts >= tau), so every expert
+//   of the top k scores >= tau. Those candidates (about 9 for k = 8 on normal logits) are found by
+//   a bit per register, listed as packed keys (select_key: larger value, then lower index) in
+//   shared memory, and ranked against each other: rank < k is the slot. Lists of more than 48
+//   (ties, masks) take k rounds of a segment arg-max over the staged scores instead, the same keys
+//   and order.
 // - Group limits (groups of whole multiples of 32 experts, at most 8 groups): register q is group
 //   q / (experts_per_group / 32); each group's top-2 scores merge over the segment, lane g ranks
 //   group g, and the other groups' experts become -inf or 0.0 as in the warp kernel.
