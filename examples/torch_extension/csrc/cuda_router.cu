@@ -12,9 +12,13 @@ struct CudaRouter {
   mrr::torch::cuda::Router<float> router;
 };
 
-std::shared_ptr<CudaRouter> make_cuda_router(const mrr::RouterConfig& config) {
-  return std::make_shared<CudaRouter>(CudaRouter{mrr::torch::cuda::Router<float>(config)});
+std::shared_ptr<CudaRouter> make_cuda_router(const mrr::RouterConfig& config, const std::vector<float>& bias) {
+  auto r = std::make_shared<CudaRouter>(CudaRouter{mrr::torch::cuda::Router<float>(config)});
+  if (config.use_expert_bias) r->router.set_expert_bias(bias);
+  return r;
 }
+
+void cuda_set_expert_bias(CudaRouter& router, const std::vector<float>& bias) { router.router.set_expert_bias(bias); }
 
 mrr::torch::TensorRouting cuda_route(const CudaRouter& r, const at::Tensor& logits, bool check) {
   return r.router.route(logits, check);

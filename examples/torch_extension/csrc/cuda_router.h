@@ -10,12 +10,16 @@
 #include <mrr/torch/router.hpp>
 
 #include <memory>
+#include <vector>
 
 namespace mrr_torch_ext {
 
 struct CudaRouter;  // mrr::torch::cuda::Router<float>, defined in cuda_router.cu
 
-std::shared_ptr<CudaRouter> make_cuda_router(const mrr::RouterConfig& config);
+// bias: the selection-only expert bias (num_experts values) when config.use_expert_bias, else empty.
+std::shared_ptr<CudaRouter> make_cuda_router(const mrr::RouterConfig& config, const std::vector<float>& bias);
+// Copies a new expert bias to the device router (set_expert_bias's checks).
+void cuda_set_expert_bias(CudaRouter& router, const std::vector<float>& bias);
 
 // Native routing and replay of CUDA logits on the current stream (mrr::torch::cuda::route / replay).
 // check: synchronise once and raise the CPU router's error for a bad row; false: nothing waits.

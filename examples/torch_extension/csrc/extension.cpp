@@ -46,11 +46,22 @@ namespace {
 
 struct Router {
   mrr::TopKRouter<float> router;
+  std::vector<float> bias() const {  // the selection-only expert bias (empty without use_expert_bias)
+    const auto& b = router.expert_bias();
+    return std::vector<float>(b.data(), b.data() + b.size());
+  }
+  // Sets the bias on the CPU router (its checks: use_expert_bias, size, finite) and on the GPU copy.
+  void set_expert_bias(const std::vector<float>& values) {
+    router.set_expert_bias(Eigen::Map<const mrr::Vector<float>>(values.data(), static_cast<Eigen::Index>(values.size())));
+#ifdef MRR_TORCH_WITH_CUDA
+    if (cuda) mrr_torch_ext::cuda_set_expert_bias(*cuda, values);
+#endif
+  }
 #ifdef MRR_TORCH_WITH_CUDA
   // The same config on the GPU, made at the first CUDA call (the CUDA runtime starts then).
   mutable std::shared_ptr<mrr_torch_ext::CudaRouter> cuda;
   const mrr_torch_ext::CudaRouter& on_cuda() const {
-    if (!cuda) cuda = mrr_torch_ext::make_cuda_router(router.config());
+    if (!cuda) cuda = mrr_torch_ext::make_cuda_router(router.config(), bias());
     return *cuda;
   }
 #endif
@@ -458,6 +469,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scaling_factor") = py::none(), py::arg("num_groups") = 0, py::arg("group_topk") = 0,
            py::arg("use_expert_bias") = false)
       .def_property_readonly("num_experts", [](const Router& r) { return r.router.num_experts(); })
+      .def_property_readonly(
+          "expert_bias",
+          [](const Router& r) {
+            const std::vector<float> b = r.bias();
+            return ::torch::tensor(b, ::torch::dtype(::torch::kFloat32));
+          },
+          "The selection-only expert bias (float32 [num_experts] on the CPU; empty without use_expert_bias).")
+      .def(
+          "set_expert_bias",
+          [](Router& r, const at::Tensor& bias) {
+            mrr::detail::require(bias.dim() == 1, "Router.set_expert_bias", "'bias' must be 1-D [num_experts], got ",
+                                 bias.dim(), " dimensions");
+            const at::Tensor host = bias.detach().to(at::kCPU, at::kFloat).contiguous();
+            const float* data = host.data_ptr<float>();
+            r.set_expert_bias(std::vector<float>(data, data + host.numel()));
+          },
+          py::arg("bias"),
+          "Sets the selection-only expert bias (DeepSeek-V3's e_score_correction_bias, Megatron's expert_bias): "
+          "num_experts finite values, any device and float dtype; the router needs use_expert_bias=True. It moves "
+          "which experts are chosen, not their weights; the CUDA router gets the same values.")
+      .def(
+          "set_expert_bias", [](Router& r, const std::vector<float>& bias) { r.set_expert_bias(bias); },
+          py::arg("bias"), "The same from a sequence of floats.")
       .def_property_readonly("topk", [](const Router& r) { return r.router.topk(); })
       .def(
           "route",

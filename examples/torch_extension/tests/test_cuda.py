@@ -285,3 +285,29 @@ def test_cuda_check_false_hands_back_the_row_status(mt):
     assert not bool(status.any())
     with pytest.raises(mt.InvalidArgumentError, match="row 3"):
         router.route(logits)  # check=True (the default) raises
+
+
+def test_cuda_deepseek_v3_with_expert_bias(mt):
+    """DeepSeek-V3's gate (256 experts, 8 groups keep 4, top-8, sigmoid + correction bias) on CUDA
+    logits: the fused segment kernel reads the bias from the device router. The device's and the
+    host's exp differ in the last bit, so a near-tie may resolve otherwise in a few rows (as the C++
+    tests allow); weights agree where the ids do. A bias set after the first CUDA call reaches the
+    GPU too."""
+    g = torch.Generator().manual_seed(5)
+    router = mt.Router(256, 8, score_function="sigmoid", normalize_topk=True, scaling_factor=2.5, num_groups=8,
+                       group_topk=4, use_expert_bias=True)
+    logits = torch.randn(4000, 256, generator=g)
+    router.route(logits.cuda())  # the CUDA router exists before the bias is set
+    bias = 0.05 * torch.randn(256, generator=g)
+    router.set_expert_bias(bias.cuda())
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        w_cpu, ids_cpu = router.route(x.float())
+        w, ids = router.route(x.cuda())
+        same = (ids.cpu() == ids_cpu).all(dim=1)
+        assert int(same.sum()) >= 0.99 * len(same)
+        assert torch.allclose(w.cpu()[same], w_cpu[same], atol=1e-5, rtol=0)
+    # The bias is what moved the selection (fp32 logits, with and without it).
+    biased = router.route(logits.cuda())[1]
+    router.set_expert_bias(torch.zeros(256))
+    assert not torch.equal(router.route(logits.cuda())[1], biased)

@@ -481,3 +481,52 @@ def test_megatron_save_and_load_through_route_file(mt, megatron, tmp_path):
     assert all(torch.equal(layer.target_topk_idx, r[[3, 0]]) for layer, r in zip(layers, recorded))
     with pytest.raises(mt.RouteStoreError, match="no route for sequence 4 position 2"):
         megatron.load_replay_data(reader, [3, 4], [1, 2])
+
+
+def deepseek_v3_gate(logits, bias, k, groups, topk_groups, scale):
+    """DeepSeek-V3's gate after the matmul, in float64, as Megatron computes it: sigmoid, + bias for
+    selection, groups scored by their top-2 sums, the other groups' experts masked with -inf (mrr's
+    default; HF's 0.0 picks the same experts while the kept scores are positive), top-k, weights
+    from the unbiased scores, renormalised and scaled."""
+    t, e = logits.shape
+    scores = logits.double().sigmoid()
+    choice = scores + bias.double()
+    group_scores = choice.view(t, groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_groups, dim=-1)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    keep = mask.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, -1).bool()
+    ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k=k, dim=-1)[1]
+    w = scores.gather(1, ids)
+    return ids, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scale
+
+
+def test_expert_bias_set_from_python_moves_the_selection(mt):
+    """Router.set_expert_bias: DeepSeek-V3's gate with its correction bias, against the gate's
+    formula in float64 (ids as sets per row; weights from the unbiased scores), and the checks."""
+    g = torch.Generator().manual_seed(23)
+    E, k = 64, 6
+    router = mt.Router(E, k, score_function="sigmoid", normalize_topk=True, scaling_factor=2.5, num_groups=8,
+                       group_topk=3, use_expert_bias=True)
+    assert torch.equal(router.expert_bias, torch.zeros(E))
+    logits = torch.randn(500, E, generator=g)
+    bias = 0.3 * torch.randn(E, generator=g)
+    bias[[3, 40]] = 2.0  # two experts every row must take
+    router.set_expert_bias(bias)
+    assert torch.equal(router.expert_bias, bias)
+    w, ids = router.route(logits)
+    ref_ids, _ = deepseek_v3_gate(logits, bias, k, 8, 3, 2.5)
+    assert torch.equal(ids.sort(dim=1).values, ref_ids.sort(dim=1).values)
+    assert torch.allclose(w.double(), 2.5 * logits.double().sigmoid().gather(1, ids) /
+                          logits.double().sigmoid().gather(1, ids).sum(dim=1, keepdim=True), atol=1e-6, rtol=0)
+    assert bool(((ids == 3).any(dim=1) & (ids == 40).any(dim=1)).all())
+    # Without the bias the selection is another one; a list sets it too.
+    router.set_expert_bias([0.0] * E)
+    assert not torch.equal(router.route(logits)[1], ids)
+    with pytest.raises(mt.InvalidArgumentError, match="use_expert_bias = false"):
+        mt.Router(E, k).set_expert_bias(bias)
+    with pytest.raises(mt.InvalidArgumentError, match="63 entries for 64 experts"):
+        router.set_expert_bias(bias[:63])
+    with pytest.raises(mt.InvalidArgumentError, match="not finite"):
+        router.set_expert_bias(torch.full((E,), float("nan")))
+    with pytest.raises(mt.InvalidArgumentError, match="must be 1-D"):
+        router.set_expert_bias(bias.view(8, 8))

@@ -277,6 +277,9 @@ class ThrustTopKRouter {
   const RouterParams& params() const { return params_; }
   int num_experts() const { return config_.num_experts; }
   int topk() const { return config_.topk; }
+  // The selection-only bias in backend memory (num_experts values; device memory on CUDA), for
+  // kernels that take it by pointer (cuda::fused_route_replay); null without use_expert_bias.
+  const T* expert_bias_data() const { return config_.use_expert_bias ? raw(bias_) : nullptr; }
 
   // Selection-only bias, copied from any Thrust or host range of num_experts values.
   template <class Range>

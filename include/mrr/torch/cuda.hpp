@@ -144,16 +144,17 @@ struct DeviceRouterWeights : public ::torch::autograd::Function<DeviceRouterWeig
   }
 };
 
-// Whether native routing takes the fused warp-per-token kernel (mrr/cuda/fused_routing.cuh):
-// fp32 router, contiguous logits, a router it supports, no expert bias (the Thrust row kernel
-// otherwise; both give the CPU router's ids).
+// Whether native routing takes the fused kernels (mrr/cuda/fused_routing.cuh): fp32 router,
+// contiguous logits, a router they support (expert bias read from the router's device copy); the
+// Thrust row kernel otherwise. All give the CPU router's ids.
 template <class T>
 bool takes_fused_route(const device::TopKRouter<T>& router, const at::Tensor& logits) {
   if constexpr (!std::is_same_v<T, float>) {
     return false;
   } else {
     const auto& p = router.params();
-    return ::mrr::cuda::fused_routing_supports(p) && !p.has_bias && logits.dim() == 2 &&
+    return ::mrr::cuda::fused_routing_supports(p) && (!p.has_bias || router.expert_bias_data() != nullptr) &&
+           logits.dim() == 2 &&
            (logits.size(0) <= 1 || logits.stride(0) == logits.size(1)) &&
            (logits.size(1) <= 1 || logits.stride(1) == 1);
   }
@@ -181,7 +182,7 @@ TensorRouting run(const device::TopKRouter<T>& router, const at::Tensor& logits,
     // The fused kernel writes int32 ids; torch's are int64 (one widening copy, on the stream).
     at::Tensor ids32 = at::empty({rows, k}, logits.options().dtype(at::kInt));
     const cudaError_t e = ::mrr::cuda::fused_route_replay<In>(
-        router.params(), static_cast<const In*>(logits.data_ptr()), nullptr, nullptr, nullptr, rows,
+        router.params(), static_cast<const In*>(logits.data_ptr()), router.expert_bias_data(), nullptr, nullptr, rows,
         ids32.data_ptr<std::int32_t>(), static_cast<float*>(weights.data_ptr()), st, exec.stream);
     if (e != cudaSuccess)
       throw std::runtime_error(
