@@ -292,6 +292,24 @@ __device__ __forceinline__ float segment_sum(float x) {
   return x;
 }
 
+// The weight of a segment's slot lane from its chosen logit zj (lanes with active false hold no
+// slot): DESIGN.md section 3 over the k chosen logits, every lane of the warp taking part.
+template <int W>
+__device__ __forceinline__ float segment_weight(const device::RouterParams& p, bool active, float zj) {
+  float w;
+  if (p.score == 0) {
+    const float mx = segment_max<W>(active ? zj : -INFINITY);
+    const float e = active ? expf(zj - mx) : 0.f;
+    w = e / segment_sum<W>(e);
+  } else {
+    w = active ? mrr::kernels::score_of(p.score, zj) : 0.f;
+    const float sum = segment_sum<W>(w);
+    if (p.normalize) w /= sum + 1e-20f;
+  }
+  if (p.has_scale) w *= static_cast<float>(p.scale);
+  return w;
+}
+
 template <int W, class In>
 __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
     fused_replay_segments(device::RouterParams p, const In* __restrict__ logits,
@@ -320,17 +338,7 @@ __global__ void __launch_bounds__(32 * kFusedWarpsPerBlock)
   // lanes of segments that skipped it).
   const unsigned bad_logits = __ballot_sync(kFullWarp, active && !(zj <= FLT_MAX));
   const bool bad_row_logit = !bad_row_id && (bad_logits & mine) != 0u;
-  float w;
-  if (p.score == 0) {
-    const float mx = segment_max<W>(zj);
-    const float e = active ? expf(zj - mx) : 0.f;
-    w = e / segment_sum<W>(e);
-  } else {
-    w = active ? rk::score_of(p.score, zj) : 0.f;
-    const float sum = segment_sum<W>(w);
-    if (p.normalize) w /= sum + 1e-20f;
-  }
-  if (p.has_scale) w *= static_cast<float>(p.scale);
+  const float w = segment_weight<W>(p, active, zj);
   const bool nan_weight = (__ballot_sync(kFullWarp, active && !(w == w)) & mine) != 0u;
   const bool bad = bad_row_id || bad_row_logit;
   if (active) {
@@ -649,17 +657,7 @@ __global__ void __launch_bounds__(32 * kSegmentWarpsPerBlock)
     my_id = expert_of_key(key);
     zj = scored || p.score != 0 ? device::kernels::widen<float>(z[my_id]) : value_of_key(key);
   }
-  float w;
-  if (p.score == 0) {
-    const float mx = segment_max<8>(active ? zj : -INFINITY);
-    const float e = active ? expf(zj - mx) : 0.f;
-    w = e / segment_sum<8>(e);
-  } else {
-    w = active ? rk::score_of(p.score, zj) : 0.f;
-    const float sum = segment_sum<8>(w);
-    if (p.normalize) w /= sum + 1e-20f;
-  }
-  if (p.has_scale) w *= static_cast<float>(p.scale);
+  const float w = segment_weight<8>(p, active, zj);
   const bool nan_weight = (__ballot_sync(kFullWarp, active && !(w == w)) & seg_mask) != 0u;
   if (active) {
     ids[t * k + j] = code == rk::row_ok ? my_id : -1;
