@@ -1,14 +1,15 @@
 // Route file throughput: writing R2 records (one record call per layer and micro-batch) and
 // reading them back for replay (look up every layer of every micro-batch, each sequence's records
 // verified when first used), beside a plain fwrite / fread of the same id bytes and numpy's
-// np.save / np.load of them (run with /usr/bin/python3 in the same run). Everything goes through
-// a warm page cache. Steady state: buffers reused, the store opened once (its records are still
-// re-verified every pass: release_cache() after each micro-batch); "open +" rows include open().
+// np.save / np.load of them, and of the same ids as int32 (run with /usr/bin/python3 in the same
+// run). Everything goes through a warm page cache. Steady state: buffers reused, the store opened once (its records are
+// still re-verified every pass: release_cache() after each micro-batch); "open +" rows include open().
 #include <mrr/replay.hpp>
 
 #include <harness.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -83,19 +84,24 @@ std::string numpy_ids(const std::filesystem::path& raw_path) {
          std::to_string(kTopK) + ")\n";
 }
 
-// Runs a numpy timing script with /usr/bin/python3 and reads the two times it prints (seconds);
-// {0, 0} when there is no such Python or the script fails.
-std::pair<double, double> run_numpy(const std::filesystem::path& script_path, const std::string& script) {
+// Runs a numpy timing script with /usr/bin/python3 and reads the N times it prints (seconds); all
+// 0 when there is no such Python or the script fails.
+template <std::size_t N = 2>
+std::array<double, N> run_numpy(const std::filesystem::path& script_path, const std::string& script) {
   if (std::FILE* f = std::fopen(script_path.c_str(), "w")) {
     std::fputs(script.c_str(), f);
     std::fclose(f);
   }
-  double first = 0, second = 0;
+  std::array<double, N> times{};
   if (std::FILE* p = ::popen(("/usr/bin/python3 " + script_path.string() + " 2>/dev/null").c_str(), "r")) {
-    if (std::fscanf(p, "%lf %lf", &first, &second) != 2) first = second = 0;
+    for (double& t : times)
+      if (std::fscanf(p, "%lf", &t) != 1) {
+        times.fill(0);
+        break;
+      }
     ::pclose(p);
   }
-  return {first, second};
+  return times;
 }
 
 // Drops a file's pages from the page cache (clean pages only: the writers below fsync first), so
@@ -334,18 +340,25 @@ int main() {
   std::printf("    -> mrr %.0f MB/s (open + replay %.0f MB/s), fread %.0f MB/s\n", id_bytes / read.median_s / 1e6,
               id_bytes / open_read.median_s / 1e6, id_bytes / fread_t.median_s / 1e6);
 
-  // numpy on the same bytes, a [sequences * tokens, layers, k] uint8 array (median of 7 calls).
+  // numpy on the same bytes, a [sequences * tokens, layers, k] uint8 array (median of 7 calls),
+  // and on the same ids as int32 (what a Python trainer holding the router's int32 ids saves, and
+  // what an int32 lookup produces: 4x the bytes).
   const auto npy_path = dir / "raw.npy";
-  const std::string script = numpy_ids(raw_path) +
+  const auto npy32_path = dir / "raw32.npy";
+  const std::string script = numpy_ids(raw_path) + "p8, p32 = '" + npy_path.string() + "', '" + npy32_path.string() +
+                             "'\n"
                              "def med(f):\n"
                              "    f(); t = []\n"
                              "    for _ in range(7):\n"
                              "        t0 = time.perf_counter(); f(); t.append(time.perf_counter() - t0)\n"
                              "    return sorted(t)[3]\n"
-                             "s = med(lambda: np.save('" + npy_path.string() + "', a))\n"
-                             "l = med(lambda: np.load('" + npy_path.string() + "'))\n"
-                             "print(s, l)\n";
-  const auto [np_save, np_load] = run_numpy(dir / "np_baseline.py", script);
+                             "s = med(lambda: np.save(p8, a))\n"
+                             "l = med(lambda: np.load(p8))\n"
+                             "b = a.astype(np.int32)\n"
+                             "s4 = med(lambda: np.save(p32, b))\n"
+                             "l4 = med(lambda: np.load(p32))\n"
+                             "print(s, l, s4, l4)\n";
+  const auto [np_save, np_load, np_save32, np_load32] = run_numpy<4>(dir / "np_baseline.py", script);
   if (np_save > 0) {
     mrr::bench::print_row("write vs np.save", write.median_s, np_save, 2 * id_bytes, bw);
     mrr::bench::print_row("write from uint8 ids vs np.save", write_u8.median_s, np_save, 2 * id_bytes, bw);
@@ -353,6 +366,11 @@ int main() {
     mrr::bench::print_row("open + replay read vs np.load", open_read.median_s, np_load, 2 * id_bytes, bw);
     mrr::bench::print_row("replay read into uint8 vs np.load", read_u8.median_s, np_load, 2 * id_bytes, bw);
     mrr::bench::print_row("  the same, verified earlier", reread_u8.median_s, np_load, 2 * id_bytes, bw);
+    std::printf("    against numpy on the same ids as int32 (np.save %.1f ms, np.load %.1f ms; 4x the bytes):\n",
+                np_save32 * 1e3, np_load32 * 1e3);
+    mrr::bench::print_row("write vs np.save of int32 ids", write.median_s, np_save32, 2 * id_bytes, bw);
+    mrr::bench::print_row("replay read vs np.load of int32 ids", read.median_s, np_load32, 2 * id_bytes, bw);
+    mrr::bench::print_row("  the same, verified earlier", reread.median_s, np_load32, 2 * id_bytes, bw);
   } else {
     std::printf("    (np.save / np.load baseline skipped: no /usr/bin/python3 with numpy)\n");
   }

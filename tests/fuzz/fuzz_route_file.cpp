@@ -35,13 +35,17 @@ std::filesystem::path work_dir() {
 void fix_checksums(std::vector<unsigned char>& f) {
   if (f.size() < rf::kHeaderBytes) return;
   rf::detail::put<std::uint64_t>(f.data() + 56, XXH64(f.data(), 56, 0));
+  // Records hashed as the header's version says (an unsupported one: as the newest, refused anyway).
+  const auto version = rf::detail::get<std::uint16_t>(f.data() + 8);
+  const std::uint16_t hash_version = rf::version_supported(version) ? version : rf::kVersion;
   std::uint64_t at = rf::kHeaderBytes;
   while (at + rf::kRecordHeaderBytes <= f.size()) {
     unsigned char* h = f.data() + at;
     const auto payload = rf::detail::get<std::uint64_t>(h + 8);
     const std::uint64_t left = f.size() - at - rf::kRecordHeaderBytes;
     const std::uint64_t have = payload < left ? payload : left;
-    rf::detail::put<std::uint64_t>(h + 40, rf::checksum(h, h + rf::kRecordHeaderBytes, static_cast<std::size_t>(have)));
+    rf::detail::put<std::uint64_t>(
+        h + 40, rf::checksum(hash_version, h, h + rf::kRecordHeaderBytes, static_cast<std::size_t>(have)));
     rf::detail::put<std::uint32_t>(h + 48, rf::header_check(h));
     if (payload > left) break;
     at += rf::record_bytes(payload);

@@ -454,47 +454,56 @@ TEST_CASE("vLLM routed_experts .npy ([tokens, layers, k] int32) imports as an R3
 
 #ifdef MRR_PYTHON_WITH_NUMPY
 TEST_CASE("examples/python/read_routes.py reads a file written by the library, checksums verified") {
-  mrr::test::TempDir dir;
-  const mrr::RouteShape shape{300, 2, 3};  // 2-byte ids
-  const auto path = dir / "routes.mrr";
-  std::vector<std::int32_t> ids;
-  {
-    auto store = mrr::FileRouteStore::create(path, shape);
+  // In each format version the library writes: 2 (XXH3-64 record checksums; the records here
+  // take XXH3's 17-128 and over-240-byte paths) and 1 (XXH64).
+  for (const std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}}) {
+    CAPTURE(version);
+    mrr::test::TempDir dir;
+    const mrr::RouteShape shape{300, 2, 3};  // 2-byte ids
+    const auto path = dir / "routes.mrr";
+    std::vector<std::int32_t> ids;
+    {
+      auto store = mrr::FileRouteStore::create(path, shape, {.format_version = version});
+      CHECK(store.format_version() == (version == 0 ? mrr::route_file::kVersion : version));
+      for (int t = 0; t < 40; ++t)
+        for (int l = 0; l < 2; ++l)
+          for (int j = 0; j < 3; ++j)
+            ids.push_back((t * 37 + l * 101 + j * 7) % 300);
+      store.record_sequence(77, 0, 40, 0, 2, ids);
+      // A second record for the same sequence, layer 1 only, positions 40..41.
+      const std::vector<mrr::SequenceId> uids = {77};
+      const auto layout =
+          mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, 2}, std::vector<std::int64_t>{40});
+      mrr::ExpertIds more(2, 3);
+      more << 299, 0, 1, 2, 3, 298;
+      store.record(1, layout, more);
+    }
+    const auto npy = dir / "seq77.npy";
+    const std::string cmd = std::string(MRR_PYTHON_WITH_NUMPY) + " " + MRR_READ_ROUTES_PY + " " + path.string() +
+                            " --uid 77 --npy " + npy.string() + " > " + (dir / "out.txt").string() + " 2>&1";
+    REQUIRE(std::system(cmd.c_str()) == 0);
+    const auto a = mrr::read_npy(npy);
+    REQUIRE(a.shape == std::vector<std::int64_t>{42, 2, 3});
     for (int t = 0; t < 40; ++t)
       for (int l = 0; l < 2; ++l)
-        for (int j = 0; j < 3; ++j) ids.push_back((t * 37 + l * 101 + j * 7) % 300);
-    store.record_sequence(77, 0, 40, 0, 2, ids);
-    // A second record for the same sequence, layer 1 only, positions 40..41.
-    const std::vector<mrr::SequenceId> uids = {77};
-    const auto layout = mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, 2}, std::vector<std::int64_t>{40});
-    mrr::ExpertIds more(2, 3);
-    more << 299, 0, 1, 2, 3, 298;
-    store.record(1, layout, more);
+        for (int j = 0; j < 3; ++j)
+          CHECK(a.values[static_cast<std::size_t>((t * 2 + l) * 3 + j)] ==
+                ids[static_cast<std::size_t>((t * 2 + l) * 3 + j)]);
+    CHECK(a.values[static_cast<std::size_t>((40 * 2 + 0) * 3)] == -1);  // layer 0 not recorded at 40
+    CHECK(a.values[static_cast<std::size_t>((40 * 2 + 1) * 3)] == 299);
+    CHECK(a.values[static_cast<std::size_t>((41 * 2 + 1) * 3 + 2)] == 298);
+    // A damaged record makes the reader fail, not return wrong ids.
+    {
+      std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(static_cast<std::streamoff>(mrr::route_file::kHeaderBytes + mrr::route_file::kRecordHeaderBytes + 10));
+      f.put('\x7f');
+    }
+    const std::string bad = std::string(MRR_PYTHON_WITH_NUMPY) + " " + MRR_READ_ROUTES_PY + " " + path.string() +
+                            " --uid 77 > " + (dir / "bad.txt").string() + " 2>&1";
+    CHECK(std::system(bad.c_str()) != 0);
+    std::ifstream err(dir / "bad.txt");
+    const std::string text((std::istreambuf_iterator<char>(err)), {});
+    CHECK(text.find("fails its checksum") != std::string::npos);
   }
-  const auto npy = dir / "seq77.npy";
-  const std::string cmd = std::string(MRR_PYTHON_WITH_NUMPY) + " " + MRR_READ_ROUTES_PY + " " + path.string() +
-                         " --uid 77 --npy " + npy.string() + " > " + (dir / "out.txt").string() + " 2>&1";
-  REQUIRE(std::system(cmd.c_str()) == 0);
-  const auto a = mrr::read_npy(npy);
-  REQUIRE(a.shape == std::vector<std::int64_t>{42, 2, 3});
-  for (int t = 0; t < 40; ++t)
-    for (int l = 0; l < 2; ++l)
-      for (int j = 0; j < 3; ++j)
-        CHECK(a.values[static_cast<std::size_t>((t * 2 + l) * 3 + j)] == ids[static_cast<std::size_t>((t * 2 + l) * 3 + j)]);
-  CHECK(a.values[static_cast<std::size_t>((40 * 2 + 0) * 3)] == -1);  // layer 0 not recorded at 40
-  CHECK(a.values[static_cast<std::size_t>((40 * 2 + 1) * 3)] == 299);
-  CHECK(a.values[static_cast<std::size_t>((41 * 2 + 1) * 3 + 2)] == 298);
-  // A damaged record makes the reader fail, not return wrong ids.
-  {
-    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(mrr::route_file::kHeaderBytes + mrr::route_file::kRecordHeaderBytes + 10));
-    f.put('\x7f');
-  }
-  const std::string bad = std::string(MRR_PYTHON_WITH_NUMPY) + " " + MRR_READ_ROUTES_PY + " " + path.string() +
-                         " --uid 77 > " + (dir / "bad.txt").string() + " 2>&1";
-  CHECK(std::system(bad.c_str()) != 0);
-  std::ifstream err(dir / "bad.txt");
-  const std::string text((std::istreambuf_iterator<char>(err)), {});
-  CHECK(text.find("fails its checksum") != std::string::npos);
 }
 #endif

@@ -53,7 +53,7 @@ std::vector<unsigned char> file_header(std::uint32_t experts, std::uint32_t laye
 // A routes record with valid header check and checksum, whatever its fields say.
 void add_record(std::vector<unsigned char>& file, rf::RecordHeader h, const std::vector<unsigned char>& payload) {
   unsigned char hb[rf::kRecordHeaderBytes];
-  rf::encode(h, payload.data(), hb);
+  rf::encode(rf::kVersion, h, payload.data(), hb);
   append_bytes(file, hb, sizeof hb);
   append_bytes(file, payload.data(), payload.size());
   file.resize(file.size() + (rf::padded(payload.size()) - payload.size()), 0);
@@ -285,7 +285,7 @@ TEST_CASE("crafted route records: positions and sizes are checked before anythin
     // A payload size that pads to 0 (the record would look 56 bytes long), with a valid header check.
     unsigned char header[rf::kRecordHeaderBytes];
     ih.payload_bytes = 0;
-    rf::encode(ih, nullptr, header);
+    rf::encode(rf::kVersion, ih, nullptr, header);
     rf::detail::put<std::uint64_t>(header + 8, ~std::uint64_t{0} - 3);
     rf::detail::put<std::uint32_t>(header + 48, rf::header_check(header));
     append_bytes(bytes, header, sizeof header);

@@ -1,6 +1,6 @@
 // Binary layout of route files (docs/route-file-format.md): a 64-byte header, then append-only
-// records, each checksummed with XXH64; a cleanly closed file ends with an index record and a
-// tail record pointing at it. Little-endian throughout.
+// records, each checksummed (XXH3-64 from format version 2, XXH64 in version 1); a cleanly closed
+// file ends with an index record and a tail record pointing at it. Little-endian throughout.
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -39,7 +39,14 @@ static_assert(std::endian::native == std::endian::little,
 
 inline constexpr char kFileMagic[8] = {'M', 'R', 'R', 'R', 'O', 'U', 'T', 'E'};
 inline constexpr char kRecordMagic[4] = {'M', 'R', 'R', 'R'};
-inline constexpr std::uint16_t kVersion = 1;
+// New files are written in kVersion; files of every version from kOldestVersion are read, and
+// appended to in their own version. Version 2 changed only the records' checksum (XXH64 ->
+// XXH3-64: a first read of a record hashes it, and XXH3 does so 1.7-3.4x faster).
+inline constexpr std::uint16_t kVersion = 2;
+inline constexpr std::uint16_t kOldestVersion = 1;
+inline constexpr bool version_supported(unsigned v) {
+  return v >= kOldestVersion && v <= kVersion;
+}
 inline constexpr std::size_t kHeaderBytes = 64;
 inline constexpr std::size_t kRecordHeaderBytes = 56;
 inline constexpr std::size_t kChecksummedHeaderBytes = 40;  // record header bytes covered by its checksum
@@ -103,7 +110,9 @@ inline std::string decode(const unsigned char* in, FileHeader& h) {
   if (std::memcmp(in, kFileMagic, 8) != 0) return "it is not an mrr route file (bad magic)";
   if (detail::get<std::uint64_t>(in + 56) != XXH64(in, 56, 0)) return "its header fails its checksum";
   h.version = detail::get<std::uint16_t>(in + 8);
-  if (h.version != kVersion) return mrr::detail::str("it has an unsupported format version ", h.version);
+  if (!version_supported(h.version))
+    return mrr::detail::str("it has format version ", h.version, ", which this mrr does not read (it reads versions ",
+                            kOldestVersion, " to ", kVersion, "; a newer mrr wrote it)");
   if (detail::get<std::uint16_t>(in + 10) != kHeaderBytes)
     return mrr::detail::str("it has an unexpected header size ", detail::get<std::uint16_t>(in + 10));
   const auto experts = detail::get<std::uint32_t>(in + 16);
@@ -128,39 +137,55 @@ inline std::string decode(const unsigned char* in, FileHeader& h) {
 }
 
 // A record's checksum, computed as its payload streams past in pieces of any size (a reader
-// verifies records far larger than its buffers): XXH64 of the first kChecksummedHeaderBytes
-// header bytes followed by the payload.
+// verifies records far larger than its buffers): a hash of the first kChecksummedHeaderBytes
+// header bytes followed by the payload, XXH3-64 (seed 0) in format version 2 and XXH64 (seed 0)
+// in version 1. `version` is the file's (a supported one: the header was checked).
 class RecordChecksum {
  public:
-  explicit RecordChecksum(const unsigned char* header /* kRecordHeaderBytes */) {
-    XXH64_reset(&state_, 0);
-    XXH64_update(&state_, header, kChecksummedHeaderBytes);
+  RecordChecksum(std::uint16_t version, const unsigned char* header /* kRecordHeaderBytes */) : xxh3_(version >= 2) {
+    if (xxh3_) {
+      XXH3_64bits_reset(&state_.xxh3);
+      XXH3_64bits_update(&state_.xxh3, header, kChecksummedHeaderBytes);
+    } else {
+      XXH64_reset(&state_.xxh64, 0);
+      XXH64_update(&state_.xxh64, header, kChecksummedHeaderBytes);
+    }
   }
   void update(const void* payload, std::size_t bytes) {
-    if (bytes != 0) XXH64_update(&state_, payload, bytes);
+    if (bytes == 0) return;
+    if (xxh3_)
+      XXH3_64bits_update(&state_.xxh3, payload, bytes);
+    else
+      XXH64_update(&state_.xxh64, payload, bytes);
   }
-  std::uint64_t digest() const { return XXH64_digest(&state_); }
+  std::uint64_t digest() const { return xxh3_ ? XXH3_64bits_digest(&state_.xxh3) : XXH64_digest(&state_.xxh64); }
 
  private:
-  XXH64_state_t state_;
+  union State {
+    XXH64_state_t xxh64;
+    XXH3_state_t xxh3;
+  } state_;
+  bool xxh3_;
 };
 
-inline std::uint64_t checksum(const unsigned char* header /* kRecordHeaderBytes */, const void* payload,
-                              std::size_t payload_bytes) {
-  RecordChecksum c(header);
+inline std::uint64_t checksum(std::uint16_t version, const unsigned char* header /* kRecordHeaderBytes */,
+                              const void* payload, std::size_t payload_bytes) {
+  RecordChecksum c(version, header);
   c.update(payload, payload_bytes);
   return c.digest();
 }
 
-// The header check: the low 32 bits of XXH64 of the first 48 header bytes. It lets a reader trust
+// The header check: the low 32 bits of XXH64 of the first 48 header bytes (in every version). It lets a reader trust
 // a record's size before it has the payload, so a torn write (a valid header whose payload runs
 // past the end of the file) is told apart from damage (a header that is not what was written).
 inline std::uint32_t header_check(const unsigned char* header) {
   return static_cast<std::uint32_t>(XXH64(header, kHeaderCheckedBytes, 0));
 }
 
-// Writes the record header for `h` (checksum computed over it and the payload) to out.
-inline void encode(RecordHeader& h, const void* payload, unsigned char* out /* kRecordHeaderBytes */) {
+// Writes the record header for `h` (checksum computed over it and the payload, as format
+// `version` defines it) to out.
+inline void encode(std::uint16_t version, RecordHeader& h, const void* payload,
+                   unsigned char* out /* kRecordHeaderBytes */) {
   std::memset(out, 0, kRecordHeaderBytes);
   std::memcpy(out, kRecordMagic, 4);
   detail::put<std::uint16_t>(out + 4, static_cast<std::uint16_t>(h.type));
@@ -170,7 +195,7 @@ inline void encode(RecordHeader& h, const void* payload, unsigned char* out /* k
   detail::put<std::uint32_t>(out + 32, h.num_tokens);
   detail::put<std::uint16_t>(out + 36, h.first_layer);
   detail::put<std::uint16_t>(out + 38, h.num_layers);
-  h.checksum = checksum(out, payload, static_cast<std::size_t>(h.payload_bytes));
+  h.checksum = checksum(version, out, payload, static_cast<std::size_t>(h.payload_bytes));
   detail::put<std::uint64_t>(out + 40, h.checksum);
   detail::put<std::uint32_t>(out + 48, header_check(out));
 }

@@ -53,6 +53,11 @@ static_assert(detail::RouteFileHandle::kHeaderBytes == route_file::kHeaderBytes,
 struct FileStoreOptions {
   // fdatasync when closing (a cleanly closed file then survives power loss, not only a crash).
   bool sync_on_close = true;
+  // The format version a new file is written in (docs/route-file-format.md): 0, the newest
+  // (route_file::kVersion), or 1 for readers that predate version 2 (mrr before 2026-11-27, or an
+  // older read_routes.py). append() keeps the file's own version; a nonzero value that differs
+  // from it is an error, never a file of two versions.
+  std::uint16_t format_version = 0;
 };
 
 // What opening a file found.
@@ -81,6 +86,7 @@ class FileRouteStore final {
   // exclusive lock on the file until close(): a second writer is refused, readers are not.
   static FileRouteStore create(const std::filesystem::path& path, RouteShape shape, FileStoreOptions options = {}) {
     shape.validate();
+    check_format_version(options, "FileRouteStore::create");
     auto file = detail::RouteFileHandle::create(path);
     if (file.size() != 0)
       throw RouteFileError(detail::str("cannot create route file ", path.string(),
@@ -107,6 +113,7 @@ class FileRouteStore final {
   // locked.
   static FileRouteStore append(const std::filesystem::path& path, RouteShape shape, FileStoreOptions options = {}) {
     shape.validate();
+    check_format_version(options, "FileRouteStore::append");
     auto file = detail::RouteFileHandle::open_for_appending(path);
     // Under the lock, an empty file is new: created by this call, or by another writer that has
     // not written its header yet (it is then refused as "locked" when it tries; had it locked
@@ -115,6 +122,12 @@ class FileRouteStore final {
     if (file.size() == 0) return start_new_file(std::move(file), shape, options);
     FileRouteStore store(std::move(file), options, shape);
     store.read_header(shape);
+    if (options.format_version != 0 && options.format_version != store.header_.version)
+      throw RouteFileError(detail::str("mrr::FileRouteStore::append: route file ", path.string(),
+                                       " is in format version ", store.header_.version,
+                                       " but format_version = ", options.format_version,
+                                       " was asked for; a file keeps its version (leave format_version 0 to append in "
+                                       "the file's own, or start a new file)"));
     store.load_index_or_scan();
     if (store.recovery_.torn_bytes > 0) store.file_.truncate(store.end_, "its torn tail");
     store.index_dirty_ = store.index_dirty_ || !store.recovery_.opened_from_index;
@@ -144,6 +157,8 @@ class FileRouteStore final {
   }
 
   const RouteShape& shape() const { return header_.shape; }
+  // The file's format version (docs/route-file-format.md): route_file::kVersion for new files.
+  int format_version() const { return header_.version; }
   const std::filesystem::path& path() const { return file_.path(); }
   const RouteFileRecovery& recovery() const { return recovery_; }
   bool writable() const { return file_.writable() && !closed_; }
@@ -393,6 +408,8 @@ class FileRouteStore final {
   static FileRouteStore start_new_file(detail::RouteFileHandle file, const RouteShape& shape,
                                        const FileStoreOptions& options) {
     FileRouteStore store(std::move(file), options, shape);
+    store.header_.version = options.format_version != 0 ? options.format_version : route_file::kVersion;
+    store.codec_ = detail::RouteCodec(store.header_);
     store.header_.file_id = new_file_id();
     unsigned char header[route_file::kHeaderBytes];
     route_file::encode(store.header_, header);
@@ -401,6 +418,13 @@ class FileRouteStore final {
     store.end_ = route_file::kHeaderBytes;
     store.index_dirty_ = true;
     return store;
+  }
+
+  static void check_format_version(const FileStoreOptions& options, const char* fn) {
+    if (options.format_version != 0 && !route_file::version_supported(options.format_version))
+      throw RouteFileError(detail::str("mrr::", fn, ": format_version = ", options.format_version,
+                                       " is not a route file version this mrr writes (0 for the newest, or ",
+                                       route_file::kOldestVersion, " to ", route_file::kVersion, ")"));
   }
 
   // A random 64-bit id for a new file's header: what tells two route files of one shape apart.
@@ -475,7 +499,7 @@ class FileRouteStore final {
     if (size < route_file::kHeaderBytes + tail_bytes) return false;
     unsigned char tail[route_file::kRecordHeaderBytes + 8];  // a tail record is exactly this
     file_.read_exact(tail, sizeof tail, size - tail_bytes);
-    const std::optional<std::uint64_t> tail_points_at = detail::decode_tail(tail);
+    const std::optional<std::uint64_t> tail_points_at = detail::decode_tail(header_.version, tail);
     if (!tail_points_at) return false;
     const std::uint64_t index_offset = *tail_points_at;
     if (index_offset < route_file::kHeaderBytes || index_offset > size - tail_bytes - route_file::kRecordHeaderBytes) {
@@ -499,7 +523,7 @@ class FileRouteStore final {
     std::vector<unsigned char> payload(static_cast<std::size_t>(ih.payload_bytes));
     file_.read_exact(payload.data(), payload.size(), index_offset + route_file::kRecordHeaderBytes);
     const auto count = route_file::detail::get<std::uint64_t>(payload.data());
-    if (route_file::checksum(ih_bytes, payload.data(), payload.size()) != ih.checksum ||
+    if (route_file::checksum(header_.version, ih_bytes, payload.data(), payload.size()) != ih.checksum ||
         count != (ih.payload_bytes - 8) / 16) {
       recovery_.index_damaged = true;
       return false;
@@ -559,7 +583,7 @@ class FileRouteStore final {
   std::uint64_t stream_payload(const unsigned char* hb, const route_file::RecordHeader& h, std::uint64_t offset, F&& f,
                                const unsigned char* prefix = nullptr, std::size_t prefix_bytes = 0) const {
     // `prefix`: the payload's first bytes, already read along with the header.
-    route_file::RecordChecksum sum(hb);
+    route_file::RecordChecksum sum(header_.version, hb);
     const auto have = static_cast<std::size_t>(std::min<std::uint64_t>(prefix_bytes, h.payload_bytes));
     if (have > 0) {
       sum.update(prefix, have);
@@ -844,7 +868,7 @@ class FileRouteStore final {
 
   // The index and tail records that end a cleanly closed file, after its last record.
   void write_index() {
-    const std::vector<unsigned char> bytes = detail::encode_index_and_tail(index_.encode(), end_);
+    const std::vector<unsigned char> bytes = detail::encode_index_and_tail(header_.version, index_.encode(), end_);
     file_.write_all(bytes.data(), bytes.size(), end_);
     end_ += bytes.size();
   }

@@ -36,9 +36,14 @@ class RouteCodec {
  public:
   RouteCodec() = default;
   explicit RouteCodec(const route_file::FileHeader& h)
-      : k_(static_cast<std::size_t>(h.shape.topk)), num_experts_(h.shape.num_experts), width_(h.id_width) {}
+      : k_(static_cast<std::size_t>(h.shape.topk)),
+        num_experts_(h.shape.num_experts),
+        width_(h.id_width),
+        version_(h.version) {}
 
   int id_width() const { return width_; }
+  // The file's format version: it says which checksum its records carry.
+  std::uint16_t version() const { return version_; }
   std::size_t row_bytes() const { return k_ * static_cast<std::size_t>(width_); }
   // Whether a decoded id can be >= num_experts at all (not when every value of the width is an expert).
   bool ids_need_range_check() const { return num_experts_ < (std::int64_t{1} << (8 * width_)); }
@@ -233,6 +238,7 @@ class RouteCodec {
   std::size_t k_ = 1;
   std::int64_t num_experts_ = 1;
   int width_ = 1;
+  std::uint16_t version_ = route_file::kVersion;
 };
 
 // What is wrong with a routes record's header (empty when nothing): every field against the
@@ -317,6 +323,7 @@ class RecordBatch {
     h.num_tokens = num_tokens;
     h.first_layer = static_cast<std::uint16_t>(first_layer);
     h.num_layers = static_cast<std::uint16_t>(num_layers);
+    version_ = codec.version();
     const std::size_t at = bytes_.size();
     const auto bytes = static_cast<std::size_t>(route_file::record_bytes(h.payload_bytes));
     if (bytes_.capacity() < at + bytes) bytes_.reserve(std::max(at + bytes, 2 * bytes_.capacity()));
@@ -331,17 +338,19 @@ class RecordBatch {
   // Writes the header (with its checksum over the payload now in place) of the record begun last.
   void finish() {
     Record& r = records_.back();
-    route_file::encode(r.header, bytes_.data() + r.at + route_file::kRecordHeaderBytes, bytes_.data() + r.at);
+    route_file::encode(version_, r.header, bytes_.data() + r.at + route_file::kRecordHeaderBytes, bytes_.data() + r.at);
   }
 
  private:
   Bytes bytes_;
   std::vector<Record> records_;
+  std::uint16_t version_ = route_file::kVersion;  // the file's, from the codec of begin()
 };
 
 // The bytes of an index record holding `index_payload` followed by the tail record pointing at it,
-// for a file whose records end (and whose index starts) at `index_offset`.
-inline std::vector<unsigned char> encode_index_and_tail(std::span<const unsigned char> index_payload,
+// for a file of format `version` whose records end (and whose index starts) at `index_offset`.
+inline std::vector<unsigned char> encode_index_and_tail(std::uint16_t version,
+                                                        std::span<const unsigned char> index_payload,
                                                         std::uint64_t index_offset) {
   const auto tail_at = static_cast<std::size_t>(route_file::record_bytes(index_payload.size()));
   std::vector<unsigned char> buffer(tail_at + static_cast<std::size_t>(route_file::record_bytes(8)), 0);
@@ -350,23 +359,23 @@ inline std::vector<unsigned char> encode_index_and_tail(std::span<const unsigned
   ih.payload_bytes = index_payload.size();
   if (!index_payload.empty())
     std::memcpy(buffer.data() + route_file::kRecordHeaderBytes, index_payload.data(), index_payload.size());
-  route_file::encode(ih, index_payload.data(), buffer.data());
+  route_file::encode(version, ih, index_payload.data(), buffer.data());
   unsigned char tail_payload[8];
   route_file::detail::put<std::uint64_t>(tail_payload, index_offset);
   route_file::RecordHeader th;
   th.type = route_file::RecordType::tail;
   th.payload_bytes = 8;
   std::memcpy(buffer.data() + tail_at + route_file::kRecordHeaderBytes, tail_payload, 8);
-  route_file::encode(th, tail_payload, buffer.data() + tail_at);
+  route_file::encode(version, th, tail_payload, buffer.data() + tail_at);
   return buffer;
 }
 
 // The index offset a tail record (its kRecordHeaderBytes + 8 bytes) points at, or nothing when
-// those bytes are not an intact tail record.
-inline std::optional<std::uint64_t> decode_tail(const unsigned char* tail) {
+// those bytes are not an intact tail record of a file of format `version`.
+inline std::optional<std::uint64_t> decode_tail(std::uint16_t version, const unsigned char* tail) {
   route_file::RecordHeader th;
   if (!route_file::decode(tail, th) || th.type != route_file::RecordType::tail || th.payload_bytes != 8 ||
-      route_file::checksum(tail, tail + route_file::kRecordHeaderBytes, 8) != th.checksum)
+      route_file::checksum(version, tail, tail + route_file::kRecordHeaderBytes, 8) != th.checksum)
     return std::nullopt;
   return route_file::detail::get<std::uint64_t>(tail + route_file::kRecordHeaderBytes);
 }

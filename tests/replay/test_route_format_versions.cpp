@@ -1,0 +1,270 @@
+// Route file format versions (docs/route-file-format.md): new files are version 2, whose records
+// are checksummed with XXH3-64; version 1 (XXH64) is still written on request, and files an older
+// mrr wrote (tests/replay/data, bytes from mrr at a2ca4b6) are read and appended to in their own
+// version. Every checksum is recomputed here from the bytes with xxHash directly, not through the
+// library's own helpers.
+#include <mrr/replay.hpp>
+
+#include <doctest/doctest.h>
+
+#include "temp_dir.hpp"
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace rf = mrr::route_file;
+
+std::vector<unsigned char> file_bytes(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+
+void put_bytes(const std::filesystem::path& p, const std::vector<unsigned char>& bytes) {
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::uint64_t le64(const unsigned char* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+struct Scan {
+  int records = 0;  // of every type
+  int routes = 0;
+  int xxh64 = 0;  // records whose checksum is XXH64 of (header bytes 0..39, payload)
+  int xxh3 = 0;   // ... XXH3-64 of the same bytes
+};
+
+// Walks every record of a cleanly written file and says which hash each checksum is.
+Scan scan_records(const std::vector<unsigned char>& f) {
+  Scan s;
+  std::size_t at = rf::kHeaderBytes;
+  while (at + rf::kRecordHeaderBytes <= f.size()) {
+    const unsigned char* h = f.data() + at;
+    REQUIRE(std::memcmp(h, "MRRR", 4) == 0);
+    const std::uint64_t payload = le64(h + 8);
+    REQUIRE(at + rf::kRecordHeaderBytes + payload <= f.size());
+    std::vector<unsigned char> body(h, h + 40);
+    body.insert(body.end(), h + rf::kRecordHeaderBytes, h + rf::kRecordHeaderBytes + payload);
+    const std::uint64_t stored = le64(h + 40);
+    s.xxh64 += stored == XXH64(body.data(), body.size(), 0) ? 1 : 0;
+    s.xxh3 += stored == XXH3_64bits(body.data(), body.size()) ? 1 : 0;
+    s.routes += h[4] == 1 ? 1 : 0;
+    ++s.records;
+    at += rf::kRecordHeaderBytes + ((payload + 7) & ~std::uint64_t{7});
+  }
+  CHECK(at == f.size());
+  return s;
+}
+
+// The ids of the fixtures (and of what the tests append to them), by formula: k distinct ids.
+std::int32_t id_of(int experts, int k, std::int64_t uid, std::int64_t pos, int layer, int slot) {
+  return static_cast<std::int32_t>(((uid * 131 + pos * 31 + layer * 7 + slot * 13) % (experts - 13 * k) + 13 * slot) %
+                                   experts);
+}
+
+mrr::TokenLayout span(mrr::SequenceId uid, std::int64_t first, std::int64_t n) {
+  std::vector<mrr::TokenKey> rows;
+  for (std::int64_t t = 0; t < n; ++t)
+    rows.push_back({uid, first + t});
+  return mrr::TokenLayout(std::move(rows));
+}
+
+// Every layer of positions [first, first + n) of uid holds id_of's ids.
+void check_span(const mrr::FileRouteStore& store, mrr::SequenceId uid, std::int64_t first, std::int64_t n) {
+  const auto& s = store.shape();
+  mrr::ExpertIds got;
+  mrr::RowMatrix<std::uint16_t> narrow;
+  std::vector<std::uint8_t> found;
+  for (int l = 0; l < s.num_layers; ++l) {
+    REQUIRE(store.lookup(l, span(uid, first, n), got, found) == static_cast<std::size_t>(n));
+    REQUIRE(store.lookup(l, span(uid, first, n), narrow, found) == static_cast<std::size_t>(n));
+    int wrong = 0;
+    for (std::int64_t t = 0; t < n; ++t)
+      for (int j = 0; j < s.topk; ++j) {
+        const std::int32_t want = id_of(s.num_experts, s.topk, static_cast<std::int64_t>(uid), first + t, l, j);
+        wrong += got(t, j) != want || narrow(t, j) != want ? 1 : 0;
+      }
+    CHECK_MESSAGE(wrong == 0, "uid ", uid, " layer ", l);
+  }
+}
+
+void record_span(mrr::FileRouteStore& store, mrr::SequenceId uid, std::int64_t first, std::int64_t n) {
+  const auto& s = store.shape();
+  for (int l = 0; l < s.num_layers; ++l) {
+    mrr::ExpertIds ids(n, s.topk);
+    for (std::int64_t t = 0; t < n; ++t)
+      for (int j = 0; j < s.topk; ++j)
+        ids(t, j) = id_of(s.num_experts, s.topk, static_cast<std::int64_t>(uid), first + t, l, j);
+    store.record(l, span(uid, first, n), ids);
+  }
+}
+
+struct Fixture {
+  const char* name;
+  mrr::RouteShape shape;
+};
+// Written by mrr at a2ca4b6 (format version 1): sequence 3 at positions 0..39 and sequence 9 at
+// 0..59 (two overlapping records per layer: 0..39 with sequence 3 in one layout, then 20..59),
+// per layer as R2 records them; sequence 1000 at 5..304 in one record_sequence block. Closed
+// cleanly (index and tail).
+const Fixture kFixtures[] = {{"v1_e64_l3_k4.routes", {64, 3, 4}}, {"v1_e300_l2_k6.routes", {300, 2, 6}}};
+
+// "<stem><n>.routes" (appended piecewise: GCC 12's -Wrestrict misfires on "literal" + std::string).
+std::string numbered(const char* stem, unsigned n) {
+  std::string s = stem;
+  s += std::to_string(n);
+  s += ".routes";
+  return s;
+}
+
+std::filesystem::path fixture(const char* name) {
+  return std::filesystem::path(MRR_REPLAY_TEST_DATA) / name;
+}
+
+}  // namespace
+
+TEST_CASE("new route files are format version 2, their records checksummed with XXH3-64; version 1 on request") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{64, 3, 4};
+  for (const std::uint16_t asked : {std::uint16_t{0}, std::uint16_t{2}, std::uint16_t{1}}) {
+    CAPTURE(asked);
+    const auto path = dir / numbered("v", asked);
+    {
+      auto store = mrr::FileRouteStore::create(path, shape, {.format_version = asked});
+      record_span(store, 5, 0, 300);  // payloads of 1,200 bytes: XXH3's long path
+      record_span(store, 6, 7, 3);    // 12 bytes (52 hashed): its 17-128 path
+      store.close();
+    }
+    const int version = asked == 1 ? 1 : 2;
+    const auto bytes = file_bytes(path);
+    CHECK(bytes[8] == version);
+    CHECK(bytes[9] == 0);
+    const Scan s = scan_records(bytes);
+    CHECK(s.routes == 6);
+    CHECK(s.records == 8);  // and the index and tail records
+    CHECK(s.xxh3 == (version == 2 ? s.records : 0));
+    CHECK(s.xxh64 == (version == 1 ? s.records : 0));
+    const auto store = mrr::FileRouteStore::open(path, shape);
+    CHECK(store.format_version() == version);
+    CHECK(store.recovery().opened_from_index);  // the index record's checksum checked as the version says
+    check_span(store, 5, 0, 300);
+    check_span(store, 6, 7, 3);
+  }
+}
+
+TEST_CASE("a damaged record fails its checksum in either format version") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{300, 2, 6};
+  for (const std::uint16_t version : {std::uint16_t{1}, std::uint16_t{2}}) {
+    CAPTURE(version);
+    const auto path = dir / numbered("v", version);
+    {
+      auto store = mrr::FileRouteStore::create(path, shape, {.format_version = version});
+      record_span(store, 5, 0, 100);
+    }
+    auto bytes = file_bytes(path);
+    // One bit of one id of the first record (layer 0), to another id in range.
+    bytes[rf::kHeaderBytes + rf::kRecordHeaderBytes + 100] ^= 1;
+    put_bytes(path, bytes);
+    const auto store = mrr::FileRouteStore::open(path, shape);
+    mrr::ExpertIds got;
+    std::vector<std::uint8_t> found;
+    CHECK_THROWS_WITH_AS(store.lookup(0, span(5, 0, 100), got, found), doctest::Contains("fails its checksum"),
+                         mrr::RouteFileError);
+  }
+}
+
+TEST_CASE("version-1 files an older mrr wrote are read, and appended to in version 1") {
+  mrr::test::TempDir dir;
+  for (const Fixture& fx : kFixtures) {
+    const std::string name = fx.name;
+    CAPTURE(name);
+    const auto path = dir / fx.name;
+    std::filesystem::copy_file(fixture(fx.name), path);
+    const Scan before = scan_records(file_bytes(path));
+    REQUIRE(before.records > 0);
+    CHECK(before.xxh64 == before.records);  // the fixture is what it says
+    {
+      const auto store = mrr::FileRouteStore::open(path, fx.shape);
+      CHECK(store.format_version() == 1);
+      CHECK(store.recovery().opened_from_index);
+      CHECK(store.num_sequences() == 3);
+      check_span(store, 3, 0, 40);
+      check_span(store, 9, 0, 60);
+      check_span(store, 1000, 5, 300);
+      CHECK(store.recorded_positions(1000) == 305);
+    }
+    // Asking for another version than the file's is an error, before anything is written.
+    CHECK_THROWS_WITH_AS(mrr::FileRouteStore::append(path, fx.shape, {.format_version = 2}),
+                         doctest::Contains("is in format version 1 but format_version = 2 was asked for"),
+                         mrr::RouteFileError);
+    CHECK(file_bytes(path).size() == std::filesystem::file_size(fixture(fx.name)));
+    {
+      auto store = mrr::FileRouteStore::append(path, fx.shape);  // format_version 0: the file's own
+      CHECK(store.format_version() == 1);
+      record_span(store, 9, 60, 10);   // a sequence the file holds, extended
+      record_span(store, 42, 0, 500);  // a new one
+      store.close();
+    }
+    const auto bytes = file_bytes(path);
+    CHECK(bytes[8] == 1);
+    const Scan after = scan_records(bytes);
+    CHECK(after.routes == before.routes + 2 * fx.shape.num_layers);
+    CHECK(after.xxh64 == after.records);  // every record, old and new, index and tail: XXH64
+    CHECK(after.xxh3 == 0);
+    // An explicit format_version = 1 appends as well.
+    { auto again = mrr::FileRouteStore::append(path, fx.shape, {.format_version = 1}); }
+    const auto store = mrr::FileRouteStore::open(path, fx.shape);
+    CHECK(store.format_version() == 1);
+    CHECK(store.recovery().opened_from_index);
+    check_span(store, 3, 0, 40);
+    check_span(store, 9, 0, 70);
+    check_span(store, 1000, 5, 300);
+    check_span(store, 42, 0, 500);
+  }
+}
+
+TEST_CASE("format versions this mrr does not know are refused, naming the version") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{64, 3, 4};
+  for (const std::uint16_t bad : {std::uint16_t{3}, std::uint16_t{7}, std::uint16_t{65535}}) {
+    CAPTURE(bad);
+    const auto path = dir / numbered("asked", bad);
+    std::string why = "format_version = ";
+    why += std::to_string(bad);
+    why += " is not a route file version";
+    CHECK_THROWS_WITH_AS(mrr::FileRouteStore::create(path, shape, {.format_version = bad}),
+                         doctest::Contains(why.c_str()), mrr::RouteFileError);
+    CHECK_FALSE(std::filesystem::exists(path));
+    CHECK_THROWS_WITH_AS(mrr::FileRouteStore::append(path, shape, {.format_version = bad}),
+                         doctest::Contains("is not a route file version"), mrr::RouteFileError);
+  }
+  // A file of a newer version (a valid header otherwise, its checksum recomputed) is refused by
+  // readers and writers alike.
+  const auto path = dir / "v3.routes";
+  {
+    auto store = mrr::FileRouteStore::create(path, shape);
+    record_span(store, 1, 0, 10);
+  }
+  auto bytes = file_bytes(path);
+  bytes[8] = 3;
+  const std::uint64_t sum = XXH64(bytes.data(), 56, 0);
+  std::memcpy(bytes.data() + 56, &sum, 8);
+  put_bytes(path, bytes);
+  CHECK_THROWS_WITH_AS(mrr::FileRouteStore::open(path, shape),
+                       doctest::Contains("format version 3, which this mrr does not read (it reads versions 1 to 2"),
+                       mrr::RouteFileError);
+  CHECK_THROWS_WITH_AS(mrr::FileRouteStore::append(path, shape), doctest::Contains("format version 3"),
+                       mrr::RouteFileError);
+  CHECK(file_bytes(path) == bytes);  // untouched
+}
