@@ -159,8 +159,10 @@ TEST_CASE("truncation at every byte after the first record: complete records sur
     std::uint64_t complete = 0;
     while (complete < 3 && route_record_end(complete) <= cut) ++complete;
     CHECK(rec.records == complete);
-    // A cleanly closed file continues with an index record (a count, then 16 bytes per record).
-    const std::size_t index_end = route_record_end(2) + mrr::route_file::record_bytes(8 + 16 * 3);
+    // A cleanly closed file continues with an index record (a count, then an entry per record).
+    const std::size_t index_end =
+        route_record_end(2) +
+        mrr::route_file::record_bytes(8 + mrr::route_file::index_entry_bytes(mrr::route_file::kVersion) * 3);
     std::size_t good_end = complete == 0 ? 64 : route_record_end(complete - 1);
     if (cut >= index_end) good_end = index_end;
     CHECK(rec.torn_bytes == cut - good_end);

@@ -268,3 +268,74 @@ TEST_CASE("format versions this mrr does not know are refused, naming the versio
                        mrr::RouteFileError);
   CHECK(file_bytes(path) == bytes);  // untouched
 }
+
+TEST_CASE("a version-2 index entry that disagrees with its record's header is damage, never other rows") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{64, 3, 4};
+  const auto path = dir / "index.routes";
+  {
+    auto store = mrr::FileRouteStore::create(path, shape);
+    record_span(store, 5, 0, 100);  // three records, one per layer
+  }
+  const auto good = file_bytes(path);
+  // The tail (the last 64 bytes) points at the index record; its payload: a count, then entries of
+  // {uid, offset, first_position, num_tokens, first_layer, num_layers}.
+  const std::uint64_t index_at = le64(good.data() + good.size() - 8);
+  const std::size_t entries = index_at + rf::kRecordHeaderBytes + 8;
+  REQUIRE(le64(good.data() + index_at + rf::kRecordHeaderBytes) == 3);
+  REQUIRE(le64(good.data() + entries) == 5);
+  REQUIRE(le64(good.data() + entries + 16) == 0);  // first_position of the first record
+
+  // Rewrites one field of the first entry, and the index record's checksum and header check, so
+  // that only the field differs.
+  auto crafted = [&](std::size_t field, std::uint64_t value, std::size_t bytes) {
+    auto f = good;
+    std::memcpy(f.data() + entries + field, &value, bytes);
+    unsigned char* ih = f.data() + index_at;
+    const std::uint64_t payload = le64(ih + 8);
+    std::vector<unsigned char> body(ih, ih + 40);
+    body.insert(body.end(), ih + rf::kRecordHeaderBytes, ih + rf::kRecordHeaderBytes + payload);
+    const std::uint64_t sum = XXH3_64bits(body.data(), body.size());
+    std::memcpy(ih + 40, &sum, 8);
+    const auto check = static_cast<std::uint32_t>(XXH64(ih, 48, 0));  // the header check covers the checksum
+    std::memcpy(ih + 48, &check, 4);
+    put_bytes(path, f);
+  };
+  mrr::ExpertIds got;
+  std::vector<std::uint8_t> found;
+  // first_position 0 -> 1: the rows would be read one position off.
+  crafted(16, 1, 8);
+  {
+    const auto store = mrr::FileRouteStore::open(path, shape);
+    CHECK(store.recovery().opened_from_index);
+    CHECK_THROWS_WITH_AS(store.lookup(0, span(5, 0, 100), got, found),
+                         doctest::Contains("is not what the index (or its header read earlier) says of it"),
+                         mrr::RouteFileError);
+    CHECK_THROWS_WITH_AS(store.sequence(5), doctest::Contains("is not what the index"), mrr::RouteFileError);
+  }
+  // num_tokens 100 -> 99: fewer rows than the record holds.
+  crafted(24, 99, 4);
+  {
+    const auto store = mrr::FileRouteStore::open(path, shape);
+    CHECK_THROWS_WITH_AS(store.lookup(0, span(5, 0, 100), got, found), doctest::Contains("is not what the index"),
+                         mrr::RouteFileError);
+  }
+  // num_tokens 100 -> 4,000: more rows than fit before the next record, refused before any read.
+  crafted(24, 4000, 4);
+  {
+    const auto store = mrr::FileRouteStore::open(path, shape);
+    CHECK_THROWS_WITH_AS(store.lookup(0, span(5, 0, 100), got, found),
+                         doctest::Contains("running into the next record"), mrr::RouteFileError);
+  }
+  // num_layers 1 -> 9: outside the file's shape.
+  crafted(30, 9, 2);
+  {
+    const auto store = mrr::FileRouteStore::open(path, shape);
+    CHECK_THROWS_WITH_AS(store.lookup(0, span(5, 0, 100), got, found), doctest::Contains("outside the file's 3 layers"),
+                         mrr::RouteFileError);
+  }
+  // The file as written reads back.
+  put_bytes(path, good);
+  const auto store = mrr::FileRouteStore::open(path, shape);
+  check_span(store, 5, 0, 100);
+}

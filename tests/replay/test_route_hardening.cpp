@@ -16,6 +16,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -41,8 +42,9 @@ void append_bytes(std::vector<unsigned char>& out, const unsigned char* p, std::
 }
 
 std::vector<unsigned char> file_header(std::uint32_t experts, std::uint32_t layers, std::uint32_t topk,
-                                       std::uint8_t id_width) {
+                                       std::uint8_t id_width, std::uint16_t version = rf::kVersion) {
   rf::FileHeader h;
+  h.version = version;
   h.id_width = id_width;
   h.shape = {static_cast<std::int32_t>(experts), static_cast<std::int32_t>(layers), static_cast<std::int32_t>(topk)};
   std::vector<unsigned char> out(rf::kHeaderBytes);
@@ -50,22 +52,41 @@ std::vector<unsigned char> file_header(std::uint32_t experts, std::uint32_t laye
   return out;
 }
 
-// A routes record with valid header check and checksum, whatever its fields say.
+// The format version of the file being crafted in `file` (its header's; the newest when it has
+// none yet, as for a record crafted on its own).
+std::uint16_t version_of(const std::vector<unsigned char>& file) {
+  return file.size() >= rf::kHeaderBytes ? rf::detail::get<std::uint16_t>(file.data() + 8) : rf::kVersion;
+}
+
+// A routes record with valid header check and checksum (as the file's version computes it),
+// whatever its fields say.
 void add_record(std::vector<unsigned char>& file, rf::RecordHeader h, const std::vector<unsigned char>& payload) {
   unsigned char hb[rf::kRecordHeaderBytes];
-  rf::encode(rf::kVersion, h, payload.data(), hb);
+  rf::encode(version_of(file), h, payload.data(), hb);
   append_bytes(file, hb, sizeof hb);
   append_bytes(file, payload.data(), payload.size());
   file.resize(file.size() + (rf::padded(payload.size()) - payload.size()), 0);
 }
 
-// An index of the given routes records and the tail, as close() writes them.
+// An index of the given (uid, offset) routes records and the tail, as close() writes them in the
+// file's version: in version 2 each entry also says what the record header at its offset says of
+// the rows (zeros where no header is there), as an honest writer's index would.
 void add_index(std::vector<unsigned char>& file, const std::vector<std::pair<std::uint64_t, std::uint64_t>>& entries) {
-  std::vector<unsigned char> payload(8 + 16 * entries.size());
+  const std::size_t entry = rf::index_entry_bytes(version_of(file));
+  std::vector<unsigned char> payload(8 + entry * entries.size(), 0);
   rf::detail::put<std::uint64_t>(payload.data(), entries.size());
   for (std::size_t i = 0; i < entries.size(); ++i) {
-    rf::detail::put<std::uint64_t>(payload.data() + 8 + 16 * i, entries[i].first);
-    rf::detail::put<std::uint64_t>(payload.data() + 16 + 16 * i, entries[i].second);
+    unsigned char* e = payload.data() + 8 + entry * i;
+    rf::detail::put<std::uint64_t>(e, entries[i].first);
+    rf::detail::put<std::uint64_t>(e + 8, entries[i].second);
+    rf::RecordHeader h;
+    if (entry == 32 && entries[i].second + rf::kRecordHeaderBytes <= file.size() &&
+        rf::decode(file.data() + entries[i].second, h)) {
+      rf::detail::put<std::int64_t>(e + 16, h.first_position);
+      rf::detail::put<std::uint32_t>(e + 24, h.num_tokens);
+      rf::detail::put<std::uint16_t>(e + 28, h.first_layer);
+      rf::detail::put<std::uint16_t>(e + 30, h.num_layers);
+    }
   }
   const std::uint64_t index_at = file.size();
   rf::RecordHeader ih;
@@ -196,7 +217,12 @@ TEST_CASE("crafted route-file headers: every shape field is bounded, the error n
                        doctest::Contains("num_layers = 70000"), mrr::RouteFileError);
 }
 
-TEST_CASE("crafted route records: positions and sizes are checked before anything is sized from them") {
+using Version1 = std::integral_constant<std::uint16_t, 1>;
+using Version2 = std::integral_constant<std::uint16_t, 2>;
+
+TEST_CASE_TEMPLATE("crafted route records: positions and sizes are checked before anything is sized from them", V,
+                   Version1, Version2) {
+  static_assert(V::value <= rf::kVersion);
   mrr::test::TempDir dir;
   const mrr::RouteShape shape{64, 3, 4};
   const auto path = dir / "crafted.mrr";
@@ -205,7 +231,7 @@ TEST_CASE("crafted route records: positions and sizes are checked before anythin
   for (bool with_index : {false, true}) {
     CAPTURE(with_index);
     auto crafted = [&](std::vector<std::pair<std::int64_t, std::uint32_t>> records) {
-      auto bytes = file_header(64, 3, 4, 1);
+      auto bytes = file_header(64, 3, 4, 1, V::value);
       std::vector<std::pair<std::uint64_t, std::uint64_t>> entries;
       for (auto [position, tokens] : records) {
         entries.emplace_back(7, bytes.size());
@@ -256,7 +282,7 @@ TEST_CASE("crafted route records: positions and sizes are checked before anythin
   // An index whose count wraps (2^60 * 16 + 8 == 8) or whose payload size is past the end of the
   // file is skipped as damaged, and the records are rescanned.
   {
-    auto bytes = file_header(64, 3, 4, 1);
+    auto bytes = file_header(64, 3, 4, 1, V::value);
     add_record(bytes, routes_header(7, 0, 1, 3, 12), one_token);
     const std::uint64_t index_at = bytes.size();
     std::vector<unsigned char> payload(8);
@@ -277,7 +303,7 @@ TEST_CASE("crafted route records: positions and sizes are checked before anythin
     CHECK(hits(store, 7, 0, 0) == 1);
   }
   {
-    auto bytes = file_header(64, 3, 4, 1);
+    auto bytes = file_header(64, 3, 4, 1, V::value);
     add_record(bytes, routes_header(7, 0, 1, 3, 12), one_token);
     const std::uint64_t index_at = bytes.size();
     rf::RecordHeader ih;
@@ -285,7 +311,7 @@ TEST_CASE("crafted route records: positions and sizes are checked before anythin
     // A payload size that pads to 0 (the record would look 56 bytes long), with a valid header check.
     unsigned char header[rf::kRecordHeaderBytes];
     ih.payload_bytes = 0;
-    rf::encode(rf::kVersion, ih, nullptr, header);
+    rf::encode(version_of(bytes), ih, nullptr, header);
     rf::detail::put<std::uint64_t>(header + 8, ~std::uint64_t{0} - 3);
     rf::detail::put<std::uint32_t>(header + 48, rf::header_check(header));
     append_bytes(bytes, header, sizeof header);
@@ -457,7 +483,8 @@ TEST_CASE("an empty routed_experts array imports into a route file as nothing (f
   CHECK(store.recorded_positions(2) == 0);
 }
 
-TEST_CASE("a crafted index listing one record many times, or records inside each other, is an error at open") {
+TEST_CASE_TEMPLATE("a crafted index listing one record many times, or records inside each other, is an error at open",
+                   V, Version1, Version2) {
   mrr::test::TempDir dir;
   const mrr::RouteShape shape{64, 1, 1};
   const auto path = dir / "crafted.mrr";
@@ -465,7 +492,7 @@ TEST_CASE("a crafted index listing one record many times, or records inside each
   for (std::size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<unsigned char>(i % 64);
 
   SUBCASE("one record listed 5000 times (82 KB; it cost 2.5 GB and 39 s to open)") {
-    auto file = file_header(64, 1, 1, 1);
+    auto file = file_header(64, 1, 1, 1, V::value);
     add_record(file, routes_header(7, 0, 1000, 1, 1000), payload);
     add_index(file, std::vector<std::pair<std::uint64_t, std::uint64_t>>(5000, {7, 64}));
     write_file(path, file);
@@ -474,7 +501,7 @@ TEST_CASE("a crafted index listing one record many times, or records inside each
     CHECK_THROWS_WITH_AS(mrr::FileRouteStore::append(path, shape), doctest::Contains("twice"), mrr::RouteFileError);
   }
   SUBCASE("two entries closer than a record header") {
-    auto file = file_header(64, 1, 1, 1);
+    auto file = file_header(64, 1, 1, 1, V::value);
     add_record(file, routes_header(7, 0, 1000, 1, 1000), payload);
     add_index(file, {{7, 64}, {7, 64 + 16}});
     write_file(path, file);
@@ -486,7 +513,7 @@ TEST_CASE("a crafted index listing one record many times, or records inside each
     add_record(inner, routes_header(7, 5000, 8, 1, 8), std::vector<unsigned char>(8, 3));
     std::vector<unsigned char> outer = payload;
     std::copy(inner.begin(), inner.end(), outer.begin() + 200);
-    auto file = file_header(64, 1, 1, 1);
+    auto file = file_header(64, 1, 1, 1, V::value);
     add_record(file, routes_header(7, 0, 1000, 1, 1000), outer);
     add_index(file, {{7, 64}, {7, 64 + rf::kRecordHeaderBytes + 200}});
     write_file(path, file);
@@ -495,7 +522,7 @@ TEST_CASE("a crafted index listing one record many times, or records inside each
                          mrr::RouteFileError);
   }
   SUBCASE("an entry that is not 8-byte aligned") {
-    auto file = file_header(64, 1, 1, 1);
+    auto file = file_header(64, 1, 1, 1, V::value);
     add_record(file, routes_header(7, 0, 1000, 1, 1000), payload);
     add_index(file, {{7, 64}, {7, 64 + 1003}});
     write_file(path, file);
@@ -503,7 +530,7 @@ TEST_CASE("a crafted index listing one record many times, or records inside each
                          mrr::RouteFileError);
   }
   SUBCASE("the same records with an honest index open and read") {
-    auto file = file_header(64, 1, 1, 1);
+    auto file = file_header(64, 1, 1, 1, V::value);
     add_record(file, routes_header(7, 0, 1000, 1, 1000), payload);
     add_index(file, {{7, 64}});
     write_file(path, file);

@@ -40,12 +40,19 @@ static_assert(std::endian::native == std::endian::little,
 inline constexpr char kFileMagic[8] = {'M', 'R', 'R', 'R', 'O', 'U', 'T', 'E'};
 inline constexpr char kRecordMagic[4] = {'M', 'R', 'R', 'R'};
 // New files are written in kVersion; files of every version from kOldestVersion are read, and
-// appended to in their own version. Version 2 changed only the records' checksum (XXH64 ->
-// XXH3-64: a first read of a record hashes it, and XXH3 does so 1.7-3.4x faster).
+// appended to in their own version. Version 2 changed the records' checksum (XXH64 -> XXH3-64: a
+// first read of a record hashes it, and XXH3 does so 1.7-3.4x faster) and the index entries
+// (they carry each record's rows, so a first read needs no header reads).
 inline constexpr std::uint16_t kVersion = 2;
 inline constexpr std::uint16_t kOldestVersion = 1;
 inline constexpr bool version_supported(unsigned v) {
   return v >= kOldestVersion && v <= kVersion;
+}
+// An index entry: {uid, offset} in version 1; version 2 adds what the record's header says of its
+// rows {first_position, num_tokens, first_layer, num_layers}, so a reader finds a sequence's rows
+// without reading its records' headers first.
+inline constexpr std::size_t index_entry_bytes(unsigned version) {
+  return version >= 2 ? 32 : 16;
 }
 inline constexpr std::size_t kHeaderBytes = 64;
 inline constexpr std::size_t kRecordHeaderBytes = 56;

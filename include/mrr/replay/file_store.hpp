@@ -516,7 +516,7 @@ class FileRouteStore final {
     if (!route_file::decode(ih_bytes, ih) || ih.type != route_file::RecordType::index ||
         ih.payload_bytes > size - tail_bytes - index_offset ||
         index_offset + route_file::record_bytes(ih.payload_bytes) != size - tail_bytes || ih.payload_bytes < 8 ||
-        (ih.payload_bytes - 8) % 16 != 0) {
+        (ih.payload_bytes - 8) % route_file::index_entry_bytes(header_.version) != 0) {
       recovery_.index_damaged = true;
       return false;
     }
@@ -524,11 +524,11 @@ class FileRouteStore final {
     file_.read_exact(payload.data(), payload.size(), index_offset + route_file::kRecordHeaderBytes);
     const auto count = route_file::detail::get<std::uint64_t>(payload.data());
     if (route_file::checksum(header_.version, ih_bytes, payload.data(), payload.size()) != ih.checksum ||
-        count != (ih.payload_bytes - 8) / 16) {
+        count != (ih.payload_bytes - 8) / route_file::index_entry_bytes(header_.version)) {
       recovery_.index_damaged = true;
       return false;
     }
-    if (!index_.read_entries(payload.data() + 8, count, index_offset)) {
+    if (!index_.read_entries(payload.data() + 8, count, index_offset, header_.version)) {
       recovery_.index_damaged = true;
       return false;
     }
@@ -569,7 +569,7 @@ class FileRouteStore final {
       }
       if (h.type == route_file::RecordType::routes) {
         check_route_record(h, offset, size);
-        index_.add(h.uid, offset);
+        index_.add(h.uid, detail::IndexedRecord::of(h, offset));
         ++recovery_.records;
       }
       offset += need;
@@ -707,44 +707,52 @@ class FileRouteStore final {
       }
       return &found->second;
     }
-    const std::vector<std::uint64_t>* offsets = index_.find(uid);
-    if (offsets == nullptr) return nullptr;
+    const std::vector<detail::IndexedRecord>* records = index_.find(uid);
+    if (records == nullptr) return nullptr;
     if (read_any != nullptr) *read_any = true;
     SequenceIndex seq;
     const auto row_bytes = static_cast<std::uint32_t>(codec_.row_bytes());
     auto& headers = header_scratch_;
-    headers.resize(offsets->size() * route_file::kRecordHeaderBytes);
-    for (std::size_t i = 0; i < offsets->size(); ++i) {
-      const std::uint64_t offset = (*offsets)[i];
+    headers.resize(records->size());
+    for (std::size_t i = 0; i < records->size(); ++i) {
+      const detail::IndexedRecord& r = (*records)[i];
+      const std::uint64_t offset = r.offset;
       if (offset > end_ || end_ - offset < route_file::kRecordHeaderBytes)
         damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
-      // One read for the header and, when it fits a chunk, the whole record: its extent is known
-      // (the next record starts at record_limit), so nothing beyond it is read. Lazy: the header.
       const std::uint64_t limit = record_limit(offset);
-      const auto want = lazy ? route_file::kRecordHeaderBytes
-                             : static_cast<std::size_t>(std::clamp<std::uint64_t>(
-                                   limit - offset, route_file::kRecordHeaderBytes, kReadChunk));
-      const unsigned char* record = file_.read_at(offset, want, read_buffer_);
-      unsigned char* hb = headers.data() + i * route_file::kRecordHeaderBytes;
-      std::memcpy(hb, record, route_file::kRecordHeaderBytes);
-      route_file::RecordHeader h;
-      if (!route_file::decode(hb, h) || h.type != route_file::RecordType::routes || h.uid != uid)
-        damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
-      check_route_record(h, offset, limit);
-      if (lazy)
-        seq.unverified.emplace_back(offset, route_file::kRecordHeaderBytes + h.payload_bytes);
-      else
-        verify_record(h, hb, offset, record + route_file::kRecordHeaderBytes, want - route_file::kRecordHeaderBytes);
+      route_file::RecordHeader& h = headers[i];
+      if (lazy && r.has_header) {
+        // The index (version 2), a scan or this writer says what the record holds: nothing is
+        // read until a lookup needs its rows, and then its header must say the same.
+        h = header_of(uid, r);
+        check_route_record(h, offset, limit);
+        seq.unverified.push_back({offset, h});
+      } else {
+        // One read for the header and, when it fits a chunk, the whole record: its extent is
+        // known (the next record starts at record_limit), so nothing beyond it is read. Lazy:
+        // the header.
+        const auto want = lazy ? route_file::kRecordHeaderBytes
+                               : static_cast<std::size_t>(std::clamp<std::uint64_t>(
+                                     limit - offset, route_file::kRecordHeaderBytes, kReadChunk));
+        const unsigned char* record = file_.read_at(offset, want, read_buffer_);
+        unsigned char hb[route_file::kRecordHeaderBytes];
+        std::memcpy(hb, record, route_file::kRecordHeaderBytes);
+        if (!route_file::decode(hb, h) || h.type != route_file::RecordType::routes || h.uid != uid)
+          damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
+        if (r.has_header && !same_rows(h, header_of(uid, r))) damaged(offset, index_disagrees(uid));
+        check_route_record(h, offset, limit);
+        if (lazy)
+          seq.unverified.push_back({offset, h});
+        else
+          verify_record(h, hb, offset, record + route_file::kRecordHeaderBytes, want - route_file::kRecordHeaderBytes);
+      }
       seq.count(h);
     }
     if (const std::string why = detail::sparse_violation(shape(), {uid, seq.first, seq.end, seq.rows_held}); !why.empty())
-      damaged(offsets->front(), why);
-    seq.segments.reserve(offsets->size());
-    for (std::size_t i = 0; i < offsets->size(); ++i) {
-      route_file::RecordHeader h;
-      (void)route_file::decode(headers.data() + i * route_file::kRecordHeaderBytes, h);
-      seq.append_segments(h, (*offsets)[i], row_bytes);
-    }
+      damaged(records->front().offset, why);
+    seq.segments.reserve(records->size());
+    for (std::size_t i = 0; i < records->size(); ++i)
+      seq.append_segments(headers[i], (*records)[i].offset, row_bytes);
     seq.sort();
     std::sort(seq.unverified.begin(), seq.unverified.end());
     if (seq.has_overlaps()) verify_pending(seq);  // overlapping rows are compared: verified first
@@ -752,24 +760,46 @@ class FileRouteStore final {
     return &loaded_.insert_or_assign(uid, std::move(seq)).first->second;
   }
 
-  // The header of a record whose header was checked when its sequence was loaded, read again from
-  // `read` into hb: it must still describe a record of `bytes` bytes.
-  route_file::RecordHeader header_again(std::uint64_t offset, std::uint64_t bytes, const unsigned char* read,
-                                        unsigned char* hb) const {
+  // The header a routes record of `uid` must have for what the index says of it (its checksum is
+  // not in the index: it is checked against the payload when the record is read).
+  route_file::RecordHeader header_of(SequenceId uid, const detail::IndexedRecord& r) const {
+    route_file::RecordHeader h;
+    h.type = route_file::RecordType::routes;
+    h.uid = uid;
+    h.first_position = r.first_position;
+    h.num_tokens = r.num_tokens;
+    h.first_layer = r.first_layer;
+    h.num_layers = r.num_layers;
+    h.payload_bytes = codec_.payload_bytes(r.num_tokens, r.num_layers);  // < 2^62: no overflow
+    return h;
+  }
+  static bool same_rows(const route_file::RecordHeader& a, const route_file::RecordHeader& b) {
+    return a.type == b.type && a.uid == b.uid && a.payload_bytes == b.payload_bytes &&
+           a.first_position == b.first_position && a.num_tokens == b.num_tokens && a.first_layer == b.first_layer &&
+           a.num_layers == b.num_layers;
+  }
+  static std::string index_disagrees(SequenceId uid) {
+    return detail::str("a route record of sequence uid ", uid,
+                       " is not what the index (or its header read earlier) says of it");
+  }
+
+  // The header of a record whose rows were taken from `expected` (its header read earlier, or the
+  // index) when its sequence was loaded, read again from `read` into hb: it must say the same.
+  route_file::RecordHeader header_again(std::uint64_t offset, const route_file::RecordHeader& expected,
+                                        const unsigned char* read, unsigned char* hb) const {
     std::memcpy(hb, read, route_file::kRecordHeaderBytes);
     route_file::RecordHeader h;
-    if (!route_file::decode(hb, h) || route_file::kRecordHeaderBytes + h.payload_bytes != bytes)
-      damaged(offset, "a route record changed since its header was read");
+    if (!route_file::decode(hb, h) || !same_rows(h, expected)) damaged(offset, index_disagrees(expected.uid));
     return h;
   }
 
   // Verifies every record of `seq` not verified yet.
   void verify_pending(SequenceIndex& seq) const {
-    for (const auto& [offset, bytes] : seq.unverified) {
+    for (const auto& p : seq.unverified) {
       unsigned char hb[route_file::kRecordHeaderBytes];
       const auto h =
-          header_again(offset, bytes, file_.read_at(offset, route_file::kRecordHeaderBytes, read_buffer_), hb);
-      verify_record(h, hb, offset, nullptr, 0);
+          header_again(p.offset, p.header, file_.read_at(p.offset, route_file::kRecordHeaderBytes, read_buffer_), hb);
+      verify_record(h, hb, p.offset, nullptr, 0);
     }
     seq.unverified.clear();
   }
@@ -779,16 +809,16 @@ class FileRouteStore final {
   // was verified by streaming it, or was verified before: the caller reads what it needs).
   const unsigned char* verify_on_first_read(SequenceIndex& seq, std::uint64_t offset) const {
     if (seq.unverified.empty()) return nullptr;
-    const auto it = std::lower_bound(seq.unverified.begin(), seq.unverified.end(),
-                                     std::pair<std::uint64_t, std::uint64_t>{offset, 0});
-    if (it == seq.unverified.end() || it->first != offset) return nullptr;
-    const std::uint64_t bytes = it->second;
+    const auto it = std::lower_bound(seq.unverified.begin(), seq.unverified.end(), offset,
+                                     [](const SequenceIndex::Pending& p, std::uint64_t at) { return p.offset < at; });
+    if (it == seq.unverified.end() || it->offset != offset) return nullptr;
+    const std::uint64_t bytes = it->bytes();
     const unsigned char* record =
         bytes <= kReadChunk ? file_.read_at(offset, static_cast<std::size_t>(bytes), read_buffer_) : nullptr;
     unsigned char hb[route_file::kRecordHeaderBytes];
     const auto h = header_again(
-        offset, bytes, record != nullptr ? record : file_.read_at(offset, route_file::kRecordHeaderBytes, read_buffer_),
-        hb);
+        offset, it->header,
+        record != nullptr ? record : file_.read_at(offset, route_file::kRecordHeaderBytes, read_buffer_), hb);
     if (record != nullptr)
       verify_record(h, hb, offset, record + route_file::kRecordHeaderBytes,
                     static_cast<std::size_t>(bytes) - route_file::kRecordHeaderBytes);
@@ -855,7 +885,7 @@ class FileRouteStore final {
     const auto row_bytes = static_cast<std::uint32_t>(codec_.row_bytes());
     for (const auto& [h, at] : batch.records()) {
       const std::uint64_t offset = end_ + at;
-      index_.add(h.uid, offset);
+      index_.add(h.uid, detail::IndexedRecord::of(h, offset));
       ++recovery_.records;
       // The writer keeps its sequences' record index current: later records are checked against
       // it, and lookups read the new rows back through the page cache (no decoded copy).
@@ -868,7 +898,8 @@ class FileRouteStore final {
 
   // The index and tail records that end a cleanly closed file, after its last record.
   void write_index() {
-    const std::vector<unsigned char> bytes = detail::encode_index_and_tail(header_.version, index_.encode(), end_);
+    const std::vector<unsigned char> bytes =
+        detail::encode_index_and_tail(header_.version, index_.encode(header_.version), end_);
     file_.write_all(bytes.data(), bytes.size(), end_);
     end_ += bytes.size();
   }
@@ -884,7 +915,7 @@ class FileRouteStore final {
   bool closed_ = false;                  // close() was called: no more writes, reads still work
   mutable std::vector<unsigned char> read_buffer_;     // chunks read from the file (kReadChunk)
   mutable std::vector<unsigned char> compare_buffer_;  // a second chunk, for comparisons
-  mutable std::vector<unsigned char> header_scratch_;  // record headers of a sequence being loaded
+  mutable std::vector<route_file::RecordHeader> header_scratch_;  // record headers of a sequence being loaded
   mutable std::vector<detail::SequenceExtent> sparse_scratch_;
   detail::RecordBatch write_batch_;  // reused across record calls
   std::vector<TokenRun> sorted_runs_;

@@ -40,9 +40,17 @@ struct SequenceIndex {
   std::int64_t first = kMaxPositions, end = 0;  // positions its records span
   std::uint64_t rows_held = 0;                  // (position, layer) rows its records hold
   bool overlapping = false;                     // some segments of a layer overlap (and agree)
-  // Records whose checksum and ids a reader has not verified yet, sorted: (offset, bytes with the
-  // header). FileRouteStore::lookup verifies each from the same read that decodes it.
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> unverified;
+  // Records whose checksum and ids a reader has not verified yet, sorted by offset, with the
+  // header their segments were made from (read from the file, or what the index says of it): the
+  // header read with the record must say the same. FileRouteStore::lookup verifies each from the
+  // same read that decodes it.
+  struct Pending {
+    std::uint64_t offset;
+    route_file::RecordHeader header;
+    std::uint64_t bytes() const { return route_file::kRecordHeaderBytes + header.payload_bytes; }
+    bool operator<(const Pending& o) const { return offset < o.offset; }
+  };
+  std::vector<Pending> unverified;
 
   // Whether some segments of one layer overlap (their rows must then be compared).
   bool has_overlaps() const {
@@ -116,17 +124,31 @@ struct SequenceIndex {
   }
 };
 
-// The routes records of a file: their offsets per sequence and in file order, and the sorted
-// offsets of every record (and index) known, which bound each record's extent.
+// A routes record an index lists: where it is and, when known, what its header says of its rows
+// (a version-2 index carries that, and a scan or this writer read or wrote the header; a
+// version-1 index lists offsets only, and the header is read when its sequence is first used).
+struct IndexedRecord {
+  std::uint64_t offset = 0;
+  bool has_header = false;
+  std::int64_t first_position = 0;
+  std::uint32_t num_tokens = 0;
+  std::uint16_t first_layer = 0;
+  std::uint16_t num_layers = 0;
+
+  static IndexedRecord of(const route_file::RecordHeader& h, std::uint64_t offset) {
+    return {offset, true, h.first_position, h.num_tokens, h.first_layer, h.num_layers};
+  }
+};
+
+// The routes records of a file: per sequence and in file order, and the sorted offsets of every
+// record (and index) known, which bound each record's extent.
 class RouteIndex {
  public:
-  using Entry = std::pair<SequenceId, std::uint64_t>;  // (sequence uid, record offset)
-
-  // The routes record of `uid` at `offset`, which follows every record added before it.
-  void add(SequenceId uid, std::uint64_t offset) {
-    by_sequence_[uid].push_back(offset);
-    order_.emplace_back(uid, offset);
-    boundaries_.push_back(offset);
+  // The routes record of `uid` at r.offset, which follows every record added before it.
+  void add(SequenceId uid, const IndexedRecord& r) {
+    by_sequence_[uid].push_back(r);
+    order_.emplace_back(uid, r);
+    boundaries_.push_back(r.offset);
   }
 
   void clear() {
@@ -135,8 +157,8 @@ class RouteIndex {
     boundaries_.clear();
   }
 
-  // The offsets of the records of `uid`, in file order; nullptr for a sequence the file does not hold.
-  const std::vector<std::uint64_t>* find(SequenceId uid) const {
+  // The records of `uid`, in file order; nullptr for a sequence the file does not hold.
+  const std::vector<IndexedRecord>* find(SequenceId uid) const {
     const auto it = by_sequence_.find(uid);
     return it == by_sequence_.end() ? nullptr : &it->second;
   }
@@ -145,34 +167,62 @@ class RouteIndex {
   std::vector<SequenceId> sequences() const {
     std::vector<SequenceId> out;
     out.reserve(by_sequence_.size());
-    for (const auto& [uid, offsets] : by_sequence_) out.push_back(uid);
+    for (const auto& [uid, records] : by_sequence_)
+      out.push_back(uid);
     return out;
   }
 
-  // An index record's payload: the entry count, then (uid, offset) per record in file order.
-  std::vector<unsigned char> encode() const {
-    std::vector<unsigned char> payload(8 + 16 * order_.size());
+  // An index record's payload in format `version`: the entry count, then one entry per record in
+  // file order (route_file::index_entry_bytes). Every record of a version-2 file has its header
+  // known (its index, a scan or this writer gave it), so its entries are complete.
+  std::vector<unsigned char> encode(std::uint16_t version) const {
+    const std::size_t entry = route_file::index_entry_bytes(version);
+    std::vector<unsigned char> payload(8 + entry * order_.size());
     route_file::detail::put<std::uint64_t>(payload.data(), order_.size());
     for (std::size_t i = 0; i < order_.size(); ++i) {
-      route_file::detail::put<std::uint64_t>(payload.data() + 8 + 16 * i, order_[i].first);
-      route_file::detail::put<std::uint64_t>(payload.data() + 16 + 16 * i, order_[i].second);
+      unsigned char* e = payload.data() + 8 + entry * i;
+      const auto& [uid, r] = order_[i];
+      route_file::detail::put<std::uint64_t>(e, uid);
+      route_file::detail::put<std::uint64_t>(e + 8, r.offset);
+      if (entry == 16) continue;
+      if (!r.has_header)
+        throw RouteFileError(str("mrr: internal error: a version-", version,
+                                 " index without the header "
+                                 "of the record at offset ",
+                                 r.offset));
+      route_file::detail::put<std::int64_t>(e + 16, r.first_position);
+      route_file::detail::put<std::uint32_t>(e + 24, r.num_tokens);
+      route_file::detail::put<std::uint16_t>(e + 28, r.first_layer);
+      route_file::detail::put<std::uint16_t>(e + 30, r.num_layers);
     }
     return payload;
   }
 
-  // Adds the `count` entries of an index record at `index_offset` (the payload's 16-byte entries
-  // after its count); false, with the index left empty, when one points outside the records
-  // (before the first or at the index itself): the index is then damaged and the file rescanned.
-  // Call check_entries() after a successful read.
-  bool read_entries(const unsigned char* entries, std::uint64_t count, std::uint64_t index_offset) {
+  // Adds the `count` entries of an index record of format `version` at `index_offset` (the
+  // payload's entries after its count); false, with the index left empty, when one points outside
+  // the records (before the first or at the index itself): the index is then damaged and the
+  // file rescanned. Call check_entries() after a successful read. The rows an entry claims are
+  // checked against the file's shape when its sequence is first used, and against the record's
+  // own header when the record is read.
+  bool read_entries(const unsigned char* entries, std::uint64_t count, std::uint64_t index_offset,
+                    std::uint16_t version) {
+    const std::size_t entry = route_file::index_entry_bytes(version);
     for (std::uint64_t i = 0; i < count; ++i) {
-      const unsigned char* e = entries + i * 16;
-      const auto offset = route_file::detail::get<std::uint64_t>(e + 8);
-      if (offset < route_file::kHeaderBytes || offset >= index_offset) {
+      const unsigned char* e = entries + i * entry;
+      IndexedRecord r;
+      r.offset = route_file::detail::get<std::uint64_t>(e + 8);
+      if (r.offset < route_file::kHeaderBytes || r.offset >= index_offset) {
         clear();
         return false;
       }
-      add(route_file::detail::get<std::uint64_t>(e), offset);
+      if (entry == 32) {
+        r.has_header = true;
+        r.first_position = route_file::detail::get<std::int64_t>(e + 16);
+        r.num_tokens = route_file::detail::get<std::uint32_t>(e + 24);
+        r.first_layer = route_file::detail::get<std::uint16_t>(e + 28);
+        r.num_layers = route_file::detail::get<std::uint16_t>(e + 30);
+      }
+      add(route_file::detail::get<std::uint64_t>(e), r);
     }
     return true;
   }
@@ -206,8 +256,8 @@ class RouteIndex {
   }
 
  private:
-  std::unordered_map<SequenceId, std::vector<std::uint64_t>> by_sequence_;
-  std::vector<Entry> order_;               // routes records in file order
+  std::unordered_map<SequenceId, std::vector<IndexedRecord>> by_sequence_;
+  std::vector<std::pair<SequenceId, IndexedRecord>> order_;  // routes records in file order
   std::vector<std::uint64_t> boundaries_;  // sorted offsets of the records (and index) known
 };
 
