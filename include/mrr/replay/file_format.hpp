@@ -182,9 +182,10 @@ inline std::uint64_t checksum(std::uint16_t version, const unsigned char* header
   return c.digest();
 }
 
-// The header check: the low 32 bits of XXH64 of the first 48 header bytes (in every version). It lets a reader trust
-// a record's size before it has the payload, so a torn write (a valid header whose payload runs
-// past the end of the file) is told apart from damage (a header that is not what was written).
+// The header check, in every version: the low 32 bits of XXH64 of the first 48 header bytes. It
+// lets a reader trust a record's size before it has the payload, so a torn write (a valid header
+// whose payload runs past the end of the file) is told apart from damage (a header that is not
+// what was written).
 inline std::uint32_t header_check(const unsigned char* header) {
   return static_cast<std::uint32_t>(XXH64(header, kHeaderCheckedBytes, 0));
 }

@@ -185,11 +185,8 @@ class RouteIndex {
       route_file::detail::put<std::uint64_t>(e, uid);
       route_file::detail::put<std::uint64_t>(e + 8, r.offset);
       if (entry == 16) continue;
-      if (!r.has_header)
-        throw RouteFileError(str("mrr: internal error: a version-", version,
-                                 " index without the header "
-                                 "of the record at offset ",
-                                 r.offset));
+      if (!r.has_header)  // cannot happen: only a version-1 index leaves headers unknown
+        throw RouteFileError(str("mrr: internal error: no header known for the record at offset ", r.offset));
       route_file::detail::put<std::int64_t>(e + 16, r.first_position);
       route_file::detail::put<std::uint32_t>(e + 24, r.num_tokens);
       route_file::detail::put<std::uint16_t>(e + 28, r.first_layer);
