@@ -28,6 +28,7 @@
 #include <mrr/replay/shape.hpp>
 #include <mrr/tensor.hpp>
 
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,11 +37,13 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <random>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -271,6 +274,14 @@ class FileRouteStore final {
         any_new = any_new || cursor < end;
       }
     if (!any_new) return;
+    if constexpr (std::is_same_v<Id, std::uint8_t>) {
+      if (codec_.id_width() == 1) {  // the ids are their own encoding: written from where they are
+        if (!held && !codec_.ids_in_range(ids.data(), ids.size())) name_bad_id();
+        write_record_from(uid, first_position, static_cast<std::uint32_t>(num_tokens), first_layer, num_layers,
+                          ids.data(), fn);
+        return;
+      }
+    }
     auto& batch = write_batch_;
     batch.clear();
     auto* payload = batch.begin(codec_, uid, first_position, static_cast<std::uint32_t>(num_tokens), first_layer,
@@ -685,8 +696,21 @@ class FileRouteStore final {
     auto& added = sparse_scratch_;
     added.clear();
     for (const auto& [h, at] : batch.records())
-      added.push_back({h.uid, h.first_position, h.first_position + std::int64_t{h.num_tokens},
-                       std::uint64_t{h.num_tokens} * h.num_layers});
+      add_extent(h);
+    check_sparse_added(fn);
+  }
+  void check_sparse_before_write(std::initializer_list<route_file::RecordHeader> records, const char* fn) const {
+    sparse_scratch_.clear();
+    for (const auto& h : records)
+      add_extent(h);
+    check_sparse_added(fn);
+  }
+  void add_extent(const route_file::RecordHeader& h) const {
+    sparse_scratch_.push_back({h.uid, h.first_position, h.first_position + std::int64_t{h.num_tokens},
+                               std::uint64_t{h.num_tokens} * h.num_layers});
+  }
+  void check_sparse_added(const char* fn) const {
+    auto& added = sparse_scratch_;
     detail::check_sparse_growth(shape(), added, [&](SequenceId uid) {
       detail::SequenceExtent e;
       if (auto it = loaded_.find(uid); it != loaded_.end()) e.add(it->second.first, it->second.end, it->second.rows_held);
@@ -763,15 +787,7 @@ class FileRouteStore final {
   // The header a routes record of `uid` must have for what the index says of it (its checksum is
   // not in the index: it is checked against the payload when the record is read).
   route_file::RecordHeader header_of(SequenceId uid, const detail::IndexedRecord& r) const {
-    route_file::RecordHeader h;
-    h.type = route_file::RecordType::routes;
-    h.uid = uid;
-    h.first_position = r.first_position;
-    h.num_tokens = r.num_tokens;
-    h.first_layer = r.first_layer;
-    h.num_layers = r.num_layers;
-    h.payload_bytes = codec_.payload_bytes(r.num_tokens, r.num_layers);  // < 2^62: no overflow
-    return h;
+    return codec_.routes_header(uid, r.first_position, r.num_tokens, r.first_layer, r.num_layers);
   }
   static bool same_rows(const route_file::RecordHeader& a, const route_file::RecordHeader& b) {
     return a.type == b.type && a.uid == b.uid && a.payload_bytes == b.payload_bytes &&
@@ -882,18 +898,41 @@ class FileRouteStore final {
     const auto& bytes = batch.bytes();
     file_.check_still_ours(fn, end_);
     file_.write_all(bytes.data(), bytes.size(), end_);
-    const auto row_bytes = static_cast<std::uint32_t>(codec_.row_bytes());
-    for (const auto& [h, at] : batch.records()) {
-      const std::uint64_t offset = end_ + at;
-      index_.add(h.uid, detail::IndexedRecord::of(h, offset));
-      ++recovery_.records;
-      // The writer keeps its sequences' record index current: later records are checked against
-      // it, and lookups read the new rows back through the page cache (no decoded copy).
-      loaded_[h.uid].insert(h, offset, row_bytes);
-      cache_.erase(h.uid);
-    }
+    for (const auto& [h, at] : batch.records())
+      committed(h, end_ + at);
     end_ += bytes.size();
     index_dirty_ = true;
+  }
+
+  // One routes record whose payload is `payload` as it stands (1-byte ids in a 1-byte file, range
+  // checked by the caller): its header and the caller's bytes reach the file in one pwritev, with
+  // no copy into a write buffer (a rollout's uint8 routed_experts, record_sequence).
+  void write_record_from(SequenceId uid, std::int64_t first_position, std::uint32_t num_tokens, int first_layer,
+                         int num_layers, const unsigned char* payload, const char* fn) {
+    route_file::RecordHeader h = codec_.routes_header(uid, first_position, num_tokens, first_layer, num_layers);
+    check_sparse_before_write({h}, fn);
+    unsigned char header[route_file::kRecordHeaderBytes];
+    route_file::encode(header_.version, h, payload, header);
+    static constexpr unsigned char kPadding[8] = {};
+    const iovec pieces[3] = {{header, sizeof header},
+                             {const_cast<unsigned char*>(payload), static_cast<std::size_t>(h.payload_bytes)},
+                             {const_cast<unsigned char*>(kPadding),
+                              static_cast<std::size_t>(route_file::padded(h.payload_bytes) - h.payload_bytes)}};
+    file_.check_still_ours(fn, end_);
+    file_.write_all(pieces, 3, end_);
+    committed(h, end_);
+    end_ += route_file::record_bytes(h.payload_bytes);
+    index_dirty_ = true;
+  }
+
+  // What a routes record written at `offset` changes in memory, once it is in the file.
+  void committed(const route_file::RecordHeader& h, std::uint64_t offset) {
+    index_.add(h.uid, detail::IndexedRecord::of(h, offset));
+    ++recovery_.records;
+    // The writer keeps its sequences' record index current: later records are checked against
+    // it, and lookups read the new rows back through the page cache (no decoded copy).
+    loaded_[h.uid].insert(h, offset, static_cast<std::uint32_t>(codec_.row_bytes()));
+    cache_.erase(h.uid);
   }
 
   // The index and tail records that end a cleanly closed file, after its last record.

@@ -48,9 +48,23 @@ class RouteCodec {
   // Whether a decoded id can be >= num_experts at all (not when every value of the width is an expert).
   bool ids_need_range_check() const { return num_experts_ < (std::int64_t{1} << (8 * width_)); }
 
-  // The payload size of a routes record of num_tokens x num_layers rows.
+  // The payload size of a routes record of num_tokens x num_layers rows (< 2^62: no overflow).
   std::uint64_t payload_bytes(std::uint32_t num_tokens, int num_layers) const {
     return std::uint64_t{num_tokens} * static_cast<std::uint64_t>(num_layers) * k_ * static_cast<std::uint64_t>(width_);
+  }
+
+  // The header of a routes record of these rows (its checksum is set when it is encoded).
+  route_file::RecordHeader routes_header(SequenceId uid, std::int64_t first_position, std::uint32_t num_tokens,
+                                         int first_layer, int num_layers) const {
+    route_file::RecordHeader h;
+    h.type = route_file::RecordType::routes;
+    h.payload_bytes = payload_bytes(num_tokens, num_layers);
+    h.uid = uid;
+    h.first_position = first_position;
+    h.num_tokens = num_tokens;
+    h.first_layer = static_cast<std::uint16_t>(first_layer);
+    h.num_layers = static_cast<std::uint16_t>(num_layers);
+    return h;
   }
 
   // The largest id among n bytes of encoded ids (n a multiple of the id width).
@@ -82,7 +96,7 @@ class RouteCodec {
     if constexpr (std::is_same_v<Id, std::uint8_t>) {
       if (width_ == 1) {
         if (n != 0) std::memcpy(out, ids, n);
-        return max_byte(ids, n) < static_cast<std::uint32_t>(num_experts_);
+        return ids_in_range(ids, n);
       }
     }
 #if defined(__SSE2__) && !defined(__AVX2__)
@@ -96,7 +110,8 @@ class RouteCodec {
   // Whether all n ids are in [0, num_experts), without encoding them: the check of encode_ids.
   template <class Id>
   [[nodiscard]] bool ids_in_range(const Id* __restrict ids, std::size_t n) const {
-    if constexpr (std::is_same_v<Id, std::uint8_t>) return max_byte(ids, n) < static_cast<std::uint32_t>(num_experts_);
+    if constexpr (std::is_same_v<Id, std::uint8_t>)  // every byte is an expert id when there are 256 or more
+      return num_experts_ >= 256 || max_byte(ids, n) < static_cast<std::uint32_t>(num_experts_);
     const auto last = static_cast<std::uint32_t>(num_experts_ - 1);
     std::uint32_t any = 0;  // as encode_ids_portable
     for (std::size_t i = 0; i < n; ++i) {
@@ -315,14 +330,7 @@ class RecordBatch {
   // there, then calls finish()).
   unsigned char* begin(const RouteCodec& codec, SequenceId uid, std::int64_t first_position, std::uint32_t num_tokens,
                        int first_layer, int num_layers) {
-    route_file::RecordHeader h;
-    h.type = route_file::RecordType::routes;
-    h.payload_bytes = codec.payload_bytes(num_tokens, num_layers);
-    h.uid = uid;
-    h.first_position = first_position;
-    h.num_tokens = num_tokens;
-    h.first_layer = static_cast<std::uint16_t>(first_layer);
-    h.num_layers = static_cast<std::uint16_t>(num_layers);
+    const route_file::RecordHeader h = codec.routes_header(uid, first_position, num_tokens, first_layer, num_layers);
     version_ = codec.version();
     const std::size_t at = bytes_.size();
     const auto bytes = static_cast<std::size_t>(route_file::record_bytes(h.payload_bytes));

@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -120,10 +121,27 @@ class RouteFileHandle {
   // Writes all n bytes at `offset`; on failure the file is cut back to `offset`, so no partial
   // record is left for the next append.
   void write_all(const void* data, std::size_t n, std::uint64_t offset) {
-    const auto* p = static_cast<const unsigned char*>(data);
+    const iovec piece{const_cast<void*>(data), n};
+    write_all(&piece, 1, offset);
+  }
+
+  // The pieces written one after another from `offset`, with as few system calls as the kernel
+  // allows (one pwritev for a record call, unless it writes short); on an error the file is cut
+  // back to `offset` (reopening reports what a crash would leave as a torn tail) and it throws.
+  void write_all(const iovec* pieces, int count, std::uint64_t offset) {
+    constexpr int kMaxPieces = 8;
+    iovec left[kMaxPieces];
+    if (count > kMaxPieces) throw RouteFileError(str("mrr: internal error: a write of ", count, " pieces"));
+    std::copy_n(pieces, count, left);
+    iovec* next = left;
     const std::uint64_t start = offset;
-    while (n > 0) {
-      const ssize_t put = ::pwrite(fd_.get(), p, n, static_cast<off_t>(offset));
+    while (count > 0) {
+      if (next->iov_len == 0) {
+        ++next;
+        --count;
+        continue;
+      }
+      const ssize_t put = ::pwritev(fd_.get(), next, count, static_cast<off_t>(offset));
       if (put < 0 && errno == EINTR) continue;
       if (put <= 0) {
         const int err = errno;
@@ -131,9 +149,17 @@ class RouteFileHandle {
         throw RouteFileError(str("route file ", path_.string(), ": write failed at offset ", offset, ": ",
                                  std::strerror(err)));
       }
-      p += put;
-      n -= static_cast<std::size_t>(put);
       offset += static_cast<std::uint64_t>(put);
+      for (auto done = static_cast<std::size_t>(put); done > 0;) {  // skip what was written
+        const std::size_t step = std::min(done, next->iov_len);
+        next->iov_base = static_cast<unsigned char*>(next->iov_base) + step;
+        next->iov_len -= step;
+        done -= step;
+        if (next->iov_len == 0) {
+          ++next;
+          --count;
+        }
+      }
     }
   }
 
