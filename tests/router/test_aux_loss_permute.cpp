@@ -5,7 +5,9 @@
 #include <doctest/doctest.h>
 #include <support/random.hpp>
 
+#include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -102,4 +104,58 @@ TEST_CASE("Routing-form permutation equals Megatron's dense permute; combine equ
   long total = 0;
   for (auto n : perm.tokens_per_expert) total += n;
   CHECK(total == 22);
+}
+
+TEST_CASE("combine_row sums the slots in order, rounding each product, for every slot count and column range") {
+  // The host's unrolled form (up to kCombineHostSlots kept slots) and the tiled form (more) give
+  // the bits of the definition: acc = 0; acc = acc + (row_j * w_j) per kept slot in slot order;
+  // + addend; rounded once to T. Dropped slots (row -1) are skipped; no weights means weight 1.
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const long cols = 1000, rows = 40;
+  std::vector<float> table(static_cast<std::size_t>(rows * cols));
+  for (float& v : table)
+    v = normal(rng);
+  std::vector<float> addend(static_cast<std::size_t>(cols));
+  for (float& v : addend)
+    v = normal(rng);
+  int mismatches = 0, cases = 0;
+  for (int n = 0; n <= 12; ++n)
+    for (int variant = 0; variant < 4; ++variant) {
+      const bool drop = (variant & 1) != 0, weighted = (variant & 2) != 0;
+      std::vector<std::int64_t> row(static_cast<std::size_t>(n));
+      std::vector<float> w(static_cast<std::size_t>(n));
+      for (int j = 0; j < n; ++j) {
+        row[static_cast<std::size_t>(j)] = drop && j % 3 == 1 ? -1 : (j * 7 + n) % rows;
+        w[static_cast<std::size_t>(j)] = normal(rng);
+      }
+      for (const auto& [lo, hi] : {std::pair<long, long>{0, cols}, {3, 517}, {999, 1000}}) {
+        for (const bool add : {false, true}) {
+          std::vector<float> out(static_cast<std::size_t>(cols), -7.f);
+          mrr::kernels::combine_row<float, float, std::int64_t, float>(
+              table.data(), cols, row.data(), weighted ? w.data() : nullptr, n, add ? addend.data() : nullptr,
+              out.data(), lo, hi);
+          ++cases;
+          for (long h = 0; h < cols; ++h) {
+            float want = -7.f;  // outside [lo, hi): untouched
+            if (h >= lo && h < hi) {
+              volatile float acc = 0.f;  // volatile: no contraction into a fused multiply-add here
+              for (int j = 0; j < n; ++j) {
+                const auto r = row[static_cast<std::size_t>(j)];
+                if (r < 0) continue;
+                volatile float product =
+                    table[static_cast<std::size_t>(r * cols + h)] * (weighted ? w[static_cast<std::size_t>(j)] : 1.f);
+                acc = acc + product;
+              }
+              if (add) acc = acc + addend[static_cast<std::size_t>(h)];
+              want = acc;
+            }
+            const float got = out[static_cast<std::size_t>(h)];
+            mismatches += std::memcmp(&got, &want, sizeof got) != 0 ? 1 : 0;
+          }
+        }
+      }
+    }
+  CHECK(cases == 13 * 4 * 3 * 2);
+  CHECK(mismatches == 0);
 }

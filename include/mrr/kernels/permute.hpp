@@ -129,13 +129,74 @@ MRR_HOST_DEVICE MRR_FORCEINLINE A add_product(A a, A b, A c) {
 // neighbouring columns); the sum per column is the same either way.
 inline constexpr long kCombineColumns = 256;
 
+// Most slots a host combine sums with the rows' pointers and weights in registers.
+inline constexpr int kCombineHostSlots = 8;
+
+// out[lo, hi) = sum over j < M, in j order, of w[j] * src[j][lo, hi), + addend when given: the
+// arithmetic of combine_row's tiles, column by column (so the same bits), with the slot loop
+// unrolled, so the compiler vectorises over columns and keeps the sum in registers instead of a
+// stack buffer read and written once per slot.
+template <int M, class T, class Accum>
+inline void combine_columns_host(const T* const* src, const Accum* w, const T* addend, T* out, long lo, long hi) {
+  for (long h = lo; h < hi; ++h) {
+    Accum acc = Accum(0);
+    for (int j = 0; j < M; ++j)
+      acc = add_product(acc, static_cast<Accum>(src[j][h]), w[j]);
+    if (addend != nullptr) acc += static_cast<Accum>(addend[h]);
+    out[h] = static_cast<T>(acc);
+  }
+}
+
+// combine_row on a host thread for at most kCombineHostSlots slots: the kept slots' rows and
+// weights gathered first, then one unrolled pass per count.
+template <class T, class W, class Index, class Accum>
+inline void combine_row_host(const T* rows, long row_stride, const Index* row, const W* weights, int n, const T* addend,
+                             T* out, long lo, long hi) {
+  const T* src[kCombineHostSlots];
+  Accum w[kCombineHostSlots];
+  int m = 0;
+  for (int j = 0; j < n; ++j) {
+    const long r = static_cast<long>(row[j]);
+    if (r < 0) continue;
+    src[m] = rows + r * row_stride;
+    w[m] = weights != nullptr ? static_cast<Accum>(weights[j]) : Accum(1);
+    ++m;
+  }
+  switch (m) {
+    case 0:
+      return combine_columns_host<0>(src, w, addend, out, lo, hi);
+    case 1:
+      return combine_columns_host<1>(src, w, addend, out, lo, hi);
+    case 2:
+      return combine_columns_host<2>(src, w, addend, out, lo, hi);
+    case 3:
+      return combine_columns_host<3>(src, w, addend, out, lo, hi);
+    case 4:
+      return combine_columns_host<4>(src, w, addend, out, lo, hi);
+    case 5:
+      return combine_columns_host<5>(src, w, addend, out, lo, hi);
+    case 6:
+      return combine_columns_host<6>(src, w, addend, out, lo, hi);
+    case 7:
+      return combine_columns_host<7>(src, w, addend, out, lo, hi);
+    default:
+      return combine_columns_host<8>(src, w, addend, out, lo, hi);
+  }
+}
+
 // out[lo, hi) = sum over j < n, in j order, of weight[j] * rows[row[j]][lo, hi) (weight 1 when
 // weights is null; row[j] < 0 is skipped: a dropped slot), then + addend[lo, hi) when given,
 // accumulated in Accum and rounded once. The combine of one token (row = its row_of_slot), the
 // backward of permute (no weights) and Megatron's unpermute (the token's rows, their probs).
+// On a host thread, up to 8 slots take combine_row_host: the same sums in the same order (the
+// same bits; tests/router/test_aux_loss_permute.cpp), faster (bench/RESULTS.md).
 template <class T, class W, class Index, class Accum = accum_t<T>, long Columns = kCombineColumns>
 MRR_HOST_DEVICE void combine_row(const T* rows, long row_stride, const Index* row, const W* weights, int n,
                                  const T* addend, T* out, long lo, long hi) {
+#if !defined(__CUDA_ARCH__)
+  if (n <= kCombineHostSlots)
+    return combine_row_host<T, W, Index, Accum>(rows, row_stride, row, weights, n, addend, out, lo, hi);
+#endif
   for (long c = lo; c < hi; c += Columns) {
     const long end = c + Columns < hi ? c + Columns : hi;
     Accum acc[Columns];
