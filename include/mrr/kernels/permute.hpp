@@ -16,9 +16,11 @@
 
 #include <mrr/detail/config.hpp>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 MRR_NAMESPACE_BEGIN
 namespace kernels {
@@ -147,8 +149,20 @@ inline void combine_columns_host(const T* const* src, const Accum* w, const T* a
   }
 }
 
+// combine_columns_host<M> for M = 0 ... kCombineHostSlots, by slot count.
+template <class T, class Accum, int... M>
+constexpr auto combine_columns_host_table(std::integer_sequence<int, M...>) {
+  return std::array{&combine_columns_host<M, T, Accum>...};
+}
+template <class T, class Accum>
+const auto& combine_columns_host_table() {
+  static constexpr auto table =
+      combine_columns_host_table<T, Accum>(std::make_integer_sequence<int, kCombineHostSlots + 1>{});
+  return table;
+}
+
 // combine_row on a host thread for at most kCombineHostSlots slots: the kept slots' rows and
-// weights gathered first, then one unrolled pass per count.
+// weights gathered first, then the unrolled pass for their count.
 template <class T, class W, class Index, class Accum>
 inline void combine_row_host(const T* rows, long row_stride, const Index* row, const W* weights, int n, const T* addend,
                              T* out, long lo, long hi) {
@@ -162,26 +176,7 @@ inline void combine_row_host(const T* rows, long row_stride, const Index* row, c
     w[m] = weights != nullptr ? static_cast<Accum>(weights[j]) : Accum(1);
     ++m;
   }
-  switch (m) {
-    case 0:
-      return combine_columns_host<0>(src, w, addend, out, lo, hi);
-    case 1:
-      return combine_columns_host<1>(src, w, addend, out, lo, hi);
-    case 2:
-      return combine_columns_host<2>(src, w, addend, out, lo, hi);
-    case 3:
-      return combine_columns_host<3>(src, w, addend, out, lo, hi);
-    case 4:
-      return combine_columns_host<4>(src, w, addend, out, lo, hi);
-    case 5:
-      return combine_columns_host<5>(src, w, addend, out, lo, hi);
-    case 6:
-      return combine_columns_host<6>(src, w, addend, out, lo, hi);
-    case 7:
-      return combine_columns_host<7>(src, w, addend, out, lo, hi);
-    default:
-      return combine_columns_host<8>(src, w, addend, out, lo, hi);
-  }
+  combine_columns_host_table<T, Accum>()[m](src, w, addend, out, lo, hi);
 }
 
 // out[lo, hi) = sum over j < n, in j order, of weight[j] * rows[row[j]][lo, hi) (weight 1 when
