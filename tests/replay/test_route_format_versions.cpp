@@ -334,6 +334,15 @@ TEST_CASE("a version-2 index entry that disagrees with its record's header is da
     CHECK_THROWS_WITH_AS(store.lookup(0, span(5, 0, 100), got, found), doctest::Contains("outside the file's 3 layers"),
                          mrr::RouteFileError);
   }
+  // num_layers 1 -> 0: no routes record has that, so the index is damaged; the records are
+  // rescanned (they are intact) and read back.
+  crafted(30, 0, 2);
+  {
+    const auto store = mrr::FileRouteStore::open(path, shape);
+    CHECK(store.recovery().index_damaged);
+    CHECK_FALSE(store.recovery().opened_from_index);
+    check_span(store, 5, 0, 100);
+  }
   // The file as written reads back.
   put_bytes(path, good);
   const auto store = mrr::FileRouteStore::open(path, shape);

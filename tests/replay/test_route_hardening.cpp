@@ -70,7 +70,8 @@ void add_record(std::vector<unsigned char>& file, rf::RecordHeader h, const std:
 
 // An index of the given (uid, offset) routes records and the tail, as close() writes them in the
 // file's version: in version 2 each entry also says what the record header at its offset says of
-// the rows (zeros where no header is there), as an honest writer's index would.
+// the rows, as an honest writer's index would (one token of one layer where no header is there,
+// so that the offsets, not the entry's rows, are what a reader refuses).
 void add_index(std::vector<unsigned char>& file, const std::vector<std::pair<std::uint64_t, std::uint64_t>>& entries) {
   const std::size_t entry = rf::index_entry_bytes(version_of(file));
   std::vector<unsigned char> payload(8 + entry * entries.size(), 0);
@@ -80,8 +81,10 @@ void add_index(std::vector<unsigned char>& file, const std::vector<std::pair<std
     rf::detail::put<std::uint64_t>(e, entries[i].first);
     rf::detail::put<std::uint64_t>(e + 8, entries[i].second);
     rf::RecordHeader h;
-    if (entry == 32 && entries[i].second + rf::kRecordHeaderBytes <= file.size() &&
-        rf::decode(file.data() + entries[i].second, h)) {
+    h.num_tokens = 1;
+    h.num_layers = 1;
+    if (entry == 32) {
+      if (entries[i].second + rf::kRecordHeaderBytes <= file.size()) (void)rf::decode(file.data() + entries[i].second, h);
       rf::detail::put<std::int64_t>(e + 16, h.first_position);
       rf::detail::put<std::uint32_t>(e + 24, h.num_tokens);
       rf::detail::put<std::uint16_t>(e + 28, h.first_layer);

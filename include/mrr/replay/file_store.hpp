@@ -745,7 +745,7 @@ class FileRouteStore final {
         damaged(offset, detail::str("the index points past the end of the file for sequence uid ", uid));
       const std::uint64_t limit = record_limit(offset);
       route_file::RecordHeader& h = headers[i];
-      if (lazy && r.has_header) {
+      if (lazy && r.has_header()) {
         // The index (version 2), a scan or this writer says what the record holds: nothing is
         // read until a lookup needs its rows, and then its header must say the same.
         h = header_of(uid, r);
@@ -763,7 +763,7 @@ class FileRouteStore final {
         std::memcpy(hb, record, route_file::kRecordHeaderBytes);
         if (!route_file::decode(hb, h) || h.type != route_file::RecordType::routes || h.uid != uid)
           damaged(offset, detail::str("the index points at no route record of sequence uid ", uid));
-        if (r.has_header && !same_rows(h, header_of(uid, r))) damaged(offset, index_disagrees(uid));
+        if (r.has_header() && !same_rows(h, header_of(uid, r))) damaged(offset, index_disagrees(uid));
         check_route_record(h, offset, limit);
         if (lazy)
           seq.unverified.push_back({offset, h});

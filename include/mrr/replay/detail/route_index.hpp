@@ -127,16 +127,17 @@ struct SequenceIndex {
 // A routes record an index lists: where it is and, when known, what its header says of its rows
 // (a version-2 index carries that, and a scan or this writer read or wrote the header; a
 // version-1 index lists offsets only, and the header is read when its sequence is first used).
+// 24 bytes a record: num_layers is 0 when the header is not known (a routes record has at least one layer).
 struct IndexedRecord {
   std::uint64_t offset = 0;
-  bool has_header = false;
   std::int64_t first_position = 0;
   std::uint32_t num_tokens = 0;
   std::uint16_t first_layer = 0;
   std::uint16_t num_layers = 0;
 
+  bool has_header() const { return num_layers != 0; }
   static IndexedRecord of(const route_file::RecordHeader& h, std::uint64_t offset) {
-    return {offset, true, h.first_position, h.num_tokens, h.first_layer, h.num_layers};
+    return {offset, h.first_position, h.num_tokens, h.first_layer, h.num_layers};
   }
 };
 
@@ -146,8 +147,9 @@ class RouteIndex {
  public:
   // The routes record of `uid` at r.offset, which follows every record added before it.
   void add(SequenceId uid, const IndexedRecord& r) {
-    by_sequence_[uid].push_back(r);
-    order_.emplace_back(uid, r);
+    auto& records = by_sequence_[uid];
+    order_.push_back({uid, records.size()});
+    records.push_back(r);
     boundaries_.push_back(r.offset);
   }
 
@@ -181,11 +183,12 @@ class RouteIndex {
     route_file::detail::put<std::uint64_t>(payload.data(), order_.size());
     for (std::size_t i = 0; i < order_.size(); ++i) {
       unsigned char* e = payload.data() + 8 + entry * i;
-      const auto& [uid, r] = order_[i];
+      const SequenceId uid = order_[i].uid;
+      const IndexedRecord& r = by_sequence_.find(uid)->second[order_[i].at];
       route_file::detail::put<std::uint64_t>(e, uid);
       route_file::detail::put<std::uint64_t>(e + 8, r.offset);
       if (entry == 16) continue;
-      if (!r.has_header)  // cannot happen: only a version-1 index leaves headers unknown
+      if (!r.has_header())  // cannot happen: only a version-1 index leaves headers unknown
         throw RouteFileError(str("mrr: internal error: no header known for the record at offset ", r.offset));
       route_file::detail::put<std::int64_t>(e + 16, r.first_position);
       route_file::detail::put<std::uint32_t>(e + 24, r.num_tokens);
@@ -213,11 +216,14 @@ class RouteIndex {
         return false;
       }
       if (entry == 32) {
-        r.has_header = true;
         r.first_position = route_file::detail::get<std::int64_t>(e + 16);
         r.num_tokens = route_file::detail::get<std::uint32_t>(e + 24);
         r.first_layer = route_file::detail::get<std::uint16_t>(e + 28);
         r.num_layers = route_file::detail::get<std::uint16_t>(e + 30);
+        if (!r.has_header()) {  // no routes record has 0 layers: a damaged index, rescanned
+          clear();
+          return false;
+        }
       }
       add(route_file::detail::get<std::uint64_t>(e), r);
     }
@@ -254,7 +260,11 @@ class RouteIndex {
 
  private:
   std::unordered_map<SequenceId, std::vector<IndexedRecord>> by_sequence_;
-  std::vector<std::pair<SequenceId, IndexedRecord>> order_;  // routes records in file order
+  struct Listed {
+    SequenceId uid;
+    std::size_t at;  // in by_sequence_[uid]
+  };
+  std::vector<Listed> order_;  // routes records in file order
   std::vector<std::uint64_t> boundaries_;  // sorted offsets of the records (and index) known
 };
 
