@@ -286,7 +286,6 @@ int main() {
         store.close();
       },
       1.0, 5);
-  std::filesystem::remove(path_u8);
   mrr::bench::print_row("write (record per layer x micro-batch)", write.median_s, fwrite_t.median_s, 2 * id_bytes, bw);
   mrr::bench::print_row("write from uint8 ids (record_sequence)", write_u8.median_s, fwrite_t.median_s, 2 * id_bytes,
                         bw);
@@ -322,6 +321,17 @@ int main() {
   };
   const auto read_u8 = mrr::bench::time_it([&] { replay_u8(reader, true); }, 1.0, 5);
   const auto reread_u8 = mrr::bench::time_it([&] { replay_u8(reader, false); }, 1.0, 5);
+  // R3: the rollout's file (record_sequence, one record per sequence holding every layer) replayed
+  // layer by layer, as a trainer's update pass looks it up. A layer's rows are strided through each
+  // record; the reader keeps each record whole, layer-major, once verified (read_cache_bytes), and
+  // without that (read_cache_bytes = 0) each layer's lookup reads the record's span again.
+  const auto r3 = mrr::FileRouteStore::open(path_u8, shape);
+  const auto r3_uncached = mrr::FileRouteStore::open(path_u8, shape, {.read_cache_bytes = 0});
+  const auto read_r3 = mrr::bench::time_it([&] { replay_all(r3); }, 1.0, 5);
+  const auto read_r3_u8 = mrr::bench::time_it([&] { replay_u8(r3, true); }, 1.0, 5);
+  const auto reread_r3_u8 = mrr::bench::time_it([&] { replay_u8(r3, false); }, 1.0, 5);
+  const auto read_r3_uncached = mrr::bench::time_it([&] { replay_all(r3_uncached); }, 0.5, 3);
+  std::filesystem::remove(path_u8);
   std::vector<unsigned char> back(raw.size());
   const auto fread_t = mrr::bench::time_it(
       [&] {
@@ -339,6 +349,13 @@ int main() {
                         bw);
   std::printf("    -> mrr %.0f MB/s (open + replay %.0f MB/s), fread %.0f MB/s\n", id_bytes / read.median_s / 1e6,
               id_bytes / open_read.median_s / 1e6, id_bytes / fread_t.median_s / 1e6);
+  std::printf("  R3: the rollout's file (record_sequence: a record per sequence, every layer), looked up by layer\n");
+  mrr::bench::print_row("R3 replay read", read_r3.median_s, fread_t.median_s, 2 * id_bytes, bw);
+  mrr::bench::print_row("R3 replay read into uint8 ids", read_r3_u8.median_s, fread_t.median_s, 2 * id_bytes, bw);
+  mrr::bench::print_row("R3 replay into uint8, verified earlier", reread_r3_u8.median_s, fread_t.median_s, 2 * id_bytes,
+                        bw);
+  mrr::bench::print_row("R3 replay read, read_cache_bytes = 0", read_r3_uncached.median_s, fread_t.median_s,
+                        2 * id_bytes, bw);
 
   // numpy on the same bytes, a [sequences * tokens, layers, k] uint8 array (median of 7 calls),
   // and on the same ids as int32 (what a Python trainer holding the router's int32 ids saves, and
@@ -366,6 +383,8 @@ int main() {
     mrr::bench::print_row("open + replay read vs np.load", open_read.median_s, np_load, 2 * id_bytes, bw);
     mrr::bench::print_row("replay read into uint8 vs np.load", read_u8.median_s, np_load, 2 * id_bytes, bw);
     mrr::bench::print_row("  the same, verified earlier", reread_u8.median_s, np_load, 2 * id_bytes, bw);
+    mrr::bench::print_row("R3 replay read vs np.load", read_r3.median_s, np_load, 2 * id_bytes, bw);
+    mrr::bench::print_row("R3 replay read into uint8 vs np.load", read_r3_u8.median_s, np_load, 2 * id_bytes, bw);
     std::printf("    against numpy on the same ids as int32 (np.save %.1f ms, np.load %.1f ms; 4x the bytes):\n",
                 np_save32 * 1e3, np_load32 * 1e3);
     mrr::bench::print_row("write vs np.save of int32 ids", write.median_s, np_save32, 2 * id_bytes, bw);

@@ -155,6 +155,20 @@ TEST_CASE("a 256 MB route file (48 layers, 256 experts, k = 8): every id read eq
     reader.release_cache();
   }
   CHECK(wrong == 0);
+  // The R3 records (3 MiB each, kept whole by lookups) through a read cache of two of them: layer by
+  // layer across all sequences, every lookup lets an older record go and reads the next again.
+  {
+    const auto small =
+        mrr::FileRouteStore::open(path, mrr::RouteShape{E, L, k}, {.read_cache_bytes = std::size_t{7} << 20});
+    wrong = 0;
+    for (int l : {0, 1, 47})
+      for (int s = 1; s < sequences; s += 2) {
+        wrong += wrong_ids(small, 1000u + static_cast<unsigned>(s), 0, T, l);
+        CHECK(small.read_cache_used() <= (std::size_t{7} << 20));
+      }
+    CHECK(small.read_cache_used() > (std::size_t{3} << 20));
+    CHECK(wrong == 0);
+  }
 
   // A micro-batch mixing sequences, reversed positions and padding, as a reshuffled update pass.
   std::vector<mrr::TokenKey> mixed;

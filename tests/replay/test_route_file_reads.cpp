@@ -8,6 +8,8 @@
 
 #include "temp_dir.hpp"
 
+#include <fstream>
+#include <limits>
 #include <random>
 #include <stdexcept>
 #include <type_traits>
@@ -33,21 +35,24 @@ void same_as_int32(const S& store, int layer, const mrr::TokenLayout& layout, co
   CHECK(got == want.template cast<Id>());
 }
 
-// Every lookup of a store into int64, uint16 and (at most 256 experts) uint8 ids agrees with its
-// int32 lookup; 8-bit ids of more experts are refused.
+// Every lookup of a store into int64, (at most 65,536 experts) uint16 and (at most 256) uint8 ids
+// agrees with its int32 lookup; narrow ids that cannot hold every expert are refused.
 template <class S>
 void narrow_lookups_agree(const S& store, int layer, const mrr::TokenLayout& layout, const mrr::ExpertIds& want,
                           const std::vector<std::uint8_t>& want_found) {
   same_as_int32<std::int64_t>(store, layer, layout, want, want_found);
-  same_as_int32<std::uint16_t>(store, layer, layout, want, want_found);
-  if (store.shape().num_experts <= 256) {
-    same_as_int32<std::uint8_t>(store, layer, layout, want, want_found);
-  } else {
-    mrr::RowMatrix<std::uint8_t> narrow;
-    std::vector<std::uint8_t> found;
-    CHECK_THROWS_WITH_AS(store.lookup(layer, layout, narrow, found), doctest::Contains("8-bit ids cannot hold"),
-                         std::invalid_argument);
-  }
+  auto narrow = [&]<class Id>(Id) {  // agrees when Id holds every expert id, else is refused
+    if (std::int64_t{store.shape().num_experts} - 1 <= std::int64_t{std::numeric_limits<Id>::max()}) {
+      same_as_int32<Id>(store, layer, layout, want, want_found);
+    } else {
+      mrr::RowMatrix<Id> ids;
+      std::vector<std::uint8_t> found;
+      CHECK_THROWS_WITH_AS(store.lookup(layer, layout, ids, found), doctest::Contains("-bit ids cannot hold"),
+                           std::invalid_argument);
+    }
+  };
+  narrow(std::uint16_t{});
+  narrow(std::uint8_t{});
 }
 
 // Same ids from both stores for every layer of the layout; returns the first store's hits. The
@@ -72,7 +77,8 @@ std::size_t same_lookups(const A& a, const B& b, const mrr::TokenLayout& layout)
 }  // namespace
 
 TEST_CASE("route file lookups match the memory store: overlaps, gaps, multi-layer records, 2-byte ids") {
-  for (const mrr::RouteShape shape : {mrr::RouteShape{256, 4, 3}, mrr::RouteShape{300, 3, 2}, mrr::RouteShape{64, 2, 4}}) {
+  for (const mrr::RouteShape shape : {mrr::RouteShape{256, 4, 3}, mrr::RouteShape{300, 3, 2}, mrr::RouteShape{64, 2, 4},
+                                      mrr::RouteShape{70000, 2, 3}}) {
     CAPTURE(shape.to_string());
     mrr::test::TempDir dir;
     mrr::MemoryRouteStore memory(shape);
@@ -217,4 +223,170 @@ TEST_CASE("the id encoding refuses every id outside [0, num_experts), wherever i
       }
     }
   }
+}
+
+TEST_CASE("records of several layers kept whole for lookups: the same ids with any read_cache_bytes") {
+  // record_sequence's records hold every layer of a sequence ([tokens, layers, k]); a reader keeps
+  // each whole, layer-major, once a lookup has verified it. Whatever the budget (none, one record's
+  // rows, a few, the default) and whichever path decodes (1-byte ids with k as a constant or not,
+  // 2-byte ids), lookups layer by layer give the memory store's ids.
+  for (const mrr::RouteShape shape :
+       {mrr::RouteShape{256, 12, 8}, mrr::RouteShape{64, 5, 6}, mrr::RouteShape{300, 4, 5}, mrr::RouteShape{32, 3, 1},
+        mrr::RouteShape{70000, 3, 2}}) {
+    CAPTURE(shape.to_string());
+    mrr::test::TempDir dir;
+    mrr::MemoryRouteStore memory(shape);
+    std::mt19937 rng(23);
+    std::uniform_int_distribution<int> expert(0, shape.num_experts - 1);
+    const auto L = static_cast<std::size_t>(shape.num_layers), k = static_cast<std::size_t>(shape.topk);
+    auto random_ids = [&](std::size_t tokens, std::size_t layers) {
+      std::vector<std::int32_t> v(tokens * layers * k);
+      for (auto& x : v)
+        x = expert(rng);
+      return v;
+    };
+    {
+      auto file = mrr::FileRouteStore::create(dir / "r.mrr", shape);
+      for (mrr::SequenceId uid = 0; uid < 6; ++uid) {  // whole sequences, 40 to 90 tokens
+        const auto tokens = static_cast<std::int64_t>(40 + 10 * uid);
+        const auto ids = random_ids(static_cast<std::size_t>(tokens), L);
+        memory.record_sequence(uid, 0, tokens, 0, shape.num_layers, ids);
+        file.record_sequence(uid, 0, tokens, 0, shape.num_layers, ids);
+      }
+      // Sequence 7: two records that split the layers, and a third of every layer that overlaps
+      // the first two's positions (the same ids) and extends them.
+      const int half = shape.num_layers / 2 > 0 ? shape.num_layers / 2 : 1;
+      const auto low = random_ids(30, static_cast<std::size_t>(half));
+      memory.record_sequence(7, 5, 30, 0, half, low);
+      file.record_sequence(7, 5, 30, 0, half, low);
+      if (half < shape.num_layers) {
+        const auto high = random_ids(30, L - static_cast<std::size_t>(half));
+        memory.record_sequence(7, 5, 30, half, shape.num_layers - half, high);
+        file.record_sequence(7, 5, 30, half, shape.num_layers - half, high);
+      }
+      std::vector<std::int32_t> all = random_ids(40, L);  // positions 25..64; 25..34 repeat the above
+      mrr::ExpertIds earlier;
+      std::vector<std::uint8_t> found;
+      for (int l = 0; l < shape.num_layers; ++l) {
+        std::vector<mrr::TokenKey> keys;
+        for (std::int64_t p = 25; p < 35; ++p)
+          keys.push_back({7, p});
+        memory.lookup(l, mrr::TokenLayout(keys), earlier, found);
+        for (std::size_t t = 0; t < 10; ++t)
+          for (std::size_t j = 0; j < k; ++j)
+            all[(t * L + static_cast<std::size_t>(l)) * k + j] =
+                earlier(static_cast<Eigen::Index>(t), static_cast<Eigen::Index>(j));
+      }
+      memory.record_sequence(7, 25, 40, 0, shape.num_layers, all);
+      file.record_sequence(7, 25, 40, 0, shape.num_layers, all);
+      file.close();
+    }
+    // Micro-batches as a trainer looks them up: whole sequences, a run from mid-sequence, padding,
+    // positions and sequences nobody recorded.
+    std::vector<mrr::TokenLayout> batches;
+    {
+      std::vector<mrr::TokenKey> a, b, c;
+      for (mrr::SequenceId uid : {0, 1, 2})
+        for (std::int64_t p = 0; p < 40 + 10 * static_cast<std::int64_t>(uid); ++p)
+          a.push_back({uid, p});
+      for (std::int64_t p = 17; p < 95; ++p)
+        b.push_back({5, p});
+      b.push_back({5, -1});
+      for (std::int64_t p = 0; p < 70; ++p)
+        b.push_back({7, p});
+      for (std::int64_t p = 0; p < 5; ++p)
+        c.push_back({9, p});
+      for (std::int64_t p = 30; p < 60; ++p)
+        c.push_back({4, p});
+      for (std::int64_t p = 60; p >= 0; p -= 3)
+        c.push_back({3, p});  // positions in reverse
+      batches = {mrr::TokenLayout(a), mrr::TokenLayout(b), mrr::TokenLayout(c)};
+    }
+    const std::size_t one_record = 90 * L * k * static_cast<std::size_t>(mrr::id_width_for(shape.num_experts)) +
+                                   mrr::detail::HeldRecords::kOverheadBytes;
+    for (const std::size_t budget :
+         {std::size_t{0}, one_record, 3 * one_record, mrr::FileStoreOptions{}.read_cache_bytes}) {
+      CAPTURE(budget);
+      auto reader = mrr::FileRouteStore::open(dir / "r.mrr", shape, {.read_cache_bytes = budget});
+      for (int pass = 0; pass < 2; ++pass) {  // pass 1 without release_cache: the kept records again
+        for (const auto& batch : batches) {
+          CHECK(same_lookups(reader, memory, batch) > 0);
+          CHECK(reader.read_cache_used() <= budget);
+          if (budget >= one_record) {
+            CHECK(reader.read_cache_used() > 0);
+          } else {
+            CHECK(reader.read_cache_used() == 0);
+          }
+          if (pass == 0) reader.release_cache();
+        }
+      }
+      reader.release_cache();
+      CHECK(reader.read_cache_used() == 0);
+    }
+  }
+}
+
+TEST_CASE("a damaged record of several layers is an error at every lookup, never kept") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{256, 6, 4};
+  std::vector<std::int32_t> ids(50 * 6 * 4);
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    ids[i] = static_cast<std::int32_t>((i * 37) % 256);
+  {
+    auto file = mrr::FileRouteStore::create(dir / "r.mrr", shape);
+    file.record_sequence(1, 0, 50, 0, 6, ids);
+    file.record_sequence(2, 0, 50, 0, 6, ids);
+    file.close();
+  }
+  {  // one byte of sequence 2's payload changed: its record fails its checksum
+    std::fstream f(dir / "r.mrr", std::ios::in | std::ios::out | std::ios::binary);
+    const auto at =
+        static_cast<std::streamoff>(mrr::route_file::kHeaderBytes + mrr::route_file::record_bytes(ids.size()) +
+                                    mrr::route_file::kRecordHeaderBytes + 700);
+    f.seekg(at);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x40);
+    f.seekp(at);
+    f.write(&c, 1);
+  }
+  auto reader = mrr::FileRouteStore::open(dir / "r.mrr", shape);
+  std::vector<mrr::TokenKey> keys;
+  for (std::int64_t p = 0; p < 50; ++p)
+    keys.push_back({2, p});
+  const mrr::TokenLayout damaged(keys), intact(std::vector<mrr::TokenKey>{{1, 3}, {1, 4}});
+  mrr::ExpertIds out;
+  std::vector<std::uint8_t> found;
+  for (int l = 0; l < 6; ++l) {  // every layer's lookup reads and checks it again
+    CAPTURE(l);
+    CHECK_THROWS_WITH_AS(reader.lookup(l, damaged, out, found), doctest::Contains("fails its checksum"),
+                         mrr::RouteFileError);
+    CHECK(reader.read_cache_used() == 0);
+  }
+  CHECK(reader.lookup(5, intact, out, found) == 2);  // the other sequence's record is read and kept
+  CHECK(out(0, 0) == ids[(3 * 6 + 5) * 4]);
+  CHECK(out(1, 3) == ids[(4 * 6 + 5) * 4 + 3]);
+  CHECK(reader.read_cache_used() > 0);
+}
+
+TEST_CASE("a file truncated under a reader is an error even for the records it keeps in memory") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{64, 4, 2};
+  const std::vector<std::int32_t> ids(100 * 4 * 2, 5);
+  {
+    auto file = mrr::FileRouteStore::create(dir / "r.mrr", shape);
+    file.record_sequence(1, 0, 100, 0, 4, ids);
+    file.close();
+  }
+  auto reader = mrr::FileRouteStore::open(dir / "r.mrr", shape);
+  std::vector<mrr::TokenKey> keys;
+  for (std::int64_t p = 0; p < 100; ++p)
+    keys.push_back({1, p});
+  const mrr::TokenLayout layout(keys);
+  mrr::ExpertIds out;
+  std::vector<std::uint8_t> found;
+  CHECK(reader.lookup(0, layout, out, found) == 100);
+  REQUIRE(reader.read_cache_used() > 0);  // the record is kept: layer 1 needs no read
+  std::filesystem::resize_file(dir / "r.mrr", mrr::route_file::kHeaderBytes + 300);
+  CHECK_THROWS_WITH_AS(reader.lookup(1, layout, out, found), doctest::Contains("truncated"), mrr::RouteFileError);
 }

@@ -19,6 +19,7 @@
 #include <mrr/detail/checked.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/replay/detail/held_records.hpp>
 #include <mrr/replay/detail/route_codec.hpp>
 #include <mrr/replay/detail/route_file_handle.hpp>
 #include <mrr/replay/detail/route_index.hpp>
@@ -61,6 +62,14 @@ struct FileStoreOptions {
   // older read_routes.py). append() keeps the file's own version; a nonzero value that differs
   // from it is an error, never a file of two versions.
   std::uint16_t format_version = 0;
+  // A reader keeps records of several layers (record_sequence's [tokens, layers, k] blocks: a
+  // rollout's routes) in memory whole, up to this many bytes, once a lookup has read and verified
+  // them: the lookups of their other layers decode from memory. Without it each layer's lookup
+  // reads the record's whole span again, since its rows are strided through it (48 layers: 48
+  // times the bytes). The oldest record goes first when full; release_cache() empties it (its
+  // buffers stay, for the next micro-batch's records, until the store is destroyed); 0 keeps none.
+  // Records of one layer (record()'s) are read once per lookup either way and are not kept.
+  std::size_t read_cache_bytes = std::size_t{256} << 20;
 };
 
 // What opening a file found.
@@ -99,10 +108,12 @@ class FileRouteStore final {
   }
 
   // An existing file, read-only. With `expected`, a file of another model is an error naming
-  // the field that differs. A FIFO, directory or device is refused without waiting on it.
-  static FileRouteStore open(const std::filesystem::path& path, std::optional<RouteShape> expected = std::nullopt) {
+  // the field that differs. A FIFO, directory or device is refused without waiting on it. Of
+  // `options`, a reader uses read_cache_bytes (the others are a writer's).
+  static FileRouteStore open(const std::filesystem::path& path, std::optional<RouteShape> expected = std::nullopt,
+                             FileStoreOptions options = {}) {
     // Readers take no lock: a file being appended to is read up to its last complete record.
-    FileRouteStore store(detail::RouteFileHandle::open_for_reading(path), {}, RouteShape{1, 1, 1});
+    FileRouteStore store(detail::RouteFileHandle::open_for_reading(path), options, RouteShape{1, 1, 1});
     store.read_header(expected);
     store.load_index_or_scan();
     return store;
@@ -313,11 +324,11 @@ class FileRouteStore final {
     cache_.check_layer(layer, fn);
     require_readable(fn);
     const int k = shape().topk;
-    const std::size_t rows = layout.size();
+    const std::size_t rows = layout.size(), row_bytes = codec_.row_bytes();
     if (out.rows() != static_cast<Eigen::Index>(rows) || out.cols() != k) out.resize(static_cast<Eigen::Index>(rows), k);
     found.assign(rows, 0);
     std::size_t hits = 0;
-    bool read_any = false;
+    bool read_any = false, held_any = false;
     for (const TokenRun& run : layout.runs()) {
       SequenceIndex* seq = ensure_loaded(run.uid, &read_any, /*lazy=*/true);
       if (seq == nullptr) continue;
@@ -326,13 +337,28 @@ class FileRouteStore final {
       seq->for_each_overlap(layer, run.first_position, run_end, [&](const Segment& s, std::int64_t a, std::int64_t b) {
         a = std::max(a, cursor);
         if (b <= a) return;
-        auto decode = [&](std::int64_t pos, std::size_t n, const unsigned char* src) {
+        auto decode_strided = [&](std::int64_t pos, std::size_t n, const unsigned char* src, std::uint32_t stride) {
           const std::size_t row = run.first_row + static_cast<std::size_t>(pos - run.first_position);
-          codec_.decode_rows(src, s.stride, n, out.data() + row * static_cast<std::size_t>(k));
+          codec_.decode_rows(src, stride, n, out.data() + row * static_cast<std::size_t>(k));
           std::memset(found.data() + row, 1, n);
+        };
+        auto decode = [&](std::int64_t pos, std::size_t n, const unsigned char* src) {
+          decode_strided(pos, n, src, s.stride);
         };
         hits += static_cast<std::size_t>(b - a);
         cursor = b;
+        // A record of several layers is read whole once, verified, and kept layer-major for the
+        // lookups of its other layers: this layer's rows are then contiguous.
+        if (s.stride > row_bytes) {
+          if (const unsigned char* layers = held_record(*seq, s)) {
+            held_any = true;
+            const std::uint64_t layer_in_record = (s.payload - s.record - route_file::kRecordHeaderBytes) / row_bytes;
+            decode_strided(a, static_cast<std::size_t>(b - a),
+                           layers + (layer_in_record * s.count + static_cast<std::uint64_t>(a - s.first)) * row_bytes,
+                           static_cast<std::uint32_t>(row_bytes));
+            return;
+          }
+        }
         // A record read for the first time is verified before any of its ids is used; when it
         // fits one read, the ids are decoded from that same read.
         if (const unsigned char* record = verify_on_first_read(*seq, s.record)) {
@@ -344,6 +370,7 @@ class FileRouteStore final {
       });
     }
     if (hits > 0 || read_any) file_.check_unchanged(fn);  // what was read is this file's, not a replacement's
+    if (held_any) file_.check_not_truncated(fn, end_);    // as a read of the kept records would
     if (hits != rows)
       for (std::size_t r = 0; r < rows; ++r)
         if (found[r] == 0) std::fill_n(out.data() + r * static_cast<std::size_t>(k), k, static_cast<Id>(-1));
@@ -379,12 +406,17 @@ class FileRouteStore final {
     return cache_.find(uid);
   }
 
-  // Forgets what was read of sequences (their record index and tables; the file keeps them): the
-  // next lookup reads and verifies their records again.
+  // Forgets what was read of sequences (their record index, tables and the records kept whole; the
+  // file keeps them): the next lookup reads and verifies their records again.
   void release_cache() const {
     cache_.clear();
     loaded_.clear();
+    held_.clear();
   }
+
+  // Bytes of records the reader keeps whole for lookups now (their rows and bookkeeping; at most
+  // FileStoreOptions::read_cache_bytes).
+  std::size_t read_cache_used() const { return held_.bytes_held(); }
 
   // Records are written through on every call; sync() also asks the device to persist them.
   void sync() { file_.sync(); }
@@ -409,7 +441,7 @@ class FileRouteStore final {
   using SequenceIndex = detail::SequenceIndex;
 
   FileRouteStore(detail::RouteFileHandle file, FileStoreOptions options, RouteShape shape)
-      : file_(std::move(file)), options_(options), cache_(shape) {
+      : file_(std::move(file)), options_(options), cache_(shape), held_(options.read_cache_bytes) {
     header_.shape = shape;
     header_.id_width = static_cast<std::uint8_t>(id_width_for(shape.num_experts));
     codec_ = detail::RouteCodec(header_);
@@ -844,6 +876,33 @@ class FileRouteStore final {
     return record;
   }
 
+  // The rows of the record of segment s (one of several layers) in memory, layer-major ([layers,
+  // tokens] rows): read whole once, verified then when it was not yet, and kept
+  // (FileStoreOptions::read_cache_bytes). nullptr when it is not kept (the budget cannot hold it):
+  // the caller reads its rows from the file.
+  const unsigned char* held_record(SequenceIndex& seq, const Segment& s) const {
+    if (const unsigned char* layers = held_.find(s.record)) return layers;
+    const std::uint64_t payload = std::uint64_t{s.count} * s.stride;
+    if (!held_.fits(payload)) return nullptr;
+    auto& buf = held_.read_buffer();
+    buf.resize(static_cast<std::size_t>(route_file::kRecordHeaderBytes + payload));
+    file_.read_exact(buf.data(), buf.size(), s.record);
+    const auto it = std::lower_bound(seq.unverified.begin(), seq.unverified.end(), s.record,
+                                     [](const SequenceIndex::Pending& p, std::uint64_t at) { return p.offset < at; });
+    if (it != seq.unverified.end() && it->offset == s.record) {  // first read: verified before any id is used
+      unsigned char hb[route_file::kRecordHeaderBytes];
+      const auto h = header_again(s.record, it->header, buf.data(), hb);
+      verify_record(h, hb, s.record, buf.data() + route_file::kRecordHeaderBytes,
+                    buf.size() - route_file::kRecordHeaderBytes);
+      seq.unverified.erase(it);
+    }
+    auto layers = held_.spare();
+    layers.resize(static_cast<std::size_t>(payload));
+    const std::size_t row_bytes = codec_.row_bytes();
+    codec_.split_layers(buf.data() + route_file::kRecordHeaderBytes, s.count, s.stride / row_bytes, layers.data());
+    return held_.keep(s.record, std::move(layers));
+  }
+
   // Records covering the same (position, layer) must agree: each overlapped row is compared with
   // the earlier segment reaching furthest (which holds it), so all copies agree in turn. Reads
   // both sides in chunks; the work is bounded by the rows the records hold.
@@ -951,6 +1010,7 @@ class FileRouteStore final {
   detail::RouteIndex index_;  // the routes records by sequence and in file order, and their bounds
   mutable std::unordered_map<SequenceId, SequenceIndex> loaded_;  // sequences read or written so far
   mutable detail::RouteTable cache_;  // tables built by sequence(), and the shape checks
+  mutable detail::HeldRecords held_;  // records of several layers kept whole for lookups (read_cache_bytes)
   bool closed_ = false;                  // close() was called: no more writes, reads still work
   mutable std::vector<unsigned char> read_buffer_;     // chunks read from the file (kReadChunk)
   mutable std::vector<unsigned char> compare_buffer_;  // a second chunk, for comparisons

@@ -23,10 +23,11 @@ inline std::optional<FileRouteStore> open_route_file(const ReplayConfig& config,
       std::error_code ec;
       // A replay file must exist (append would create it); open() says what is wrong with the path:
       // missing, a dangling symlink or a symlink loop.
-      if (!std::filesystem::exists(config.replay_file, ec)) return FileRouteStore::open(config.replay_file, model);
+      if (!std::filesystem::exists(config.replay_file, ec))
+        return FileRouteStore::open(config.replay_file, model, options);
       if (!config.record_file.empty() && ReplayConfig::same_file(config.record_file, config.replay_file))
         return FileRouteStore::append(config.replay_file, model, options);
-      return FileRouteStore::open(config.replay_file, model);
+      return FileRouteStore::open(config.replay_file, model, options);
     }
     if (!config.record_file.empty()) return FileRouteStore::append(config.record_file, model, options);
   } catch (const RouteFileError& e) {

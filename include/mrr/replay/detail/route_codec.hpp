@@ -171,15 +171,30 @@ class RouteCodec {
   template <class Id>
   void decode_rows(const unsigned char* __restrict src, std::uint32_t stride, std::size_t rows,
                    Id* __restrict out) const {
-    if (width_ == 1 && stride == k_) {  // a contiguous block: one copy or widening loop
+    if (stride == row_bytes()) {  // a contiguous block: one copy or widening loop
       const std::size_t n = rows * k_;
-      if constexpr (sizeof(Id) == 1) {
-        if (n != 0) std::memcpy(out, src, n);
-      } else {
-        for (std::size_t i = 0; i < n; ++i)
-          out[i] = static_cast<Id>(src[i]);
+      switch (width_) {
+        case 1:
+          return decode_contiguous<std::uint8_t>(src, n, out);
+        case 2:
+          return decode_contiguous<std::uint16_t>(src, n, out);
+        default:
+          return decode_contiguous<std::uint32_t>(src, n, out);
       }
-      return;
+    }
+    if (width_ == 1) {  // one layer's rows strided through a record of several layers
+      switch (k_) {     // the usual top-k as constants: each row a fixed-size load and store
+        case 2:
+          return gather_byte_rows<2>(src, stride, rows, out);
+        case 4:
+          return gather_byte_rows<4>(src, stride, rows, out);
+        case 6:
+          return gather_byte_rows<6>(src, stride, rows, out);
+        case 8:
+          return gather_byte_rows<8>(src, stride, rows, out);
+        default:
+          break;
+      }
     }
     for (std::size_t r = 0; r < rows; ++r, src += stride, out += k_) {
       if (width_ == 1) {
@@ -196,6 +211,27 @@ class RouteCodec {
         for (std::size_t j = 0; j < k_; ++j)
           out[j] = static_cast<Id>(route_file::detail::get<std::uint32_t>(src + 4 * j));
       }
+    }
+  }
+
+  // A record's payload, rows of [tokens, layers] (position-major, as written), to the same rows
+  // layer-major, [layers, tokens]: each layer's rows then contiguous (HeldRecords).
+  void split_layers(const unsigned char* __restrict payload, std::size_t tokens, std::size_t layers,
+                    unsigned char* __restrict out) const {
+    const std::size_t rb = row_bytes();
+    switch (rb) {  // the usual rows as constants: one load and one store each
+      case 4:
+        return split_layers_rows<4>(payload, tokens, layers, out, rb);
+      case 6:
+        return split_layers_rows<6>(payload, tokens, layers, out, rb);
+      case 8:
+        return split_layers_rows<8>(payload, tokens, layers, out, rb);
+      case 12:
+        return split_layers_rows<12>(payload, tokens, layers, out, rb);
+      case 16:
+        return split_layers_rows<16>(payload, tokens, layers, out, rb);
+      default:
+        return split_layers_rows<0>(payload, tokens, layers, out, rb);
     }
   }
 
@@ -240,6 +276,60 @@ class RouteCodec {
            *std::max_element(highs, highs + 8) <= static_cast<std::int32_t>(last);
   }
 #endif
+
+  // n encoded ids of type Src (the file's width) to n ids: a copy when they are the same width (the
+  // host is little-endian, as the format), else a widening loop. Out of line: inlined into
+  // decode_rows, GCC lost the __restrict and kept the loop scalar (a byte load and a 4-byte store
+  // per id: 68% of a replay into int32 ids in perf, and 2-byte ids went through a libc call each);
+  // called, the plain loop vectorises and widens at the speed of a memcpy of its output.
+  template <class Src, class Id>
+  [[gnu::noinline]] static void decode_contiguous(const unsigned char* __restrict src, std::size_t n,
+                                                  Id* __restrict out) {
+    if constexpr (sizeof(Src) == sizeof(Id)) {
+      if (n != 0) std::memcpy(out, src, n * sizeof(Id));  // ids < num_experts <= 2^31: the same value
+    } else {
+      for (std::size_t i = 0; i < n; ++i) {
+        Src v;
+        std::memcpy(&v, src + i * sizeof(Src), sizeof v);
+        out[i] = static_cast<Id>(v);
+      }
+    }
+  }
+
+  // `rows` rows of K 1-byte ids, `stride` bytes apart, to contiguous rows of ids. With K a constant
+  // a row is one load and one store (a memcpy of k_ bytes was a libc call per row: 82% of a
+  // replay of records of several layers).
+  template <std::size_t K, class Id>
+  static void gather_byte_rows(const unsigned char* __restrict src, std::size_t stride, std::size_t rows,
+                               Id* __restrict out) {
+    for (std::size_t r = 0; r < rows; ++r, src += stride, out += K) {
+      unsigned char row[K];
+      std::memcpy(row, src, K);
+      if constexpr (sizeof(Id) == 1) {
+        std::memcpy(out, row, K);
+      } else {
+        for (std::size_t j = 0; j < K; ++j)
+          out[j] = static_cast<Id>(row[j]);
+      }
+    }
+  }
+
+  // RowBytes: the row's bytes as a constant (one load and store a row), or 0 for `row_bytes`.
+  template <std::size_t RowBytes>
+  static void split_layers_rows(const unsigned char* __restrict payload, std::size_t tokens, std::size_t layers,
+                                unsigned char* __restrict out, std::size_t row_bytes) {
+    const std::size_t rb = RowBytes != 0 ? RowBytes : row_bytes;
+    // In blocks of tokens small enough that a block's rows of every layer stay in L1 while each
+    // layer's rows are gathered: a layer's strided rows read straight through the whole record
+    // stalled on every row, and a store stream per layer (16 KiB apart) was slower still.
+    const std::size_t block = std::max<std::size_t>(8, (std::size_t{24} << 10) / (layers * rb));  // 64 at 48 x 8
+    for (std::size_t t0 = 0; t0 < tokens; t0 += block) {
+      const std::size_t t1 = t0 + block < tokens ? t0 + block : tokens;
+      for (std::size_t l = 0; l < layers; ++l)
+        for (std::size_t t = t0; t < t1; ++t)
+          std::memcpy(out + (l * tokens + t) * rb, payload + (t * layers + l) * rb, rb);
+    }
+  }
 
   // The largest of n bytes. A byte accumulator, so that it vectorises to byte maxima (16 or more
   // bytes an instruction); a 32-bit one made it a scalar loop, 2.5x the cost of the XXH64 beside it.

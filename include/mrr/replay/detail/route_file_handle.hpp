@@ -190,6 +190,17 @@ class RouteFileHandle {
                                "opened); refusing to return routes read from it: reopen it"));
   }
 
+  // The file still holds at least `size` bytes (what the store has seen of it): a store answering
+  // from memory (records it keeps) notices a truncation as a read would.
+  void check_not_truncated(const char* fn, std::uint64_t size) const {
+    struct stat st {};
+    if (::fstat(fd_.get(), &st) != 0 || static_cast<std::uint64_t>(st.st_size) < size)
+      throw RouteFileError(str("mrr::", fn, ": route file ", path_.string(), " is ", st.st_size,
+                               " bytes, shorter than the ", size,
+                               " it held when opened: it was truncated or replaced while open; refusing to return "
+                               "routes from it"));
+  }
+
   // A writer's records must reach the file its path names: if the path was renamed over or
   // removed, they would go to an unlinked file (lost at close) while another writer could take
   // the path; if the file was truncated or written by someone else (its size is not the
