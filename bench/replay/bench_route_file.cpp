@@ -332,6 +332,30 @@ int main() {
   const auto reread_r3_u8 = mrr::bench::time_it([&] { replay_u8(r3, false); }, 1.0, 5);
   const auto read_r3_uncached = mrr::bench::time_it([&] { replay_all(r3_uncached); }, 0.5, 3);
   std::filesystem::remove(path_u8);
+  // The same routes in a MemoryRouteStore (routes kept in the trainer's memory, no file): recorded
+  // per layer and micro-batch, then looked up the same way.
+  auto record_memory = [&](mrr::MemoryRouteStore& m) {
+    for (std::size_t mb = 0; mb < micro_batches; ++mb)
+      for (int l = 0; l < kLayers; ++l)
+        m.record(l, data.layouts[mb], data.ids[mb * kLayers + static_cast<std::size_t>(l)]);
+  };
+  const auto mem_record = mrr::bench::time_it(
+      [&] {
+        mrr::MemoryRouteStore m(shape);
+        record_memory(m);
+      },
+      1.0, 3);
+  mrr::MemoryRouteStore memory(shape);
+  record_memory(memory);
+  auto lookup_memory = [&](auto& ids) {
+    std::size_t hits = 0;
+    for (std::size_t mb = 0; mb < micro_batches; ++mb)
+      for (int l = 0; l < kLayers; ++l)
+        hits += memory.lookup(l, data.layouts[mb], ids, found);
+    mrr::bench::do_not_optimize(hits);
+  };
+  const auto mem_read = mrr::bench::time_it([&] { lookup_memory(out); }, 1.0, 5);
+  const auto mem_read_u8 = mrr::bench::time_it([&] { lookup_memory(out_u8); }, 1.0, 5);
   std::vector<unsigned char> back(raw.size());
   const auto fread_t = mrr::bench::time_it(
       [&] {
@@ -356,6 +380,10 @@ int main() {
                         bw);
   mrr::bench::print_row("R3 replay read, read_cache_bytes = 0", read_r3_uncached.median_s, fread_t.median_s,
                         2 * id_bytes, bw);
+  std::printf(
+      "  MemoryRouteStore, the same routes (no file): record per layer %.1f ms; lookup every layer %.1f ms "
+      "into int32, %.1f ms into uint8\n",
+      mem_record.median_s * 1e3, mem_read.median_s * 1e3, mem_read_u8.median_s * 1e3);
 
   // numpy on the same bytes, a [sequences * tokens, layers, k] uint8 array (median of 7 calls),
   // and on the same ids as int32 (what a Python trainer holding the router's int32 ids saves, and

@@ -37,6 +37,15 @@ mrr::ExpertIds ids_for_layout(const mrr::TokenLayout& layout, int layer, int k, 
   return out;
 }
 
+// Records positions [first, first + n) of sequence uid in `layer`, with ids_for's ids.
+void record_span(mrr::MemoryRouteStore& store, mrr::SequenceId uid, std::int64_t first, std::int64_t n, int layer) {
+  std::vector<mrr::TokenKey> keys;
+  for (std::int64_t p = first; p < first + n; ++p)
+    keys.push_back({uid, p});
+  const mrr::TokenLayout layout(keys);
+  store.record(layer, layout, ids_for_layout(layout, layer, store.shape().topk, store.shape().num_experts));
+}
+
 }  // namespace
 
 TEST_CASE("padded layouts: positions count real tokens, left and right padding alike") {
@@ -147,5 +156,95 @@ TEST_CASE("ids use the narrowest width and survive round trips at every width") 
     std::vector<std::uint8_t> found;
     store.lookup(0, layout, got, found);
     CHECK(got == ids);
+  }
+}
+
+TEST_CASE("a sequence's table grows both ways and keeps every layer's rows; runs partly recorded") {
+  // The table is dense over the recorded positions and layer-major: growing it moves each layer's
+  // rows. Records land in an order that grows it up, then down, then up again, layer by layer and
+  // as blocks of every layer; lookups span recorded rows, gaps and positions beyond either end.
+  for (int experts : {64, 300, 70000}) {
+    CAPTURE(experts);
+    const int L = 5, k = 3;
+    mrr::MemoryRouteStore store({experts, L, k});
+    std::vector<std::vector<bool>> recorded(static_cast<std::size_t>(L), std::vector<bool>(400, false));
+    auto record_span = [&](std::int64_t first, std::int64_t n, int layer) {
+      ::record_span(store, 7, first, n, layer);
+      for (std::int64_t p = first; p < first + n; ++p)
+        recorded[static_cast<std::size_t>(layer)][static_cast<std::size_t>(p)] = true;
+    };
+    auto record_block = [&](std::int64_t first, std::int64_t n) {  // every layer, [tokens][layers][k]
+      std::vector<std::int32_t> block;
+      for (std::int64_t p = first; p < first + n; ++p)
+        for (int l = 0; l < L; ++l)
+          for (auto id : ids_for(7, p, l, k, experts))
+            block.push_back(id);
+      store.record_sequence(7, first, n, 0, L, block);
+      for (int l = 0; l < L; ++l)
+        for (std::int64_t p = first; p < first + n; ++p)
+          recorded[static_cast<std::size_t>(l)][static_cast<std::size_t>(p)] = true;
+    };
+    record_span(200, 30, 2);
+    record_span(150, 10, 0);  // grows down
+    record_block(240, 20);    // up, every layer
+    record_span(100, 5, 4);   // down again
+    record_block(90, 3);      // down, every layer
+    record_span(300, 50, 1);  // up
+    record_span(205, 40, 3);  // inside, then past the block's start
+    std::vector<mrr::TokenKey> probe;
+    for (std::int64_t p = 80; p < 360; ++p)
+      probe.push_back({7, p});
+    probe.push_back({8, 0});
+    const mrr::TokenLayout layout(probe);
+    for (int l = 0; l < L; ++l) {
+      CAPTURE(l);
+      mrr::ExpertIds got;
+      mrr::RowMatrix<std::uint16_t> got16;
+      std::vector<std::uint8_t> found, found16;
+      const std::size_t hits = store.lookup(l, layout, got, found);
+      std::size_t want_hits = 0, wrong = 0;
+      for (std::size_t r = 0; r < probe.size(); ++r) {
+        const auto p = probe[r].position;
+        const bool want = probe[r].uid == 7 && recorded[static_cast<std::size_t>(l)][static_cast<std::size_t>(p)];
+        want_hits += want;
+        wrong += found[r] != static_cast<std::uint8_t>(want);
+        const auto ids =
+            want ? ids_for(7, p, l, k, experts) : std::vector<std::int32_t>(static_cast<std::size_t>(k), -1);
+        for (int j = 0; j < k; ++j)
+          wrong += got(static_cast<Eigen::Index>(r), j) != ids[static_cast<std::size_t>(j)];
+      }
+      CHECK(hits == want_hits);
+      CHECK(wrong == 0);
+      if (experts <= 65536) {
+        CHECK(store.lookup(l, layout, got16, found16) == hits);
+        CHECK(found16 == found);
+        CHECK(got16 == got.cast<std::uint16_t>());
+      }
+    }
+  }
+}
+
+TEST_CASE("a lookup from before a table's first position, over rows recorded in some layers only") {
+  const int k = 2, experts = 64;
+  mrr::MemoryRouteStore store({experts, 2, k});
+  record_span(store, 3, 1000, 10, 0);  // the table starts at 1000
+  record_span(store, 3, 1005, 15, 1);  // and reaches 1020: layer 0 lacks 1010..1019
+  std::vector<mrr::TokenKey> keys;
+  for (std::int64_t p = 990; p < 1030; ++p)
+    keys.push_back({3, p});
+  const mrr::TokenLayout layout(keys);
+  for (int layer : {0, 1}) {
+    mrr::ExpertIds got;
+    std::vector<std::uint8_t> found;
+    const std::size_t hits = store.lookup(layer, layout, got, found);
+    CHECK(hits == (layer == 0 ? 10u : 15u));
+    for (std::size_t r = 0; r < keys.size(); ++r) {
+      const auto p = keys[r].position;
+      const bool want = layer == 0 ? p >= 1000 && p < 1010 : p >= 1005 && p < 1020;
+      CHECK(found[r] == static_cast<std::uint8_t>(want));
+      const auto ids = want ? ids_for(3, p, layer, k, experts) : std::vector<std::int32_t>(k, -1);
+      CHECK(got(static_cast<Eigen::Index>(r), 0) == ids[0]);
+      CHECK(got(static_cast<Eigen::Index>(r), 1) == ids[1]);
+    }
   }
 }

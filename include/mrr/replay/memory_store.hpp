@@ -31,12 +31,11 @@ class MemoryRouteStore {
     for (const TokenRun& run : runs)
       added_.push_back({run.uid, run.first_position, run.first_position + static_cast<std::int64_t>(run.count), run.count});
     table_.check_sparse(added_, fn);
-    for (const TokenRun& run : runs) {
-      SequenceRoutes& seq = table_.get_or_add(run.uid);
-      for (std::size_t i = 0; i < run.count; ++i)
-        seq.put(run.first_position + static_cast<std::int64_t>(i), layer,
-                ids.data() + static_cast<Eigen::Index>(run.first_row + i) * ids.outerStride());
-    }
+    const auto stride = static_cast<std::size_t>(ids.outerStride());
+    for (const TokenRun& run : runs)
+      table_.get_or_add(run.uid).put_run(run.first_position, run.count, layer,
+                                         ids.data() + static_cast<Eigen::Index>(run.first_row) * ids.outerStride(),
+                                         stride);
   }
 
   // Records a span of one sequence for a range of layers; ids are laid out [tokens][layers][k]
@@ -49,10 +48,11 @@ class MemoryRouteStore {
     added_.assign(1, {uid, first_position, first_position + num_tokens,
                       static_cast<std::uint64_t>(num_tokens) * static_cast<std::uint64_t>(num_layers)});
     table_.check_sparse(added_, fn);
-    const int k = shape().topk;
+    const auto k = static_cast<std::size_t>(shape().topk);
     SequenceRoutes& seq = table_.get_or_add(uid);
-    for (std::int64_t t = 0; t < num_tokens; ++t)
-      for (int l = 0; l < num_layers; ++l) seq.put(first_position + t, first_layer + l, ids.data() + (t * num_layers + l) * k);
+    for (int l = 0; l < num_layers; ++l)  // each layer's rows, strided through the block
+      seq.put_run(first_position, static_cast<std::size_t>(num_tokens), first_layer + l,
+                  ids.data() + static_cast<std::size_t>(l) * k, static_cast<std::size_t>(num_layers) * k);
   }
 
   // Fills out [layout rows, k] with the recorded ids of `layer` (-1 where none: all ones for

@@ -5,7 +5,9 @@
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -61,6 +63,59 @@ MRR_FORCEINLINE std::uint32_t load_id(const std::uint8_t* p, int width) {
   if (width >= 2) v |= static_cast<std::uint32_t>(p[1]) << 8;
   if (width == 4) v |= static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24;
   return v;
+}
+
+// n encoded ids of type Src (a store's id width) to n ids: a copy when they are the same width
+// (the host is little-endian, as the encoding), else a widening loop. Out of line: inlined into a
+// lookup, GCC lost the __restrict and kept the loop scalar (a byte load and a 4-byte store per id:
+// 68% of a file replay into int32 ids in perf, and 2-byte ids went through a libc call each);
+// called, the plain loop vectorises and widens at the speed of a memcpy of its output.
+template <class Src, class Id>
+[[gnu::noinline]] void decode_ids(const std::uint8_t* __restrict src, std::size_t n, Id* __restrict out) {
+  if constexpr (sizeof(Src) == sizeof(Id)) {
+    if (n != 0) std::memcpy(out, src, n * sizeof(Id));  // ids < num_experts <= 2^31: the same value
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      Src v;
+      std::memcpy(&v, src + i * sizeof(Src), sizeof v);
+      out[i] = static_cast<Id>(v);
+    }
+  }
+}
+
+// The same for ids `width` bytes wide (1, 2 or 4).
+template <class Id>
+void decode_ids(const std::uint8_t* src, int width, std::size_t n, Id* out) {
+  switch (width) {
+    case 1:
+      return decode_ids<std::uint8_t>(src, n, out);
+    case 2:
+      return decode_ids<std::uint16_t>(src, n, out);
+    default:
+      return decode_ids<std::uint32_t>(src, n, out);
+  }
+}
+
+// n range-checked ids to their encoding in Dst (a store's id width): the inverse of decode_ids,
+// out of line for the same reason.
+template <class Dst>
+[[gnu::noinline]] void encode_ids(const std::int32_t* __restrict ids, std::size_t n, std::uint8_t* __restrict out) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto v = static_cast<Dst>(ids[i]);
+    std::memcpy(out + i * sizeof(Dst), &v, sizeof v);
+  }
+}
+
+// The same for ids `width` bytes wide (1, 2 or 4).
+inline void encode_ids(const std::int32_t* ids, int width, std::size_t n, std::uint8_t* out) {
+  switch (width) {
+    case 1:
+      return encode_ids<std::uint8_t>(ids, n, out);
+    case 2:
+      return encode_ids<std::uint16_t>(ids, n, out);
+    default:
+      return encode_ids<std::uint32_t>(ids, n, out);
+  }
 }
 
 // What a store's lookup writes: int32 (ExpertIds, what the routers take), int64 (torch's topk), or

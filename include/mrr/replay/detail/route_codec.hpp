@@ -172,15 +172,8 @@ class RouteCodec {
   void decode_rows(const unsigned char* __restrict src, std::uint32_t stride, std::size_t rows,
                    Id* __restrict out) const {
     if (stride == row_bytes()) {  // a contiguous block: one copy or widening loop
-      const std::size_t n = rows * k_;
-      switch (width_) {
-        case 1:
-          return decode_contiguous<std::uint8_t>(src, n, out);
-        case 2:
-          return decode_contiguous<std::uint16_t>(src, n, out);
-        default:
-          return decode_contiguous<std::uint32_t>(src, n, out);
-      }
+      decode_ids(src, width_, rows * k_, out);
+      return;
     }
     if (width_ == 1) {  // one layer's rows strided through a record of several layers
       switch (k_) {     // the usual top-k as constants: each row a fixed-size load and store
@@ -276,25 +269,6 @@ class RouteCodec {
            *std::max_element(highs, highs + 8) <= static_cast<std::int32_t>(last);
   }
 #endif
-
-  // n encoded ids of type Src (the file's width) to n ids: a copy when they are the same width (the
-  // host is little-endian, as the format), else a widening loop. Out of line: inlined into
-  // decode_rows, GCC lost the __restrict and kept the loop scalar (a byte load and a 4-byte store
-  // per id: 68% of a replay into int32 ids in perf, and 2-byte ids went through a libc call each);
-  // called, the plain loop vectorises and widens at the speed of a memcpy of its output.
-  template <class Src, class Id>
-  [[gnu::noinline]] static void decode_contiguous(const unsigned char* __restrict src, std::size_t n,
-                                                  Id* __restrict out) {
-    if constexpr (sizeof(Src) == sizeof(Id)) {
-      if (n != 0) std::memcpy(out, src, n * sizeof(Id));  // ids < num_experts <= 2^31: the same value
-    } else {
-      for (std::size_t i = 0; i < n; ++i) {
-        Src v;
-        std::memcpy(&v, src + i * sizeof(Src), sizeof v);
-        out[i] = static_cast<Id>(v);
-      }
-    }
-  }
 
   // `rows` rows of K 1-byte ids, `stride` bytes apart, to contiguous rows of ids. With K a constant
   // a row is one load and one store (a memcpy of k_ bytes was a libc call per row: 82% of a
