@@ -139,6 +139,44 @@ TEST_CASE("re-recording: identical is a no-op, different is an error, and nothin
   CHECK_THROWS_AS(store.record(1, layout, ids), mrr::InvalidArgument);  // layer out of range
 }
 
+TEST_CASE("record_sequence into memory: identical is a no-op, a different or bad block an error that stores nothing") {
+  mrr::MemoryRouteStore store({16, 3, 2});
+  std::vector<std::int32_t> block(4 * 3 * 2);  // positions 10..13, layers 0..2
+  for (std::size_t i = 0; i < block.size(); ++i)
+    block[i] = static_cast<std::int32_t>(i % 16);
+  store.record_sequence(4, 10, 4, 0, 3, block);
+  CHECK_NOTHROW(store.record_sequence(4, 10, 4, 0, 3, block));
+  // Positions 12..15 of layers 1..2: 12 and 13 overlap the block, and one of their ids differs.
+  std::vector<std::int32_t> later(4 * 2 * 2, 7);
+  for (std::size_t t = 0; t < 2; ++t)
+    for (std::size_t l = 0; l < 2; ++l)
+      for (std::size_t j = 0; j < 2; ++j)
+        later[(t * 2 + l) * 2 + j] = block[((t + 2) * 3 + l + 1) * 2 + j];
+  later[(1 * 2 + 1) * 2 + 1] = (later[(1 * 2 + 1) * 2 + 1] + 1) % 16;  // position 13, layer 2, slot 1
+  CHECK_THROWS_WITH_AS(store.record_sequence(4, 12, 4, 1, 2, later),
+                       doctest::Contains("sequence 4 position 13 layer 2 was already recorded with different experts"),
+                       mrr::RouteStoreError);
+  CHECK(store.recorded_positions(4) == 14);  // nothing of it stored
+  later[(1 * 2 + 1) * 2 + 1] = block[(3 * 3 + 2) * 2 + 1];
+  store.record_sequence(4, 12, 4, 1, 2, later);  // agrees now: positions 14 and 15 are new
+  CHECK(store.recorded_positions(4) == 16);
+  // A block with one id out of range stores none of its rows, for a new sequence as for a known one.
+  std::vector<std::int32_t> bad(2 * 3 * 2, 1);
+  bad[7] = 16;
+  for (mrr::SequenceId uid : {4, 5}) {
+    CHECK_THROWS_WITH_AS(store.record_sequence(uid, 20, 2, 0, 3, bad),
+                         doctest::Contains("expert id 16 outside [0, 16)"), mrr::InvalidArgument);
+  }
+  CHECK(store.recorded_positions(4) == 16);
+  CHECK_FALSE(store.contains(5));
+  mrr::ExpertIds got;
+  std::vector<std::uint8_t> found;
+  const mrr::TokenLayout layout(std::vector<mrr::TokenKey>{{4, 13}, {4, 15}});
+  CHECK(store.lookup(2, layout, got, found) == 2);
+  CHECK(got(0, 1) == block[(3 * 3 + 2) * 2 + 1]);
+  CHECK(got(1, 0) == 7);
+}
+
 TEST_CASE("ids use the narrowest width and survive round trips at every width") {
   CHECK(mrr::id_width_for(8) == 1);
   CHECK(mrr::id_width_for(256) == 1);

@@ -75,9 +75,7 @@ class SequenceRoutes {
     const auto skip = static_cast<std::size_t>(lo - first), rb = static_cast<std::size_t>(row_bytes()),
                k = static_cast<std::size_t>(k_);
     const std::uint8_t* present = present_.data() + at;
-    std::size_t held = 0;
-    for (std::size_t i = 0; i < n; ++i)
-      held += present[i];
+    const std::size_t held = recorded_in(lo, n, layer);
     if (held == n) {  // the usual case: every row recorded, one pass
       detail::decode_ids(ids_.get() + at * rb, width_, n * k, out + skip * k);
       std::memset(found + skip, 1, n);
@@ -88,6 +86,19 @@ class SequenceRoutes {
         detail::decode_ids(ids_.get() + (at + i) * rb, width_, k, out + (skip + i) * k);
         found[skip + i] = 1;
       }
+    return held;
+  }
+
+  // How many of the rows of `layer` at positions [first, first + count) are recorded (one pass
+  // over their presence bytes, contiguous in a layer-major table).
+  std::size_t recorded_in(std::int64_t first, std::size_t count, int layer) const {
+    const std::int64_t lo = std::max(first, base_);
+    const std::int64_t hi = std::min(first + static_cast<std::int64_t>(count), positions_);
+    if (lo >= hi) return 0;
+    const std::uint8_t* present = present_.data() + slot(lo, layer);
+    std::size_t held = 0;
+    for (std::size_t i = 0, n = static_cast<std::size_t>(hi - lo); i < n; ++i)
+      held += present[i];
     return held;
   }
 
@@ -126,9 +137,14 @@ class SequenceRoutes {
       detail::encode_ids(ids, width_, count * k, out);
       return;
     }
-    for (std::size_t i = 0; i < count; ++i, ids += stride, out += rb)
-      for (std::size_t j = 0; j < k; ++j)
-        detail::store_id(out + j * static_cast<std::size_t>(width_), width_, static_cast<std::uint32_t>(ids[j]));
+    switch (width_) {  // strided ids (a [tokens, layers, k] block): row by row, the width a constant
+      case 1:
+        return put_strided<std::uint8_t>(ids, count, stride, out);
+      case 2:
+        return put_strided<std::uint16_t>(ids, count, stride, out);
+      default:
+        return put_strided<std::uint32_t>(ids, count, stride, out);
+    }
   }
 
   // Stores an already encoded row (row_bytes() bytes).
@@ -145,6 +161,16 @@ class SequenceRoutes {
   }
 
  private:
+  template <class Dst>
+  void put_strided(const std::int32_t* ids, std::size_t count, std::size_t stride, std::uint8_t* out) const {
+    const auto k = static_cast<std::size_t>(k_);
+    for (std::size_t i = 0; i < count; ++i, ids += stride, out += k * sizeof(Dst))
+      for (std::size_t j = 0; j < k; ++j) {
+        const auto v = static_cast<Dst>(ids[j]);
+        std::memcpy(out + j * sizeof(Dst), &v, sizeof v);
+      }
+  }
+
   std::size_t slot(std::int64_t pos, int layer) const {
     return static_cast<std::size_t>(layer) * static_cast<std::size_t>(cap_) + static_cast<std::size_t>(pos - base_);
   }
@@ -336,6 +362,20 @@ class RouteTable {
                                        " has expert id ", ids[j], " outside [0, ", shape_.num_experts, ")");
   }
 
+  // Whether `rows` rows of k ids (row r at ids + r * stride) are all in [0, num_experts): one
+  // branch-free pass (an id u is outside exactly when u | (last - u) has its top bit set).
+  bool rows_in_range(const std::int32_t* ids, std::size_t rows, std::size_t stride) const {
+    const auto last = static_cast<std::uint32_t>(shape_.num_experts - 1);
+    const auto k = static_cast<std::size_t>(shape_.topk);
+    std::uint32_t any = 0;
+    for (std::size_t r = 0; r < rows; ++r, ids += stride)
+      for (std::size_t j = 0; j < k; ++j) {
+        const auto v = static_cast<std::uint32_t>(ids[j]);
+        any |= v | (last - v);
+      }
+    return (any >> 31) == 0;
+  }
+
   [[noreturn]] static void conflict(const char* fn, SequenceId uid, std::int64_t pos, int layer) {
     throw RouteStoreError(detail::str("mrr::", fn, ": sequence ", uid, " position ", pos, " layer ", layer,
                                       " was already recorded with different experts; routes are never overwritten "
@@ -351,8 +391,17 @@ class RouteTable {
                     shape_.topk);
     auto row_ids = [&](std::size_t r) { return ids.data() + static_cast<Eigen::Index>(r) * ids.outerStride(); };
     std::vector<TokenRun> out;
+    const auto stride = static_cast<std::size_t>(ids.outerStride());
     for (const TokenRun& run : layout.runs()) {
+      if (run.count == 0) continue;
       const SequenceRoutes* seq = find(run.uid);
+      // The usual case in one pass each: ids in range, and none of the run's rows recorded yet.
+      if (rows_in_range(row_ids(run.first_row), run.count, stride) &&
+          (seq == nullptr || seq->recorded_in(run.first_position, run.count, layer) == 0)) {
+        out.push_back(run);
+        continue;
+      }
+      // Row by row: the bad id or the conflicting row named, identical rows skipped.
       TokenRun pending{run.uid, run.first_position, run.first_row, 0};
       for (std::size_t i = 0; i < run.count; ++i) {
         const std::int64_t pos = run.first_position + static_cast<std::int64_t>(i);
@@ -396,6 +445,15 @@ class RouteTable {
                  std::span<const std::int32_t> ids, const char* fn) const {
     const SequenceRoutes* existing = find(uid);
     const int k = shape_.topk;
+    // The usual case (a new sequence, or new positions of one) in one pass each: ids in range,
+    // and none of the block's rows recorded yet.
+    if (num_tokens > 0 &&
+        rows_in_range(ids.data(), ids.size() / static_cast<std::size_t>(k), static_cast<std::size_t>(k))) {
+      bool none = true;
+      for (int l = 0; existing != nullptr && none && l < num_layers; ++l)
+        none = existing->recorded_in(first_position, static_cast<std::size_t>(num_tokens), first_layer + l) == 0;
+      if (none) return true;
+    }
     bool any_new = false;
     for (std::int64_t t = 0; t < num_tokens; ++t)
       for (int l = 0; l < num_layers; ++l) {
