@@ -857,9 +857,8 @@ class FileRouteStore final {
   // was verified by streaming it, or was verified before: the caller reads what it needs).
   const unsigned char* verify_on_first_read(SequenceIndex& seq, std::uint64_t offset) const {
     if (seq.unverified.empty()) return nullptr;
-    const auto it = std::lower_bound(seq.unverified.begin(), seq.unverified.end(), offset,
-                                     [](const SequenceIndex::Pending& p, std::uint64_t at) { return p.offset < at; });
-    if (it == seq.unverified.end() || it->offset != offset) return nullptr;
+    const auto it = seq.pending_at(offset);
+    if (it == seq.unverified.end()) return nullptr;
     const std::uint64_t bytes = it->bytes();
     const unsigned char* record =
         bytes <= kReadChunk ? file_.read_at(offset, static_cast<std::size_t>(bytes), read_buffer_) : nullptr;
@@ -887,9 +886,7 @@ class FileRouteStore final {
     auto& buf = held_.read_buffer();
     buf.resize(static_cast<std::size_t>(route_file::kRecordHeaderBytes + payload));
     file_.read_exact(buf.data(), buf.size(), s.record);
-    const auto it = std::lower_bound(seq.unverified.begin(), seq.unverified.end(), s.record,
-                                     [](const SequenceIndex::Pending& p, std::uint64_t at) { return p.offset < at; });
-    if (it != seq.unverified.end() && it->offset == s.record) {  // first read: verified before any id is used
+    if (const auto it = seq.pending_at(s.record); it != seq.unverified.end()) {  // first read: verified before use
       unsigned char hb[route_file::kRecordHeaderBytes];
       const auto h = header_again(s.record, it->header, buf.data(), hb);
       verify_record(h, hb, s.record, buf.data() + route_file::kRecordHeaderBytes,

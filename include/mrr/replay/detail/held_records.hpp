@@ -72,7 +72,6 @@ class HeldRecords {
     held_ = 0;
   }
 
-  std::size_t size() const { return records_.size(); }
   std::size_t bytes_held() const { return held_; }  // kept bytes with their overhead, <= the budget
 
  private:

@@ -52,6 +52,13 @@ struct SequenceIndex {
   };
   std::vector<Pending> unverified;
 
+  // The record at `offset` if it is not verified yet, else unverified.end().
+  std::vector<Pending>::iterator pending_at(std::uint64_t offset) {
+    const auto it = std::lower_bound(unverified.begin(), unverified.end(), offset,
+                                     [](const Pending& p, std::uint64_t at) { return p.offset < at; });
+    return it != unverified.end() && it->offset == offset ? it : unverified.end();
+  }
+
   // Whether some segments of one layer overlap (their rows must then be compared).
   bool has_overlaps() const {
     for (std::size_t i = 1, reach = 0; i < segments.size(); ++i) {
