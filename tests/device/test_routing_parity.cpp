@@ -51,6 +51,7 @@ double max_ulps(const std::vector<T>& device, const mrr::RowMatrix<T>& host) {
 struct Compared {
   long rows = 0, differing_rows = 0;
   double worst_ulps = 0;
+  mrr::ExpertIds device_ids;  // the device's ids, [rows, k]
 };
 
 // Routes (or replays) on both backends and compares; `ulps` bounds the weights.
@@ -90,6 +91,7 @@ Compared compare(const mrr::RouterConfig& cfg, const mrr::RowMatrix<T>& logits, 
     c.differing_rows += same ? 0 : 1;
   }
   if (c.differing_rows == 0) c.worst_ulps = max_ulps(w, host.weights);
+  c.device_ids = Eigen::Map<const mrr::ExpertIds>(ids.data(), c.rows, k);
   return c;
 }
 
@@ -188,6 +190,11 @@ TEST_SUITE("golden") {
       const auto r = compare<float>(cfg, logits, with_bias ? &bias : nullptr);
       CHECK(r.differing_rows == 0);
       CHECK(r.worst_ulps <= ulp_bound(cfg));
+      // The golden lists each token's experts by id (HF's unsorted top-k); the device's ids, sorted so.
+      mrr::ExpertIds by_id = r.device_ids;
+      for (Eigen::Index t = 0; t < by_id.rows(); ++t)
+        std::sort(by_id.row(t).begin(), by_id.row(t).end());
+      CHECK(mrr::test::check_close(by_id, c.output("indices"), 0, 0, c.name + " device indices"));
     }
   }
 }

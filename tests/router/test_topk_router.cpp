@@ -5,8 +5,10 @@
 #include <doctest/doctest.h>
 #include <support/random.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <set>
 #include <vector>
@@ -399,24 +401,77 @@ TEST_CASE("masked (-inf) rows: fewer than k unmasked experts, or only masked exp
   CHECK(r.weights.allFinite());
 }
 
-TEST_CASE("the bounded top-k (host fast path) selects exactly what the plain one does, ties included") {
+namespace {
+
+// The definition: indices by descending value, the lower index first among equals; the first k.
+std::vector<int> topk_by_definition(const std::vector<float>& v, int k) {
+  std::vector<int> order(v.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return v[static_cast<std::size_t>(a)] > v[static_cast<std::size_t>(b)]; });
+  order.resize(static_cast<std::size_t>(k));
+  return order;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "the plain and the block-bounded top-k (host fast path) select the definition's ids: every n <= 300, k <= 16") {
+  // Rows of every length, not only the usual expert counts: the bounded selection splits a row into
+  // k blocks, and lengths that do not divide into k blocks of ceil(n / k) (n = 33, k = 8) once left
+  // its last slots unwritten. The "strided" rows put the only large values one block apart, so the
+  // block maxima are exactly the row's best: the bound's worst case.
   std::mt19937 rng(99);
-  for (int n : {3, 8, 31, 32, 33, 64, 100, 256}) {
-    for (int k : {1, 2, 4, 8}) {
-      if (k > n) continue;
-      std::vector<float> v(static_cast<std::size_t>(n));
-      for (int trial = 0; trial < 50; ++trial) {
-        std::uniform_int_distribution<int> small(-3, 3);  // many exact ties
-        for (auto& x : v) x = trial % 2 ? static_cast<float>(small(rng)) : std::ldexp(static_cast<float>(rng() % 1000), -5);
-        if (trial % 5 == 0) v[static_cast<std::size_t>(trial) % v.size()] = -std::numeric_limits<float>::infinity();
-        std::vector<int> a(static_cast<std::size_t>(k)), b(static_cast<std::size_t>(k)), scratch(v.size());
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<int> small(-3, 3);
+  long rows = 0;
+  for (int n = 1; n <= 320; n += n < 300 ? 1 : 84) {  // 1..300, then 384
+    std::vector<float> v(static_cast<std::size_t>(n));
+    std::vector<int> scratch(v.size());
+    for (int k = 1; k <= std::min(n, 16); ++k) {
+      const int block = n / k;
+      for (int pattern = 0; pattern < 8; ++pattern) {
+        for (std::size_t e = 0; e < v.size(); ++e) {
+          switch (pattern) {
+            case 0:
+              v[e] = normal(rng);
+              break;
+            case 1:
+              v[e] = static_cast<float>(small(rng));
+              break;  // many exact ties
+            case 2:
+              v[e] = e % 3 == 0 ? -std::numeric_limits<float>::infinity() : normal(rng);
+              break;
+            case 3:
+              v[e] = static_cast<float>(e);
+              break;  // ascending: the best last
+            default:
+              v[e] = 0.01f * normal(rng);
+              break;
+          }
+        }
+        if (pattern >= 4) {  // strided: large descending values every `stride` indices
+          const int stride = std::max(1, block - 1 + (pattern - 4));
+          for (int e = 0, i = 0; e < n; e += stride, ++i)
+            v[static_cast<std::size_t>(e)] = 100.f - static_cast<float>(i);
+        }
+        CAPTURE(n);
+        CAPTURE(k);
+        CAPTURE(pattern);
+        const auto want = topk_by_definition(v, k);
+        std::vector<int> a(static_cast<std::size_t>(k), -1), b(static_cast<std::size_t>(k), -1);
         std::vector<float> va(static_cast<std::size_t>(k)), vb(static_cast<std::size_t>(k));
         mrr::detail::topk_desc(v.data(), n, k, a.data(), va.data());
         mrr::detail::topk_desc_bounded(v.data(), n, k, b.data(), vb.data(), scratch.data());
-        CHECK(a == b);
+        REQUIRE(a == want);
+        REQUIRE(b == want);
+        for (int j = 0; j < k; ++j)
+          REQUIRE(vb[static_cast<std::size_t>(j)] == v[static_cast<std::size_t>(want[static_cast<std::size_t>(j)])]);
+        ++rows;
       }
     }
   }
+  CHECK(rows > 30000);
 }
 
 TEST_CASE("group-limited selection equals the definition: mask the other groups, then top-k (both maskings)") {

@@ -44,18 +44,20 @@ MRR_HOST_DEVICE inline void topk_desc(const T* values, int n, int k, Index* out_
 }
 
 // The same selection for long rows on the host, about twice as fast: k disjoint blocks have k
-// distinct maxima, so the k-th largest value is at least the smallest block maximum; only values
-// reaching that bound can be selected. They are gathered in index order (so ties still go to the
-// lower index) and the insertion above runs on those few. `candidates` holds n ints of scratch.
+// maxima at k different indices, so the k-th largest value is at least the smallest block maximum;
+// only values reaching that bound can be selected, and at least k do. They are gathered in index
+// order (so ties still go to the lower index) and the insertion above runs on those few.
+// `candidates` holds n ints of scratch. Exactly k non-empty blocks: n / k values each, the last
+// also the remainder. (Blocks of ceil(n / k) values can number fewer than k, e.g. 7 for n = 33 and
+// k = 8, and their bound then admits as few as k - 1 values.)
 template <class T, class Index>
 MRR_HOST_DEVICE inline void topk_desc_bounded(const T* values, int n, int k, Index* out_idx, T* out_val,
                                               int* candidates) {
   if (n < 4 * k) return topk_desc(values, n, k, out_idx, out_val);
-  const int block = (n + k - 1) / k;
+  const int block = n / k;
   T bound = values[0];
   for (int b = 0; b < k; ++b) {
-    const int lo = b * block, hi = lo + block < n ? lo + block : n;
-    if (lo >= hi) break;
+    const int lo = b * block, hi = b + 1 < k ? lo + block : n;
     T m = values[lo];
     for (int e = lo + 1; e < hi; ++e)
       m = values[e] > m ? values[e] : m;
