@@ -28,14 +28,39 @@ mrr::RouterConfig megatron_config(const GoldenCase& c, int num_experts, bool wit
   return cfg;
 }
 
-// Megatron computes router probabilities in float32 (see check_close_fp32_reference); the double
-// run is held to the case tolerance plus that documented float32 error, the float run to 1e-5.
+// What Megatron rounds to float32 before its first transcendental, as doubles: the logits and, for
+// softmax, x - max over the entries its softmax takes (the whole row; post-softmax, the selected
+// experts `ids`). Softmax is shift-invariant, so a softmax of these rows is Megatron's function of
+// its own float32 inputs.
+mrr::RowMatrix<double> megatron_fp32_inputs(const mrr::RowMatrix<double>& logits, mrr::ScoreFunction score,
+                                            const mrr::ExpertIds* ids) {
+  const auto f32 = [](double v) { return static_cast<double>(static_cast<float>(v)); };
+  mrr::RowMatrix<double> z = logits.unaryExpr(f32);
+  if (score != mrr::ScoreFunction::softmax) return z;
+  for (Eigen::Index t = 0; t < z.rows(); ++t) {
+    double m = ids ? z(t, (*ids)(t, 0)) : z.row(t).maxCoeff();
+    for (Eigen::Index j = 1; ids && j < ids->cols(); ++j)
+      m = std::max(m, z(t, (*ids)(t, j)));
+    for (Eigen::Index e = 0; e < z.cols(); ++e)
+      z(t, e) = f32(z(t, e) - m);
+  }
+  return z;
+}
+
+// Megatron computes router probabilities in float32 (see check_close_fp32_reference): the double
+// run is held to the case tolerance plus that documented float32 error, next to a run on
+// Megatron's float32-rounded inputs (replayed at the same ids); the float run to 1e-5.
 template <class T>
-bool check_probs(const mrr::RowMatrix<T>& ours, const GoldenCase& c, double rtol, double atol, int experts) {
-  if constexpr (std::is_same_v<T, double>)
-    return mrr::test::check_close_fp32_reference(ours, c.output("probs"), rtol, atol, experts, c.name + " probs");
-  else
+bool check_probs(const mrr::TopKRouter<T>& router, const mrr::RowMatrix<T>& ours, const mrr::RowMatrix<T>& logits,
+                 const mrr::ExpertIds& ids, const GoldenCase& c, double rtol, double atol) {
+  if constexpr (std::is_same_v<T, double>) {
+    const auto& cfg = router.config();
+    const auto rounded = megatron_fp32_inputs(logits, cfg.score_function, cfg.pre_softmax ? nullptr : &ids);
+    return mrr::test::check_close_fp32_reference(ours, router.replay(rounded, ids).weights, c.output("probs"), rtol,
+                                                 atol, router.num_experts(), c.name + " probs");
+  } else {
     return check_close(ours, c.output("probs"), rtol, atol, c.name + " probs");
+  }
 }
 
 template <class T>
@@ -47,12 +72,12 @@ void run_router_case(const GoldenCase& c, double rtol, double atol) {
   if (c.fn == "topk_routing") {
     const auto r = router.route(logits);
     CHECK(check_close(r.ids, c.output("indices"), 0, 0, c.name + " indices"));
-    CHECK(check_probs(r.weights, c, rtol, atol, router.num_experts()));
+    CHECK(check_probs(router, r.weights, logits, r.ids, c, rtol, atol));
   } else if (c.fn == "topk_routing_replay") {
     const auto ids = c.input("indices").matrix<std::int32_t>();
     const auto r = router.replay(logits, ids);
     CHECK(r.ids == ids);
-    CHECK(check_probs(r.weights, c, rtol, atol, router.num_experts()));
+    CHECK(check_probs(router, r.weights, logits, ids, c, rtol, atol));
   } else {
     FAIL("router.json case " << c.name << " has unhandled fn " << c.fn);
   }
@@ -86,20 +111,27 @@ TEST_SUITE("golden") {
         const double coeff = c.param<double>("coeff");
         const auto s = mrr::routing_scores_for_aux_loss<double>(logits, topk, sf);
         CHECK(check_close(s.routing_map, c.output("routing_map"), 0, 0, c.name + " routing_map"));
-        // Scores, loss and grad_scores come from Megatron's float32 score path.
+        // Scores, loss and grad_scores come from Megatron's float32 score path (its softmax over
+        // the whole row); `rounded`: the same on Megatron's float32-rounded inputs.
         const int experts = static_cast<int>(logits.cols());
-        CHECK(mrr::test::check_close_fp32_reference(s.scores, c.output("scores"), c.rtol, c.atol, experts,
-                                                    c.name + " scores"));
+        const auto rounded =
+            mrr::routing_scores_for_aux_loss<double>(megatron_fp32_inputs(logits, sf, nullptr), topk, sf);
+        CHECK(mrr::test::check_close_fp32_reference(s.scores, rounded.scores, c.output("scores"), c.rtol, c.atol,
+                                                    experts, c.name + " scores"));
         CHECK(check_close(s.tokens_per_expert.transpose(), c.output("tokens_per_expert"), 0, 0,
                           c.name + " tokens_per_expert"));
         const double total = static_cast<double>(logits.rows());
         const double loss = mrr::switch_load_balancing_loss<double>(s.scores, s.tokens_per_expert, total, topk, coeff);
-        Eigen::Matrix<double, 1, 1> loss_m;
+        Eigen::Matrix<double, 1, 1> loss_m, rounded_loss;
         loss_m(0, 0) = loss;
-        CHECK(mrr::test::check_close_fp32_reference(loss_m, c.output("loss"), c.rtol, c.atol, experts, c.name + " loss"));
+        rounded_loss(0, 0) =
+            mrr::switch_load_balancing_loss<double>(rounded.scores, s.tokens_per_expert, total, topk, coeff);
+        CHECK(mrr::test::check_close_fp32_reference(loss_m, rounded_loss, c.output("loss"), c.rtol, c.atol, experts,
+                                                    c.name + " loss"));
+        // The gradient w.r.t. the scores does not depend on them: nothing of the inputs is rounded.
         const auto grad = mrr::switch_load_balancing_loss_grad_scores<double>(logits.rows(), s.tokens_per_expert,
                                                                               total, topk, coeff);
-        CHECK(mrr::test::check_close_fp32_reference(grad, c.output("grad_scores"), c.rtol, c.atol, experts,
+        CHECK(mrr::test::check_close_fp32_reference(grad, grad, c.output("grad_scores"), c.rtol, c.atol, experts,
                                                     c.name + " grad_scores"));
         // The full loss from logits agrees with the pieces.
         CHECK(mrr::switch_aux_loss<double>(logits, topk, sf, coeff).loss == doctest::Approx(loss).epsilon(1e-12));
