@@ -345,3 +345,56 @@ TEST_CASE("gpg: alpha is verl's bsz / m, i.e. float32(float32(1 / m) * bsz), not
   const auto out_d = ppo::compute_gpg_outcome_advantage<double>(rewards_d, mask_d, index);
   CHECK(out_d.advantages(0, 0) == static_cast<double>(verl_alpha));
 }
+
+// Float inputs whose reductions cancel or run long: the float results stay within float's own
+// precision of the double ones (found by verl cases drawn beyond the vendored ones, where the float
+// runs missed tests/ppo's float rule while verl itself in float32 met it).
+TEST_CASE("float: rollout_is_std of weights near 1 over a large batch is the double one to 1e-4") {
+  // std 0.01 around 1 over 32,768 tokens: E[w^2] - E[w]^2 = 1e-4 cancels four digits, and a float
+  // running sum over 32,768 terms near 1 is off by more than that.
+  const auto log_ratio = random_matrix<double>(64, 512, 31, 0.01);
+  const RowMatrix<double> mask = RowMatrix<double>::Ones(64, 512);
+  ppo::RolloutIsOptions options;
+  options.level = ppo::RolloutIsLevel::token;
+  options.threshold.upper = 2.0;
+  const auto d = ppo::compute_rollout_correction_weights<double>(log_ratio, mask, options);
+  const RowMatrix<float> log_ratio_f = log_ratio.cast<float>(), mask_f = mask.cast<float>();
+  const auto f = ppo::compute_rollout_correction_weights<float>(log_ratio_f, mask_f, options);
+  for (const char* key : {"rollout_is_std", "rollout_is_mean", "rollout_is_eff_sample_size"}) {
+    CAPTURE(key);
+    const double want = d.metrics.at(key), got = f.metrics.at(key);
+    CHECK(std::abs(got - want) <= 1e-4 * std::abs(want));
+  }
+}
+
+TEST_CASE("float: the entropy gradient of logits far from 0 is the double one to float precision") {
+  // Logits 1000 + N(0, 8): sum_j p_j z_j is about 1000, and z_k minus it cancels about 14 bits in
+  // float unless both are taken about max_j z_j.
+  RowMatrix<double> logits = random_matrix<double>(6, 33, 41, 8.0);
+  logits.array() += 1000.0;
+  const RowMatrix<double> mask = RowMatrix<double>::Ones(2, 3);
+  const auto d = ppo::compute_entropy_loss<double>(logits, mask);
+  // The float run sees the logits rounded to float; so does the double reference here.
+  const RowMatrix<float> logits_f = logits.cast<float>(), mask_f = mask.cast<float>();
+  const RowMatrix<double> logits_rounded = logits_f.cast<double>();
+  const auto dr = ppo::compute_entropy_loss<double>(logits_rounded, mask);
+  const auto f = ppo::compute_entropy_loss<float>(logits_f, mask_f);
+  const double scale = dr.grad_logits.cwiseAbs().maxCoeff();
+  CHECK(scale > 1e-3);
+  CHECK((f.grad_logits.cast<double>() - dr.grad_logits).cwiseAbs().maxCoeff() <= 1e-5 * scale);
+  CHECK((dr.grad_logits - d.grad_logits).cwiseAbs().maxCoeff() <= 1e-3 * scale);  // the rounding's own effect
+}
+
+TEST_CASE("float: token-sum and seq-mean aggregation of 131,072 terms is the double one to 1e-6") {
+  auto loss = random_matrix<double>(64, 2048, 51, 0.1);
+  loss.array() += 1.0;  // a running float sum near 131,072 keeps 1/128 of each term's last bit
+  const RowMatrix<double> mask = RowMatrix<double>::Ones(64, 2048);
+  const RowMatrix<float> loss_f = loss.cast<float>(), mask_f = mask.cast<float>();
+  const RowMatrix<double> loss_rounded = loss_f.cast<double>();
+  for (auto mode : {ppo::LossAggMode::token_sum, ppo::LossAggMode::token_mean, ppo::LossAggMode::seq_mean_token_sum}) {
+    CAPTURE(ppo::to_string(mode));
+    const double want = ppo::agg_loss<double>(loss_rounded, mask, mode);
+    const double got = ppo::agg_loss<float>(loss_f, mask_f, mode);
+    CHECK(std::abs(got - want) <= 1e-6 * std::abs(want));
+  }
+}

@@ -164,17 +164,14 @@ T aggregate_with(const MatrixRef<T>& loss_mat, const MatrixRef<T>& loss_mask, Lo
     if (mode == LossAggMode::token_sum) return total * dp;
     return total * row_weights[0];
   }
-  T total = 0;
+  double total = 0;  // in double whatever T, as masked_sum_unchecked
   for (Eigen::Index i = 0; i < loss_mat.rows(); ++i) {
     if (row_weights[i] == T(0)) continue;
-    T row = 0;
-    for (Eigen::Index j = 0; j < loss_mat.cols(); ++j) {
-      const T m = loss_mask(i, j);
-      if (m != T(0)) row += loss_mat(i, j) * m;
-    }
-    total += row * row_weights[i];
+    const double row =
+        kernels::ppo::masked_sum<double>(loss_mat.row(i).data(), loss_mask.row(i).data(), loss_mat.cols(), 0.0);
+    total += row * static_cast<double>(row_weights[i]);
   }
-  return total;
+  return static_cast<T>(total);
 }
 
 }  // namespace detail

@@ -70,13 +70,14 @@ void require_output(std::string_view function, std::string_view name, const Out&
 }
 
 // sum over (i, j) with mask != 0 of values * mask; the "where" keeps NaN in padding out of the sum.
-// One sum in T, row after row (kernels::ppo::masked_sum).
+// One sum in double whatever T, row after row (kernels::ppo::masked_sum): a float sum of many
+// terms in one running total loses digits that torch's blocked float reductions keep.
 template <class T>
 T masked_sum_unchecked(const MatrixRef<T>& values, const MatrixRef<T>& mask) {
-  T total = 0;
+  double total = 0;
   for (Eigen::Index i = 0; i < values.rows(); ++i)
-    total = kernels::ppo::masked_sum<T>(values.row(i).data(), mask.row(i).data(), values.cols(), total);
-  return total;
+    total = kernels::ppo::masked_sum<double>(values.row(i).data(), mask.row(i).data(), values.cols(), total);
+  return static_cast<T>(total);
 }
 
 // The (possibly biased by 1e-8) mean and the unbiased variance that masked_whiten uses.

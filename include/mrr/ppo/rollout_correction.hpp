@@ -145,21 +145,23 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
       out.weights(i, j) = kernels::ppo::rollout_is_weight(r, lower, upper, icepop);
     }
 
-  // Diagnostics, from the weights before batch normalisation.
+  // Diagnostics, from the weights before batch normalisation. Means accumulate in double whatever T:
+  // the std below is E[w^2] - E[w]^2, which cancels, and a float running sum over the batch loses
+  // the digits it needs.
   const T eps = T(detail::kMaskCountEpsilon);
   const T count = response_mask.sum();
   const auto masked_mean_of = [&](auto&& value) {
-    T sum = 0;
+    double sum = 0;
     for (Eigen::Index i = 0; i < rows; ++i)
       for (Eigen::Index j = 0; j < cols; ++j) {
         const T m = response_mask(i, j);
-        if (m != T(0)) sum += value(i, j) * m;
+        if (m != T(0)) sum += static_cast<double>(value(i, j)) * static_cast<double>(m);
       }
-    return sum / (count + eps);
+    return sum / (static_cast<double>(count) + detail::kMaskCountEpsilon);
   };
   const auto& w = out.weights;
   auto& metrics = out.metrics;
-  metrics["rollout_is_mean"] = masked_mean_of([&](Eigen::Index i, Eigen::Index j) { return w(i, j); });
+  metrics["rollout_is_mean"] = static_cast<T>(masked_mean_of([&](Eigen::Index i, Eigen::Index j) { return w(i, j); }));
   if (sequence_level) {
     metrics["rollout_is_max"] = std::exp(std::min(sequence_log_ratio.maxCoeff(), bound));
     metrics["rollout_is_min"] = std::exp(sequence_log_ratio.minCoeff());
@@ -170,9 +172,9 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
         static_cast<double>((sequence_log_ratio.array() < log_lower).count()) / static_cast<double>(rows));
   } else {
     metrics["rollout_is_ratio_fraction_high"] =
-        masked_mean_of([&](Eigen::Index i, Eigen::Index j) { return T(raw(i, j) > upper ? 1 : 0); });
+        static_cast<T>(masked_mean_of([&](Eigen::Index i, Eigen::Index j) { return T(raw(i, j) > upper ? 1 : 0); }));
     metrics["rollout_is_ratio_fraction_low"] =
-        masked_mean_of([&](Eigen::Index i, Eigen::Index j) { return T(raw(i, j) < lower ? 1 : 0); });
+        static_cast<T>(masked_mean_of([&](Eigen::Index i, Eigen::Index j) { return T(raw(i, j) < lower ? 1 : 0); }));
     T max = -std::numeric_limits<T>::infinity(), min = std::numeric_limits<T>::infinity();
     for (Eigen::Index i = 0; i < rows; ++i)
       for (Eigen::Index j = 0; j < cols; ++j)
@@ -184,17 +186,22 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
     metrics["rollout_is_min"] = min;
   }
   const auto clamped = [&](Eigen::Index i, Eigen::Index j) { return std::clamp(w(i, j), T(0), upper); };
-  const T clamped_mean = masked_mean_of(clamped);
+  const double clamped_mean_exact = masked_mean_of(clamped);
+  const T clamped_mean = static_cast<T>(clamped_mean_exact);
   if (count > T(1)) {
-    const T second = masked_mean_of([&](Eigen::Index i, Eigen::Index j) { return clamped(i, j) * clamped(i, j); });
-    metrics["rollout_is_std"] = std::sqrt(std::max(second - clamped_mean * clamped_mean, T(0)));
+    const double second = masked_mean_of([&](Eigen::Index i, Eigen::Index j) {
+      const double c = clamped(i, j);
+      return c * c;
+    });
+    metrics["rollout_is_std"] =
+        static_cast<T>(std::sqrt(std::max(second - clamped_mean_exact * clamped_mean_exact, 0.0)));
   } else {
     metrics["rollout_is_std"] = T(0);
   }
-  metrics["rollout_is_eff_sample_size"] = T(1) / masked_mean_of([&](Eigen::Index i, Eigen::Index j) {
-                                            const T normalized = clamped(i, j) / (clamped_mean + eps);
-                                            return normalized * normalized;
-                                          });
+  metrics["rollout_is_eff_sample_size"] = static_cast<T>(1.0 / masked_mean_of([&](Eigen::Index i, Eigen::Index j) {
+                                                           const T normalized = clamped(i, j) / (clamped_mean + eps);
+                                                           return normalized * normalized;
+                                                         }));
   const Vector<T> sequence_mean = masked_row_mean<T>(w, response_mask);
   const Vector<T> raw_sequence_mean = masked_row_mean<T>(raw, response_mask);
   const T seq_avg = sequence_mean.mean();
@@ -211,8 +218,8 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
   metrics["rollout_is_seq_fraction_low"] =
       static_cast<T>(static_cast<double>((raw_sequence_mean.array() < lower).count()) / static_cast<double>(rows));
   if (icepop)
-    metrics["rollout_is_oob_ratio"] = masked_mean_of(
-        [&](Eigen::Index i, Eigen::Index j) { return T(raw(i, j) < lower || raw(i, j) > upper ? 1 : 0); });
+    metrics["rollout_is_oob_ratio"] = static_cast<T>(masked_mean_of(
+        [&](Eigen::Index i, Eigen::Index j) { return T(raw(i, j) < lower || raw(i, j) > upper ? 1 : 0); }));
 
   if (options.batch_normalize) {
     T batch_mean;

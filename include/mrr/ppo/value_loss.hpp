@@ -75,7 +75,7 @@ struct EntropyLossResult {
 
 // agg(entropy(softmax(logits))). logits has one row per token in row-major (batch, length)
 // order, i.e. batch * length rows and vocabulary columns; response_mask is [batch, length].
-// dH/dz_k = -p_k (z_k - sum_j p_j z_j).
+// dH/dz_k = -p_k (z_k - sum_j p_j z_j), computed about max_j z_j.
 template <class T>
 EntropyLossResult<T> compute_entropy_loss(MatrixRef<T> logits, MatrixRef<T> response_mask,
                                           LossAggMode loss_agg_mode = LossAggMode::token_mean,
@@ -105,15 +105,17 @@ EntropyLossResult<T> compute_entropy_loss(MatrixRef<T> logits, MatrixRef<T> resp
     T sum = 0;
     for (Eigen::Index k = 0; k < vocab; ++k)
       sum += std::exp(z[k] - max);
-    T mean_logit = 0;  // sum_j p_j z_j, over finite-probability entries
+    // sum_j p_j (z_j - max), over finite-probability entries: about the shifted logits, so that
+    // z_k - sum_j p_j z_j below does not cancel two large numbers (logits of a wide range in float).
+    T mean_shifted = 0;
     for (Eigen::Index k = 0; k < vocab; ++k) {
       const T p = std::exp(z[k] - max) / sum;
-      if (p != T(0)) mean_logit += p * z[k];
+      if (p != T(0)) mean_shifted += p * (z[k] - max);
     }
     const T scale = row_weights[i] * m;
     for (Eigen::Index k = 0; k < vocab; ++k) {
       const T p = std::exp(z[k] - max) / sum;
-      out.grad_logits(t, k) = p != T(0) ? -scale * p * (z[k] - mean_logit) : T(0);
+      out.grad_logits(t, k) = p != T(0) ? -scale * p * ((z[k] - max) - mean_shifted) : T(0);
     }
   }
   return out;
