@@ -436,16 +436,16 @@ TEST_CASE(
             case 0:
               v[e] = normal(rng);
               break;
-            case 1:
+            case 1:  // many exact ties
               v[e] = static_cast<float>(small(rng));
-              break;  // many exact ties
+              break;
             case 2:
               v[e] = e % 3 == 0 ? -std::numeric_limits<float>::infinity() : normal(rng);
               break;
-            case 3:
+            case 3:  // ascending: the best last
               v[e] = static_cast<float>(e);
-              break;  // ascending: the best last
-            default:
+              break;
+            default:  // small values under the strided large ones below
               v[e] = 0.01f * normal(rng);
               break;
           }
