@@ -8,11 +8,16 @@
 
 #include "temp_dir.hpp"
 
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -389,4 +394,193 @@ TEST_CASE("a file truncated under a reader is an error even for the records it k
   REQUIRE(reader.read_cache_used() > 0);  // the record is kept: layer 1 needs no read
   std::filesystem::resize_file(dir / "r.mrr", mrr::route_file::kHeaderBytes + 300);
   CHECK_THROWS_WITH_AS(reader.lookup(1, layout, out, found), doctest::Contains("truncated"), mrr::RouteFileError);
+}
+
+namespace {
+
+// The offset of the routes record of sequence `uid` and layer `layer` in a route file (read from
+// the record headers, docs/route-file-format.md), or -1.
+std::int64_t record_offset(const std::filesystem::path& path, mrr::SequenceId uid, int layer) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  auto get = [&](std::size_t at, int n) {
+    std::uint64_t v = 0;
+    for (int b = 0; b < n; ++b)
+      v |= std::uint64_t{bytes[at + static_cast<std::size_t>(b)]} << (8 * b);
+    return v;
+  };
+  for (std::size_t at = mrr::route_file::kHeaderBytes; at + mrr::route_file::kRecordHeaderBytes <= bytes.size();) {
+    if (get(at + 4, 2) == 1 && get(at + 16, 8) == uid && static_cast<int>(get(at + 36, 2)) == layer)
+      return static_cast<std::int64_t>(at);
+    at += mrr::route_file::record_bytes(get(at + 8, 8));
+  }
+  return -1;
+}
+
+void flip_byte(const std::filesystem::path& path, std::int64_t at) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(at);
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x10);
+  f.seekp(at);
+  f.write(&c, 1);
+}
+
+}  // namespace
+
+// A lookup that takes whole records of one layer (R2's, a micro-batch of whole sequences) reads
+// the records that follow one another in the file at once: straight into the output when its ids
+// are the file's bytes (the headers apart), else into the read buffer in pieces of at most
+// kReadChunk. Groups of hundreds of records (more than one scatter read holds), records whose
+// payload needs padding, the same sequence twice in a layout, layouts in any order and records a
+// lookup takes only part of: the memory store's ids, in every output type and id width.
+TEST_CASE("lookups read records that follow one another in the file at once: the memory store's ids") {
+  for (const mrr::RouteShape shape : {mrr::RouteShape{256, 3, 3}, mrr::RouteShape{64, 2, 8}, mrr::RouteShape{300, 2, 2},
+                                      mrr::RouteShape{70000, 2, 3}}) {
+    CAPTURE(shape.to_string());
+    mrr::test::TempDir dir;
+    mrr::MemoryRouteStore memory(shape);
+    std::mt19937 rng(29);
+    std::uniform_int_distribution<int> expert(0, shape.num_experts - 1);
+    // 420 short sequences (1 to 7 tokens: most payloads padded), then 40 of 2,000 to 2,999 tokens
+    // (their records add up to more than kReadChunk), each micro-batch recorded layer by layer.
+    std::vector<mrr::TokenLayout> batches;
+    for (const auto& [first_uid, count, min_len, max_len] :
+         {std::tuple{0, 420, 1, 7}, std::tuple{1000, 40, 2000, 2999}}) {
+      std::uniform_int_distribution<int> len(min_len, max_len);
+      std::vector<mrr::SequenceId> uids;
+      std::vector<std::int64_t> cu{0};
+      for (int s = 0; s < count; ++s) {
+        uids.push_back(static_cast<mrr::SequenceId>(first_uid + s));
+        cu.push_back(cu.back() + len(rng));
+      }
+      batches.push_back(mrr::TokenLayout::packed(uids, cu));
+    }
+    {
+      auto file = mrr::FileRouteStore::create(dir / "r.mrr", shape);
+      for (const auto& layout : batches)
+        for (int l = 0; l < shape.num_layers; ++l) {
+          mrr::ExpertIds ids(static_cast<Eigen::Index>(layout.size()), shape.topk);
+          for (Eigen::Index i = 0; i < ids.size(); ++i)
+            ids.data()[i] = expert(rng);
+          memory.record(l, layout, ids);
+          file.record(l, layout, ids);
+        }
+      file.close();
+    }
+    auto reader = mrr::FileRouteStore::open(dir / "r.mrr", shape);
+    std::vector<mrr::TokenLayout> probes = batches;
+    {  // every sequence of both batches, last first, one of them twice, and one cut short
+      std::vector<mrr::TokenKey> keys;
+      for (int b = 1; b >= 0; --b)
+        for (const mrr::TokenRun& run : std::vector<mrr::TokenRun>(batches[static_cast<std::size_t>(b)].runs().rbegin(),
+                                                                   batches[static_cast<std::size_t>(b)].runs().rend()))
+          for (std::size_t t = 0; t < run.count; ++t)
+            keys.push_back({run.uid, run.first_position + static_cast<std::int64_t>(t)});
+      for (std::int64_t p = 0; p < 5; ++p)
+        keys.push_back({1003, p});                        // part of a record
+      for (const mrr::TokenRun& run : batches[0].runs())  // sequence 17 again
+        if (run.uid == 17)
+          for (std::size_t t = 0; t < run.count; ++t)
+            keys.push_back({17, static_cast<std::int64_t>(t)});
+      probes.emplace_back(keys);
+    }
+    for (const auto& probe : probes) {
+      reader.release_cache();  // each probe reads and verifies the records afresh
+      CHECK(same_lookups(reader, memory, probe) == same_lookups(memory, memory, probe));
+    }
+  }
+}
+
+// A damaged record among records read at once is an error at every lookup that reads it, into
+// every output type, and never marked verified; the records around it read as recorded. A file
+// cut short under a reader is an error there too.
+TEST_CASE("a damaged record among records read at once: an error every time, the others exact") {
+  for (const mrr::RouteShape shape : {mrr::RouteShape{256, 2, 3}, mrr::RouteShape{70000, 2, 3}}) {
+    CAPTURE(shape.to_string());
+    mrr::test::TempDir dir;
+    std::vector<mrr::SequenceId> uids;
+    std::vector<std::int64_t> cu{0};
+    for (int s = 0; s < 30; ++s) {
+      uids.push_back(static_cast<mrr::SequenceId>(s));
+      cu.push_back(cu.back() + 5 + s);
+    }
+    const auto layout = mrr::TokenLayout::packed(uids, cu);
+    std::vector<mrr::ExpertIds> recorded;
+    {
+      auto file = mrr::FileRouteStore::create(dir / "r.mrr", shape);
+      for (int l = 0; l < 2; ++l) {
+        mrr::ExpertIds ids(static_cast<Eigen::Index>(layout.size()), shape.topk);
+        for (Eigen::Index i = 0; i < ids.size(); ++i)
+          ids.data()[i] = static_cast<std::int32_t>((i * 7919 + l) % shape.num_experts);
+        file.record(l, layout, ids);
+        recorded.push_back(ids);
+      }
+      file.close();
+    }
+    const std::int64_t at = record_offset(dir / "r.mrr", 14, 1);  // in the middle of layer 1's records
+    REQUIRE(at > 0);
+    for (const std::int64_t byte : {std::int64_t{3}, std::int64_t{mrr::route_file::kRecordHeaderBytes + 10}}) {
+      CAPTURE(byte);  // a header byte, then a payload byte
+      flip_byte(dir / "r.mrr", at + byte);
+      auto reader = mrr::FileRouteStore::open(dir / "r.mrr", shape);
+      mrr::ExpertIds out;
+      mrr::RowMatrix<std::uint8_t> narrow;
+      mrr::RowMatrix<std::int64_t> wide;
+      std::vector<std::uint8_t> found;
+      for (int round = 0; round < 2; ++round) {  // never marked verified
+        CHECK_THROWS_AS(reader.lookup(1, layout, out, found), mrr::RouteFileError);
+        CHECK_THROWS_AS(reader.lookup(1, layout, wide, found), mrr::RouteFileError);
+        if (shape.num_experts <= 256) CHECK_THROWS_AS(reader.lookup(1, layout, narrow, found), mrr::RouteFileError);
+      }
+      CHECK(reader.lookup(0, layout, out, found) == layout.size());  // the other layer: as recorded
+      CHECK(out == recorded[0]);
+      std::vector<mrr::TokenKey> others;  // layer 1 without sequence 14: as recorded
+      std::vector<Eigen::Index> rows;
+      for (const mrr::TokenRun& run : layout.runs())
+        if (run.uid != 14)
+          for (std::size_t t = 0; t < run.count; ++t) {
+            others.push_back({run.uid, run.first_position + static_cast<std::int64_t>(t)});
+            rows.push_back(static_cast<Eigen::Index>(run.first_row + t));
+          }
+      CHECK(reader.lookup(1, mrr::TokenLayout(others), out, found) == others.size());
+      CHECK(out == recorded[1](rows, Eigen::all));
+      flip_byte(dir / "r.mrr", at + byte);  // undone
+    }
+    auto reader = mrr::FileRouteStore::open(dir / "r.mrr", shape);
+    std::filesystem::resize_file(dir / "r.mrr", static_cast<std::uintmax_t>(at + 100));
+    mrr::ExpertIds out;
+    std::vector<std::uint8_t> found;
+    CHECK_THROWS_WITH_AS(reader.lookup(1, layout, out, found), doctest::Contains("truncated"), mrr::RouteFileError);
+  }
+}
+
+// A record of several layers is kept layer-major (split_layers): every row where the definition
+// puts it, for the row sizes with their own loops (8-byte rows go in 2 x 2 blocks) and others,
+// odd and even token and layer counts, and records larger than one block of tokens.
+TEST_CASE("split_layers puts every row of a [tokens, layers] record at [layer, token]") {
+  for (const auto& [k, width] : {std::pair{8, 1}, std::pair{4, 2}, std::pair{4, 1}, std::pair{6, 1}, std::pair{3, 4},
+                                 std::pair{16, 1}, std::pair{3, 1}}) {
+    mrr::route_file::FileHeader h;
+    h.shape = {width == 1 ? 256 : width == 2 ? 65536 : 70000, 64, k};
+    h.id_width = static_cast<std::uint8_t>(width);
+    const mrr::detail::RouteCodec codec(h);
+    const std::size_t rb = codec.row_bytes();
+    for (const std::size_t tokens : {1, 2, 3, 63, 64, 65, 130, 1001})
+      for (const std::size_t layers : {1, 2, 3, 47, 48}) {
+        CAPTURE(rb);
+        CAPTURE(tokens);
+        CAPTURE(layers);
+        std::vector<unsigned char> payload(tokens * layers * rb), out(payload.size(), 0xEE);
+        for (std::size_t i = 0; i < payload.size(); ++i)
+          payload[i] = static_cast<unsigned char>(i * 131 + i / 251);
+        codec.split_layers(payload.data(), tokens, layers, out.data());
+        std::size_t wrong = 0;
+        for (std::size_t t = 0; t < tokens; ++t)
+          for (std::size_t l = 0; l < layers; ++l)
+            wrong += std::memcmp(out.data() + (l * tokens + t) * rb, payload.data() + (t * layers + l) * rb, rb) != 0;
+        CHECK(wrong == 0);
+      }
+  }
 }

@@ -9,6 +9,7 @@
 
 #include "temp_dir.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -347,4 +348,45 @@ TEST_CASE("a version-2 index entry that disagrees with its record's header is da
   put_bytes(path, good);
   const auto store = mrr::FileRouteStore::open(path, shape);
   check_span(store, 5, 0, 100);
+}
+
+// The record checksum's XXH3 runs AVX2 kernels when the CPU has them (mrr/detail/xxhash.hpp):
+// streamed in any pieces, from any alignment, it is the one-shot baseline XXH3 of the same bytes.
+TEST_CASE("XXH3 streamed with the kernels this CPU runs is the baseline XXH3, for every length and split") {
+  const std::string kernels = mrr::detail::xxh3_uses_avx2() ? "AVX2 (chosen at run time)" : "baseline";
+  MESSAGE("XXH3 kernels: " << kernels);
+  std::vector<unsigned char> data(70000 + 64);
+  std::uint64_t x = 0x9E3779B97F4A7C15u;
+  for (auto& b : data) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<unsigned char>(x);
+  }
+  std::vector<std::size_t> lengths;
+  for (std::size_t n = 0; n <= 1100; ++n)
+    lengths.push_back(n);
+  for (const std::size_t n : {4095, 4096, 4097, 16384, 16441, 65536, 70000})
+    lengths.push_back(n);
+  std::size_t checked = 0, wrong = 0;
+  for (const std::size_t n : lengths)
+    for (const std::size_t align : {0, 1, 7, 32}) {
+      const unsigned char* p = data.data() + align;
+      const XXH64_hash_t want = XXH3_64bits(p, n);
+      for (const std::size_t piece :
+           {n + 1, std::size_t{1}, std::size_t{40}, std::size_t{255}, std::size_t{1024}, std::size_t{16384}}) {
+        if (piece == 1 && n > 2000) continue;
+        for (const bool portable : {false, true}) {
+          XXH3_state_t state;
+          XXH3_64bits_reset(&state);
+          for (std::size_t at = 0; at < n; at += piece)
+            mrr::detail::xxh3_update(&state, p + at, std::min(piece, n - at), portable);
+          ++checked;
+          if (XXH3_64bits_digest(&state) != want && wrong++ == 0)
+            FAIL_CHECK("length " << n << ", alignment " << align << ", pieces of " << piece
+                                 << (portable ? ", baseline kernels" : ", this CPU's kernels"));
+        }
+      }
+    }
+  CHECK(wrong == 0);
+  CHECK(checked == lengths.size() * 4 * 6 * 2 -
+                       4 * 2 * std::count_if(lengths.begin(), lengths.end(), [](std::size_t n) { return n > 2000; }));
 }

@@ -4,26 +4,9 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/xxhash.hpp>
 #include <mrr/error.hpp>
 #include <mrr/replay/shape.hpp>
-
-#if !__has_include(<xxhash.h>)
-#error "mrr/replay/file_format.hpp needs xxHash for record checksums (Debian/Ubuntu: apt-get install libxxhash-dev)"
-#endif
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#endif
-// GCC's -Warray-bounds misfires inside xxHash's inlined streaming code at -O3 (a false positive
-// on its internal buffer); the pragma covers only xxhash.h's own lines.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Warray-bounds"
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-#endif
-#include <xxhash.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 #include <bit>
 #include <cstdint>
@@ -152,7 +135,7 @@ class RecordChecksum {
   RecordChecksum(std::uint16_t version, const unsigned char* header /* kRecordHeaderBytes */) : xxh3_(version >= 2) {
     if (xxh3_) {
       XXH3_64bits_reset(&state_.xxh3);
-      XXH3_64bits_update(&state_.xxh3, header, kChecksummedHeaderBytes);
+      mrr::detail::xxh3_update(&state_.xxh3, header, kChecksummedHeaderBytes);
     } else {
       XXH64_reset(&state_.xxh64, 0);
       XXH64_update(&state_.xxh64, header, kChecksummedHeaderBytes);
@@ -161,7 +144,7 @@ class RecordChecksum {
   void update(const void* payload, std::size_t bytes) {
     if (bytes == 0) return;
     if (xxh3_)
-      XXH3_64bits_update(&state_.xxh3, payload, bytes);
+      mrr::detail::xxh3_update(&state_.xxh3, payload, bytes);
     else
       XXH64_update(&state_.xxh64, payload, bytes);
   }

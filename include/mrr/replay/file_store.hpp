@@ -3,11 +3,11 @@
 // one write before it returns, so a writer killed at any point loses at most the record it was
 // writing; reopening recovers every complete record and reports the torn tail. A damaged record
 // is an error when read, never wrong ids. Reads are positioned reads (pread) in chunks of at most
-// kReadChunk bytes, decoded into the caller's output; the store keeps only where each sequence's
-// rows are, not a decoded copy. A file truncated or replaced underneath an open store is an
-// error, never a crash (no mapping to fault on) and never another file's ids (the header, with
-// its random file id, is compared after reading). Format: docs/route-file-format.md. Not
-// thread-safe.
+// kReadChunk bytes, decoded into the caller's output (records that follow one another in the file
+// in one scatter read, straight into the output when its ids are the file's bytes); the store
+// keeps only where each sequence's rows are, not a decoded copy. A file truncated or replaced underneath an open store
+// is an error, never a crash (no mapping to fault on) and never another file's ids (the header, with its random file
+// id, is compared after reading). Format: docs/route-file-format.md. Not thread-safe.
 //
 // FileRouteStore is the facade over three parts under replay/detail/: the POSIX file
 // (route_file_handle.hpp: open, lock, positioned I/O, identity checks), the record codec
@@ -33,7 +33,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -308,10 +310,12 @@ class FileRouteStore final {
 
  public:
   // As MemoryRouteStore::lookup. Ids are read from the file in chunks and decoded into `out`; each
-  // record is verified (checksum, id range) before any of its ids is used, from the read that
-  // decodes it when it fits one (records that overlap are verified and compared when their
-  // sequence is first used). No allocation once `out`, `found`, the read buffer and the sequence's index are
-  // sized. Throws RouteFileError when the file was truncated or replaced since it was opened.
+  // record is verified (checksum, id range) before the lookup returns any of its ids, from the
+  // read that decodes it when it fits one (records that overlap are verified and compared when
+  // their sequence is first used). Records of one layer taken whole are read after the runs, those
+  // adjacent in the file at once (read_whole_records). If it throws, `out` holds what was read. No allocation once
+  // `out`, `found`, the read buffer and the sequence's index are sized. Throws RouteFileError when the file was
+  // truncated or replaced since it was opened.
   //
   // Id: int32 (ExpertIds, what the routers take), int64 (torch's topk), or the narrow uint8 /
   // uint16 of rollout engines (vLLM's routed_experts) when every expert id fits it: a file of 1-byte
@@ -329,6 +333,7 @@ class FileRouteStore final {
     found.assign(rows, 0);
     std::size_t hits = 0;
     bool read_any = false, held_any = false;
+    whole_reads_.clear();
     for (const TokenRun& run : layout.runs()) {
       SequenceIndex* seq = ensure_loaded(run.uid, &read_any, /*lazy=*/true);
       if (seq == nullptr) continue;
@@ -359,6 +364,14 @@ class FileRouteStore final {
             return;
           }
         }
+        // A record of one layer whose rows this lookup takes whole: read after the runs, with the
+        // lookup's other such records (read_whole_records).
+        if (s.stride == row_bytes && a == s.first && b == s.end() &&
+            defers_whole_read<Id>(route_file::kRecordHeaderBytes + std::uint64_t{s.count} * row_bytes)) {
+          whole_reads_.push_back({s.record, seq, codec_.routes_header(run.uid, s.first, s.count, s.layer, 1),
+                                  run.first_row + static_cast<std::size_t>(a - run.first_position)});
+          return;
+        }
         // A record read for the first time is verified before any of its ids is used; when it
         // fits one read, the ids are decoded from that same read.
         if (const unsigned char* record = verify_on_first_read(*seq, s.record)) {
@@ -369,6 +382,7 @@ class FileRouteStore final {
         for_each_row_chunk(s, a, b, read_buffer_, decode);
       });
     }
+    if (!whole_reads_.empty()) read_whole_records(out.data(), found.data());
     if (hits > 0 || read_any) file_.check_unchanged(fn);  // what was read is this file's, not a replacement's
     if (held_any) file_.check_not_truncated(fn, end_);    // as a read of the kept records would
     if (hits != rows)
@@ -875,6 +889,102 @@ class FileRouteStore final {
     return record;
   }
 
+  // lookup()'s records of one layer whose rows it takes whole (R2 records, and a replay's
+  // micro-batch that holds whole sequences). Sorted by offset, records that follow one another in
+  // the file (R2 writes a layer's records of a micro-batch in one write) are read in one system
+  // call: into the caller's output directly when its ids are the file's bytes (the 56-byte
+  // headers elsewhere), else into read_buffer_ and decoded from there. A record read for the first
+  // time is verified (its header against what the index says, checksum, id range) before the
+  // lookup returns, and only then marked verified; a damaged one throws RouteFileError (the
+  // output then holds what was read, as after any lookup that throws). Every header read is
+  // checked against the record's rows.
+  struct WholeRead {
+    std::uint64_t offset;
+    SequenceIndex* seq;               // loaded_ holds it (node-based: stable across inserts)
+    route_file::RecordHeader header;  // the record's rows, as its sequence's index says
+    std::size_t row;                  // its first position's row in the output
+  };
+
+  // Whether lookup() defers reading a record of `bytes` into ids of type Id: always when the
+  // output takes the file's bytes as they are, else when it fits read_buffer_ (larger ones are
+  // verified and decoded in chunks where they are met).
+  template <class Id>
+  bool defers_whole_read(std::uint64_t bytes) const {
+    return ids_are_bytes<Id>() || route_file::padded(bytes) <= kReadChunk;
+  }
+  template <class Id>
+  bool ids_are_bytes() const {
+    return sizeof(Id) == codec_.id_width() && std::endian::native == std::endian::little;
+  }
+
+  template <class Id>
+  void read_whole_records(Id* out, std::uint8_t* found) const {
+    auto& reads = whole_reads_;
+    std::sort(reads.begin(), reads.end(), [](const WholeRead& x, const WholeRead& y) { return x.offset < y.offset; });
+    const std::size_t k = static_cast<std::size_t>(shape().topk), row_bytes = codec_.row_bytes();
+    const bool direct = ids_are_bytes<Id>();
+    for (std::size_t i = 0; i < reads.size();) {
+      // reads[i, j): records end to end in the file (the same record twice rides along), read at once.
+      const std::uint64_t from = reads[i].offset;
+      std::uint64_t to = from + route_file::record_bytes(reads[i].header.payload_bytes);
+      int pieces = 3;
+      std::size_t j = i + 1;
+      for (; j < reads.size(); ++j) {
+        if (reads[j].offset == reads[j - 1].offset) continue;
+        const std::uint64_t end = reads[j].offset + route_file::record_bytes(reads[j].header.payload_bytes);
+        if (reads[j].offset != to ||
+            (direct ? pieces + 3 > detail::RouteFileHandle::kMaxReadPieces : end - from > kReadChunk))
+          break;
+        to = end;
+        pieces += 3;
+      }
+      auto& headers = whole_read_headers_;
+      const unsigned char* span = nullptr;  // the records as read, when not read into the output
+      if (direct) {
+        headers.resize(static_cast<std::size_t>(pieces / 3) * route_file::kRecordHeaderBytes);
+        auto& iov = read_pieces_;
+        iov.clear();
+        for (std::size_t r = i, h = 0; r < j; ++r) {
+          if (r > i && reads[r].offset == reads[r - 1].offset) continue;
+          const std::uint64_t payload = reads[r].header.payload_bytes;
+          iov.push_back({headers.data() + h++ * route_file::kRecordHeaderBytes, route_file::kRecordHeaderBytes});
+          iov.push_back({out + reads[r].row * k, static_cast<std::size_t>(payload)});
+          iov.push_back({read_padding_.data(), static_cast<std::size_t>(route_file::padded(payload) - payload)});
+        }
+        file_.read_exact(iov.data(), static_cast<int>(iov.size()), from);
+      } else {
+        span = file_.read_at(from, static_cast<std::size_t>(to - from), read_buffer_);
+      }
+      for (std::size_t r = i, h = 0; r < j; ++r) {
+        const WholeRead& w = reads[r];
+        const std::size_t n = w.header.num_tokens;
+        Id* dst = out + w.row * k;
+        if (r > i && w.offset == reads[r - 1].offset) {  // the same record again: its rows as read
+          if (direct)
+            std::memcpy(dst, out + reads[r - 1].row * k, n * row_bytes);
+          else
+            codec_.decode_rows(span + (w.offset - from) + route_file::kRecordHeaderBytes,
+                               static_cast<std::uint32_t>(row_bytes), n, dst);
+          std::memset(found + w.row, 1, n);
+          continue;
+        }
+        const unsigned char* record =
+            direct ? headers.data() + h++ * route_file::kRecordHeaderBytes : span + (w.offset - from);
+        const unsigned char* payload =
+            direct ? reinterpret_cast<const unsigned char*>(dst) : record + route_file::kRecordHeaderBytes;
+        unsigned char hb[route_file::kRecordHeaderBytes];
+        const auto h_read = header_again(w.offset, w.header, record, hb);
+        if (const auto it = w.seq->pending_at(w.offset); it != w.seq->unverified.end()) {
+          verify_record(h_read, hb, w.offset, payload, static_cast<std::size_t>(h_read.payload_bytes));
+          w.seq->unverified.erase(it);
+        }
+        if (!direct) codec_.decode_rows(payload, static_cast<std::uint32_t>(row_bytes), n, dst);
+        std::memset(found + w.row, 1, n);
+      }
+      i = j;
+    }
+  }
+
   // The rows of the record of segment s (one of several layers) in memory, layer-major ([layers,
   // tokens] rows): read whole once, verified then when it was not yet, and kept
   // (FileStoreOptions::read_cache_bytes). nullptr when it is not kept (the budget cannot hold it):
@@ -1013,6 +1123,10 @@ class FileRouteStore final {
   mutable std::vector<unsigned char> compare_buffer_;  // a second chunk, for comparisons
   mutable std::vector<route_file::RecordHeader> header_scratch_;  // record headers of a sequence being loaded
   mutable std::vector<detail::SequenceExtent> sparse_scratch_;
+  mutable std::vector<WholeRead> whole_reads_;             // lookup()'s records read after its runs
+  mutable std::vector<unsigned char> whole_read_headers_;  // their headers, read apart from their rows
+  mutable std::vector<iovec> read_pieces_;
+  mutable std::array<unsigned char, 8> read_padding_{};  // only written: pad bytes are not checked
   detail::RecordBatch write_batch_;  // reused across record calls
   std::vector<TokenRun> sorted_runs_;
   RouteFileRecovery recovery_;

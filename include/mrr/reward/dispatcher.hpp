@@ -25,10 +25,7 @@
 
 // xxHash (libxxhash-dev), header-only: its XXH3 value is fixed by the format specification, so
 // the deterministic tie-break picks the same worker on every platform and every run.
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
+#include <mrr/detail/xxhash.hpp>
 
 MRR_NAMESPACE_BEGIN
 namespace reward {

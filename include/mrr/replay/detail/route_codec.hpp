@@ -299,7 +299,28 @@ class RouteCodec {
     const std::size_t block = std::max<std::size_t>(8, (std::size_t{24} << 10) / (layers * rb));  // 64 at 48 x 8
     for (std::size_t t0 = 0; t0 < tokens; t0 += block) {
       const std::size_t t1 = t0 + block < tokens ? t0 + block : tokens;
-      for (std::size_t l = 0; l < layers; ++l)
+      std::size_t l = 0;
+#if defined(__SSE2__)
+      // 8-byte rows (top-8 of 1-byte ids, top-4 of 2-byte ones) in 2 x 2 blocks, two tokens of two
+      // layers: two 16-byte loads, two unpacks and two stores where rows took four of each. A third
+      // less time splitting an R3 record (perf, 64 records of 2,048 tokens x 48 layers).
+      if constexpr (RowBytes == 8) {
+        for (; l + 2 <= layers; l += 2) {
+          std::size_t t = t0;
+          for (; t + 2 <= t1; t += 2) {
+            const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(payload + (t * layers + l) * 8));
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(payload + ((t + 1) * layers + l) * 8));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (l * tokens + t) * 8), _mm_unpacklo_epi64(a, b));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out + ((l + 1) * tokens + t) * 8), _mm_unpackhi_epi64(a, b));
+          }
+          for (; t < t1; ++t) {
+            std::memcpy(out + (l * tokens + t) * 8, payload + (t * layers + l) * 8, 8);
+            std::memcpy(out + ((l + 1) * tokens + t) * 8, payload + (t * layers + l + 1) * 8, 8);
+          }
+        }
+      }
+#endif
+      for (; l < layers; ++l)
         for (std::size_t t = t0; t < t1; ++t)
           std::memcpy(out + (l * tokens + t) * rb, payload + (t * layers + l) * rb, rb);
     }

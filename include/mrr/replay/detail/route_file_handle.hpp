@@ -98,16 +98,25 @@ class RouteFileHandle {
     while (n > 0) {
       const ssize_t got = ::pread(fd_.get(), p, n, static_cast<off_t>(offset));
       if (got < 0 && errno == EINTR) continue;
-      if (got < 0)
-        throw RouteFileError(str("route file ", path_.string(), ": read failed at offset ", offset, ": ",
-                                 std::strerror(errno)));
-      if (got == 0)
-        throw RouteFileError(str("route file ", path_.string(), " ends at offset ", offset,
-                                 ", before bytes it held when opened: it was truncated or replaced while open; "
-                                 "refusing to return routes from it"));
+      if (got <= 0) throw_read_error(got, offset);
       p += got;
       n -= static_cast<std::size_t>(got);
       offset += static_cast<std::uint64_t>(got);
+    }
+  }
+
+  // The file's bytes from `offset` into `pieces` one after another (a scatter read: one preadv
+  // unless the kernel reads short), as read_exact. At most kMaxReadPieces pieces; empty ones are
+  // allowed. The pieces are consumed (their bases and lengths advance).
+  static constexpr int kMaxReadPieces = 1024;  // Linux's IOV_MAX
+  void read_exact(iovec* pieces, int count, std::uint64_t offset) const {
+    if (count > kMaxReadPieces) throw RouteFileError(str("mrr: internal error: a read of ", count, " pieces"));
+    for (skip_pieces(pieces, count, 0); count > 0;) {
+      const ssize_t got = ::preadv(fd_.get(), pieces, count, static_cast<off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) throw_read_error(got, offset);
+      offset += static_cast<std::uint64_t>(got);
+      skip_pieces(pieces, count, static_cast<std::size_t>(got));
     }
   }
 
@@ -135,12 +144,7 @@ class RouteFileHandle {
     std::copy_n(pieces, count, left);
     iovec* next = left;
     const std::uint64_t start = offset;
-    while (count > 0) {
-      if (next->iov_len == 0) {
-        ++next;
-        --count;
-        continue;
-      }
+    for (skip_pieces(next, count, 0); count > 0;) {
       const ssize_t put = ::pwritev(fd_.get(), next, count, static_cast<off_t>(offset));
       if (put < 0 && errno == EINTR) continue;
       if (put <= 0) {
@@ -150,16 +154,7 @@ class RouteFileHandle {
                                  std::strerror(err)));
       }
       offset += static_cast<std::uint64_t>(put);
-      for (auto done = static_cast<std::size_t>(put); done > 0;) {  // skip what was written
-        const std::size_t step = std::min(done, next->iov_len);
-        next->iov_base = static_cast<unsigned char*>(next->iov_base) + step;
-        next->iov_len -= step;
-        done -= step;
-        if (next->iov_len == 0) {
-          ++next;
-          --count;
-        }
-      }
+      skip_pieces(next, count, static_cast<std::size_t>(put));
     }
   }
 
@@ -223,6 +218,31 @@ class RouteFileHandle {
   }
 
  private:
+  // Advances `pieces` (count of them) past `done` bytes read or written, and past every empty
+  // piece after them.
+  static void skip_pieces(iovec*& pieces, int& count, std::size_t done) {
+    while (count > 0 && (done > 0 || pieces->iov_len == 0)) {
+      const std::size_t step = std::min(done, pieces->iov_len);
+      pieces->iov_base = static_cast<unsigned char*>(pieces->iov_base) + step;
+      pieces->iov_len -= step;
+      done -= step;
+      if (pieces->iov_len == 0) {
+        ++pieces;
+        --count;
+      }
+    }
+  }
+
+  // A read that failed (got < 0) or met the end of the file (got == 0) at `offset`.
+  [[noreturn]] void throw_read_error(ssize_t got, std::uint64_t offset) const {
+    if (got < 0)
+      throw RouteFileError(
+          str("route file ", path_.string(), ": read failed at offset ", offset, ": ", std::strerror(errno)));
+    throw RouteFileError(str("route file ", path_.string(), " ends at offset ", offset,
+                             ", before bytes it held when opened: it was truncated or replaced while open; "
+                             "refusing to return routes from it"));
+  }
+
   // Takes the one-writer lock on a freshly opened descriptor (closed if that fails) and records
   // the file's identity for check_still_ours.
   static RouteFileHandle locked(const std::filesystem::path& path, int fd) {
