@@ -294,6 +294,8 @@ int main() {
   const double bw = mrr::bench::copy_bandwidth();
   std::printf("route file: %d sequences x %d tokens x %d layers x k=%d, 1-byte ids = %.1f MB of ids\n", kSequences,
               kTokens, kLayers, kTopK, id_bytes / 1e6);
+  std::printf("record checksums: XXH3-64 with its %s kernels (mrr/detail/xxhash.hpp picks them at run time)\n",
+              mrr::detail::xxh3_uses_avx2() ? "AVX2" : "baseline (SSE2 on x86-64)");
   mrr::bench::print_table_header("route file (warm page cache, steady state), baselines fwrite/fread and np.save/np.load", bw);
 
   const auto write = mrr::bench::time_it(
