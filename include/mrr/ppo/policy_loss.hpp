@@ -39,7 +39,7 @@ inline PolicyLossKind parse_policy_loss(std::string_view name) {
   if (name == "dro") return PolicyLossKind::dro;
   if (name == "clip_cov" || name == "kl_cov" || name == "bypass_mode")
     mrr::detail::throw_invalid_argument("ppo::parse_policy_loss", "policy loss '", name,
-                                        "' exists in verl but is not implemented by mrr; implemented: vanilla, gspo, "
+                                        "' is one of verl's that mrr does not provide; mrr provides: vanilla, gspo, "
                                         "sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro");
   mrr::detail::throw_invalid_argument("ppo::parse_policy_loss", "unknown policy loss '", name,
                                       "'; expected vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl or dro");

@@ -62,7 +62,7 @@ inline AdvantageEstimator parse_advantage_estimator(std::string_view name) {
   if (name == "optimal_token_baseline" || name == "tir_optimal_token_baseline" || name == "gdpo")
     mrr::detail::throw_invalid_argument(
         "ppo::parse_advantage_estimator", "advantage estimator '", name,
-        "' exists in verl but is not implemented by mrr; implemented: ", advantage_estimator_list());
+        "' is one of verl's that mrr does not provide; mrr provides: ", advantage_estimator_list());
   mrr::detail::throw_invalid_argument("ppo::parse_advantage_estimator", "unknown advantage estimator '", name,
                                       "'; expected one of: ", advantage_estimator_list());
 }
