@@ -41,6 +41,10 @@
 #include <omp.h>
 #endif
 
+#ifndef MRR_BENCH_FLAGS
+#define MRR_BENCH_FLAGS "the toolchain's default target"
+#endif
+
 namespace {
 
 using Scalar = float;
@@ -243,8 +247,9 @@ int main() {
   }
   std::printf(
       "MoE layer, float32, median of %d runs; mrr = MoELayer<TopKRouter, SwiGLUExperts, SingleProcess, "
-      "MemoryRouteStore>\nratio = reference / mrr (> 1: mrr faster); of limit = mrr / GEMM limit\n",
-      reps());
+      "MemoryRouteStore>\nratio = reference / mrr (> 1: mrr faster); of limit = mrr / GEMM limit\n"
+      "mrr built with: %s\n",
+      reps(), MRR_BENCH_FLAGS);
   std::vector<Model> models;
   for (const auto& s : shapes)
     models.emplace_back(s);
