@@ -15,6 +15,7 @@
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -583,4 +584,55 @@ TEST_CASE("split_layers puts every row of a [tokens, layers] record at [layer, t
         CHECK(wrong == 0);
       }
   }
+}
+
+// Every widening of encoded ids a lookup runs (1-, 2- and 4-byte files into wider ids), in the
+// build's loop and, where the CPU has AVX2, the AVX2 loop decode_ids picks at run time: each id is
+// its little-endian encoding's value, for every length to past several vectors, at odd source and
+// output offsets, and nothing past n is written.
+template <class Src, class Id>
+void check_widening(std::vector<unsigned char>& bytes) {
+  CAPTURE(sizeof(Src));
+  CAPTURE(sizeof(Id));
+  using Widen = void (*)(const std::uint8_t*, std::size_t, Id*);
+  std::vector<std::pair<std::string, Widen>> loops{{"decode_ids", &mrr::detail::decode_ids<Src, Id>},
+                                                   {"build's loop", &mrr::detail::widen_ids<Src, Id>}};
+#if MRR_AVX2_DISPATCH
+  if (mrr::detail::cpu_has_avx2()) loops.emplace_back("AVX2 loop", &mrr::detail::widen_ids_avx2<Src, Id>);
+#endif
+  for (const auto& [name, widen] : loops) {
+    CAPTURE(name);
+    std::size_t wrong = 0, cases = 0;
+    for (std::size_t n = 0; n <= 300; ++n)
+      for (std::size_t src_off : {0, 1, 3})
+        for (std::size_t out_off : {0, 1}) {
+          std::vector<Id> out(n + out_off + 2, static_cast<Id>(0x55));
+          widen(bytes.data() + src_off, n, out.data() + out_off);
+          for (std::size_t i = 0; i < n; ++i) {
+            std::uint64_t v = 0;
+            for (std::size_t b = 0; b < sizeof(Src); ++b)
+              v |= static_cast<std::uint64_t>(bytes[src_off + i * sizeof(Src) + b]) << (8 * b);
+            wrong += static_cast<std::uint64_t>(out[out_off + i]) != v;
+          }
+          wrong += out[0] != static_cast<Id>(0x55) && out_off == 1;
+          wrong += out[n + out_off] != static_cast<Id>(0x55) || out[n + out_off + 1] != static_cast<Id>(0x55);
+          ++cases;
+        }
+    CHECK(cases == 301 * 6);
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("widening encoded ids: the build's loop and the AVX2 one give each id's value, for every length") {
+  std::vector<unsigned char> bytes(4 * 300 + 8);
+  std::mt19937 rng(11);
+  for (auto& b : bytes)
+    b = static_cast<unsigned char>(rng());
+  bytes[5] = 0xFF;  // the top bit set: widening is unsigned
+  check_widening<std::uint8_t, std::int32_t>(bytes);
+  check_widening<std::uint8_t, std::int64_t>(bytes);
+  check_widening<std::uint8_t, std::uint16_t>(bytes);
+  check_widening<std::uint16_t, std::int32_t>(bytes);
+  check_widening<std::uint16_t, std::int64_t>(bytes);
+  check_widening<std::uint32_t, std::int64_t>(bytes);
 }

@@ -7,18 +7,14 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/cpu_dispatch.hpp>
 #include <mrr/detail/vexp.hpp>
 
 #include <bit>
 #include <cstdint>
 #include <limits>
 
-#if !defined(MRR_NO_RUNTIME_DISPATCH) && !MRR_COMPILING_WITH_NVCC && (defined(__GNUC__) || defined(__clang__)) && \
-    (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX2__)
-#define MRR_SOFTMAX_TILE_AVX2 1
-#else
-#define MRR_SOFTMAX_TILE_AVX2 0
-#endif
+#define MRR_SOFTMAX_TILE_AVX2 MRR_AVX2_DISPATCH
 
 #if MRR_SOFTMAX_TILE_AVX2
 #include <immintrin.h>
@@ -116,7 +112,7 @@ bool gather_slot_major_dispatch(const Scalar* z, std::int64_t z_stride, const st
                                 int k, int num_experts, int rows, Scalar* tile, std::int32_t* slot_ids,
                                 std::int32_t* ids_out) {
 #if MRR_SOFTMAX_TILE_AVX2
-  static const bool has_avx2 = __builtin_cpu_supports("avx2");
+  const bool has_avx2 = cpu_has_avx2();
   if (has_avx2)
     return gather_slot_major_avx2<K>(z, z_stride, ids, id_stride, k, num_experts, rows, tile, slot_ids, ids_out);
 #endif
@@ -207,7 +203,7 @@ __attribute__((target("avx2"))) unsigned softmax_slot_major_avx2(float* buf, int
 template <int K>
 unsigned softmax_slot_major_dispatch(float* buf, int k, int rows, float scale, float* out) {
 #if MRR_SOFTMAX_TILE_AVX2
-  static const bool has_avx2 = __builtin_cpu_supports("avx2");
+  const bool has_avx2 = cpu_has_avx2();
   if (has_avx2) return softmax_slot_major_avx2<K>(buf, k, rows, scale, out);
 #endif
   return softmax_slot_major_k<K>(buf, k, rows, scale, out);
@@ -358,7 +354,7 @@ inline int replay_softmax_fused(const float* z, std::int64_t z_stride, const std
                                 std::int64_t id_stride, int k, int num_experts, int rows, int readable_rows, float scale,
                                 std::int32_t* ids_out, float* w_out, unsigned& status) {
 #if MRR_SOFTMAX_TILE_AVX2
-  static const bool has_avx2 = __builtin_cpu_supports("avx2");
+  const bool has_avx2 = cpu_has_avx2();
   if (has_avx2 && k == 8 && z_stride <= (std::int64_t{1} << 27) && num_experts <= z_stride)
     return replay_softmax_k8_avx2(z, z_stride, ids, id_stride, num_experts, rows, readable_rows, scale, ids_out,
                                   w_out, status);

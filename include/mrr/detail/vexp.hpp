@@ -7,16 +7,12 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/cpu_dispatch.hpp>
 
 #include <bit>
 #include <cstdint>
 
-#if !defined(MRR_NO_RUNTIME_DISPATCH) && !MRR_COMPILING_WITH_NVCC && (defined(__GNUC__) || defined(__clang__)) && \
-    (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX2__)
-#define MRR_VEXP_AVX2 1
-#else
-#define MRR_VEXP_AVX2 0
-#endif
+#define MRR_VEXP_AVX2 MRR_AVX2_DISPATCH
 
 MRR_NAMESPACE_BEGIN
 namespace detail {
@@ -88,8 +84,7 @@ __attribute__((target("avx2"))) inline void exp_float_span_avx2(const float* x, 
 
 // Whether the AVX2 variants run here; read once.
 inline bool vexp_use_avx2() {
-  static const bool has_avx2 = __builtin_cpu_supports("avx2");
-  return has_avx2;
+  return cpu_has_avx2();
 }
 #endif
 

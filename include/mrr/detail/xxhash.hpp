@@ -45,6 +45,7 @@
 #endif
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/cpu_dispatch.hpp>
 
 #include <cstddef>
 
@@ -55,10 +56,6 @@ namespace detail {
 // XXH3's streaming update with the AVX2 kernels (its state's accumulators are 64-byte aligned).
 XXH_TARGET_AVX2 inline void xxh3_update_avx2(XXH3_state_t* state, const void* input, std::size_t bytes) {
   (void)XXH3_update(state, static_cast<const xxh_u8*>(input), bytes, XXH3_accumulate_512_avx2, XXH3_scrambleAcc_avx2);
-}
-inline bool cpu_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") != 0;
-  return yes;
 }
 #endif
 
