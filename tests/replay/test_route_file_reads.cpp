@@ -591,7 +591,7 @@ TEST_CASE("split_layers puts every row of a [tokens, layers] record at [layer, t
 // its little-endian encoding's value, for every length to past several vectors, at odd source and
 // output offsets, and nothing past n is written.
 template <class Src, class Id>
-void check_widening(std::vector<unsigned char>& bytes) {
+void check_widening(const std::vector<unsigned char>& bytes) {
   CAPTURE(sizeof(Src));
   CAPTURE(sizeof(Id));
   using Widen = void (*)(const std::uint8_t*, std::size_t, Id*);
