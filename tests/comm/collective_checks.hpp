@@ -25,6 +25,12 @@ template <class T>
 std::span<const T> cspan(const std::vector<T>& v) {
   return std::span<const T>(v);
 }
+// memcmp of n elements; n == 0 compares nothing (an empty vector's data() may be null, which
+// memcmp must not be given).
+template <class T>
+bool same_bits(const T* a, const T* b, std::size_t n) {
+  return n == 0 || std::memcmp(a, b, n * sizeof(T)) == 0;
+}
 template <class T>
 std::span<T> mspan(std::vector<T>& v) {
   return std::span<T>(v);
@@ -122,16 +128,16 @@ void check_all_reduce_sum(const Comm& comm, std::size_t n) {
       reversed[i] = static_cast<T>(reversed[i] + summand<T>(p, i));
   }
   comm.all_reduce_sum(mspan(data));
-  CHECK(std::memcmp(data.data(), expected.data(), n * sizeof(T)) == 0);  // bitwise the rank-order sum
+  CHECK(same_bits(data.data(), expected.data(), n));  // bitwise the rank-order sum
   if constexpr (std::is_floating_point_v<T>) {
     // The data does discriminate: for P >= 3 the reverse order gives other bits somewhere.
-    if (P >= 3 && n >= 64) CHECK(std::memcmp(expected.data(), reversed.data(), n * sizeof(T)) != 0);
+    if (P >= 3 && n >= 64) CHECK_FALSE(same_bits(expected.data(), reversed.data(), n));
   }
   // And every rank holds the same bits.
   std::vector<T> everyone(n * static_cast<std::size_t>(P));
   comm.all_gather(cspan(data), mspan(everyone));
   for (int p = 0; p < P; ++p)
-    CHECK(std::memcmp(everyone.data() + static_cast<std::size_t>(p) * n, data.data(), n * sizeof(T)) == 0);
+    CHECK(same_bits(everyone.data() + static_cast<std::size_t>(p) * n, data.data(), n));
 }
 
 // all_to_all_rows (mrr/comm/row_blocks.hpp). Row r of rank `from`'s send buffer holds
@@ -189,7 +195,7 @@ void check_all_to_all_rows(const Comm& comm, int round) {
     recv_blocks.next_peer();
   }
   comm.all_to_all_rows(send.data(), kRowsPerRank, send_blocks, recv.data(), recv_rows, recv_blocks, kRowElems);
-  CHECK(std::memcmp(recv.data(), expected.data(), recv.size() * sizeof(T)) == 0);
+  CHECK(same_bits(recv.data(), expected.data(), recv.size()));
 }
 
 template <class T, class Comm>

@@ -123,7 +123,8 @@ bool bitwise_equal(const Eigen::DenseBase<Derived1>& a, const Eigen::DenseBase<D
   if (a.rows() != b.rows() || a.cols() != b.cols()) return false;
   const auto& da = a.derived();
   const auto& db = b.derived();
-  return std::memcmp(da.data(), db.data(), static_cast<std::size_t>(da.size()) * sizeof(T)) == 0;
+  // An empty matrix's data() is null, which memcmp must not be given.
+  return da.size() == 0 || std::memcmp(da.data(), db.data(), static_cast<std::size_t>(da.size()) * sizeof(T)) == 0;
 }
 
 // Two runs' results are the same bits: ids, output, input gradient, every rank's gate gradient

@@ -195,7 +195,12 @@ TEST_SUITE("reward") {
     }
     const std::uint64_t grown = vm_rss_bytes() - std::min(before, vm_rss_bytes());
     MESSAGE("65,536 sticky ids of 8 KB: RSS grew by ", grown >> 20, " MiB");
+#if defined(__SANITIZE_ADDRESS__)
+    // AddressSanitizer holds freed blocks in quarantine (256 MiB by default): RSS measures that.
+    MESSAGE("AddressSanitizer build: the RSS bound is not checked");
+#else
     CHECK(grown < (32ull << 20));  // ~100 bytes a session: 6.5 MiB, plus allocator slack
+#endif
     // Every id was pinned to a (all ties); a remembered id goes back there even while a is busier.
     auto busy = d.acquire(Request{}, far_future());
     REQUIRE(busy.worker() == "a");
