@@ -602,7 +602,7 @@ void check_widening(const std::vector<unsigned char>& bytes) {
 #endif
   for (const auto& [name, widen] : loops) {
     CAPTURE(name);
-    std::size_t wrong = 0, cases = 0;
+    std::size_t wrong = 0;
     for (std::size_t n = 0; n <= 300; ++n)
       for (std::size_t src_off : {0, 1, 3})
         for (std::size_t out_off : {0, 1}) {
@@ -616,9 +616,7 @@ void check_widening(const std::vector<unsigned char>& bytes) {
           }
           wrong += out[0] != static_cast<Id>(0x55) && out_off == 1;
           wrong += out[n + out_off] != static_cast<Id>(0x55) || out[n + out_off + 1] != static_cast<Id>(0x55);
-          ++cases;
         }
-    CHECK(cases == 301 * 6);
     CHECK(wrong == 0);
   }
 }
