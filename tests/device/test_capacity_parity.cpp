@@ -1,7 +1,7 @@
 // Dense token dropping (device::apply_token_dropping, OpenMP system, both algorithms) against the
 // CPU mrr::apply_token_dropping: map and probabilities bit for bit, on every token_dropping case of
 // router_capacity.json, on random and tie-heavy inputs (both drop policies, with and without
-// padding, capacity factors 0.5 / 1 / 1.5 / beyond the token count, float and double), on edge
+// padding, capacity factors 0.5 / 1 / 1.5 / beyond the token count / beyond int64, float and double), on edge
 // shapes, and the input errors.
 #include <mrr/router.hpp>
 #include <mrr/thrust/capacity.hpp>
@@ -100,7 +100,7 @@ void random_sweep(long tokens, int experts, int topk, int distinct, unsigned see
   random_inputs<T>(tokens, experts, topk, distinct, seed, probs, map);
   for (const auto policy : {mrr::DropPolicy::probs, mrr::DropPolicy::position})
     for (const bool pad : {false, true})
-      for (const double cf : {0.5, 1.0, 1.5, 1e6}) {
+      for (const double cf : {0.5, 1.0, 1.5, 1e6, 1e19, 1e300}) {
         CAPTURE(policy == mrr::DropPolicy::probs);
         CAPTURE(pad);
         CAPTURE(cf);

@@ -11,6 +11,7 @@
 
 #include "permute_views_body.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -214,6 +215,20 @@ TEST_CASE_TEMPLATE("device views: an expert id outside [0, E) is reported in the
   dev::make_expert_permutation(dev::matrix_view<const Id>(b.ids.data(), p.tokens, p.k), nullptr, b.perm, ws, &b.status);
   CHECK(b.status.code == dev::status_expert_out_of_range);
   CHECK(b.status.index == bad_slot);
+  // The permutation is inert until the status is checked: no rows, every slot dropped. A permute
+  // and a combine enqueued behind it (a stream nobody synchronised yet) touch nothing outside their
+  // inputs: the permute copies no row, the combine writes zeros.
+  CHECK(std::all_of(b.offsets.begin(), b.offsets.end(), [](std::int32_t o) { return o == 0; }));
+  CHECK(std::all_of(b.row_of_slot.begin(), b.row_of_slot.end(), [](std::int32_t r) { return r == -1; }));
+  std::fill(b.permuted.begin(), b.permuted.end(), 5.f);
+  std::fill(b.combined.begin(), b.combined.end(), 5.f);
+  dev::permute_tokens(dev::matrix_view<const float>(p.x.data(), p.tokens, p.hidden, p.stride), b.perm,
+                      dev::matrix_view(b.permuted.data(), p.tokens * p.k, p.hidden, p.stride));
+  CHECK(std::all_of(b.permuted.begin(), b.permuted.end(), [](float v) { return v == 5.f; }));
+  dev::combine(dev::matrix_view<const float>(p.expert_out.data(), p.tokens * p.k, p.hidden, p.stride),
+               dev::matrix_view<const float>(p.routing.weights.data(), p.tokens, p.k), b.perm,
+               dev::matrix_view(b.combined.data(), p.tokens, p.hidden, p.stride));
+  CHECK(same_block(b.combined, p.stride, mrr::RowMatrix<float>::Zero(p.tokens, p.hidden)));
   CHECK_THROWS_WITH_AS(dev::check_permutation(&b.status, b.perm), doctest::Contains("token 5 slot 2"),
                        std::invalid_argument);
   // A workspace smaller than asked for, and strided ids, are errors before anything runs.
@@ -284,14 +299,18 @@ TEST_CASE_TEMPLATE("device views: the radix-sort permutation (CUDA's) equals the
     CHECK(sorted.source_token == counting.source_token);
     CHECK(sorted.row_of_slot == counting.row_of_slot);
     CHECK((cf > 0) == (std::count(sorted.row_of_slot.begin(), sorted.row_of_slot.end(), -1) > 0));
-    // Two bad ids: both report the lower slot and write no row.
+    // Two bad ids: both algorithms report the lower slot, write no row and leave the permutation
+    // inert (no rows, every slot dropped).
     ids[static_cast<std::size_t>(9 * p.k + 1)] = Id(p.experts);
     ids[static_cast<std::size_t>(4 * p.k + 3)] = Id(-2);
-    const Out bad = permutation(p, ids, kept, dev::PermutationAlgorithm::radix_sort);
-    CHECK(bad.status.code == dev::status_expert_out_of_range);
-    CHECK(bad.status.index == 4 * p.k + 3);
-    CHECK(std::count(bad.row_of_slot.begin(), bad.row_of_slot.end(), -7) == p.tokens * p.k);
-    CHECK(permutation(p, ids, kept, dev::PermutationAlgorithm::counting).status.index == 4 * p.k + 3);
+    for (const auto algorithm : {dev::PermutationAlgorithm::radix_sort, dev::PermutationAlgorithm::counting}) {
+      const Out bad = permutation(p, ids, kept, algorithm);
+      CHECK(bad.status.code == dev::status_expert_out_of_range);
+      CHECK(bad.status.index == 4 * p.k + 3);
+      CHECK(std::count(bad.source_token.begin(), bad.source_token.end(), -7) == p.tokens * p.k);
+      CHECK(std::count(bad.row_of_slot.begin(), bad.row_of_slot.end(), -1) == p.tokens * p.k);
+      CHECK(std::count(bad.offsets.begin(), bad.offsets.end(), 0) == p.experts + 1);
+    }
   }
 }
 

@@ -39,6 +39,17 @@ TEST_CASE("device views: bad shapes and a capacity config are clear errors") {
       router.route(mrr::device::Execution{}, MatrixView<const float>(z.data(), 4, 8, 4),
                    MatrixView<std::int32_t>(ids.data(), 4, 2), MatrixView<float>(w.data(), 4, 2), status.data(), none),
       doctest::Contains("row stride 4 for 8 columns"), std::invalid_argument);
+  // A negative row count is an error, not an empty batch that reports success.
+  CHECK_THROWS_WITH_AS(router.route(mrr::device::Execution{}, MatrixView<const float>(z.data(), -3, 8),
+                                    MatrixView<std::int32_t>(ids.data(), -3, 2), MatrixView<float>(w.data(), -3, 2),
+                                    status.data(), none),
+                       doctest::Contains("'logits' has shape [-3, 8]: a negative extent"), std::invalid_argument);
+  const std::vector<std::int32_t> replayed(4 * 2, 0);
+  CHECK_THROWS_WITH_AS(router.replay(mrr::device::Execution{}, MatrixView<const float>(z.data(), -3, 8),
+                                     MatrixView<const std::int32_t>(replayed.data(), -3, 2), nullptr,
+                                     MatrixView<std::int32_t>(ids.data(), -3, 2), MatrixView<float>(w.data(), -3, 2),
+                                     status.data(), none),
+                       doctest::Contains("a negative extent"), std::invalid_argument);
   auto capped = mrr::presets::mixtral(8, 2);
   capped.capacity_factor = 1.0;
   const mrr::device::TopKRouter<float> dropping(capped);

@@ -245,6 +245,32 @@ TEST_CASE("device: DeepSeek-V3 grouped sigmoid with expert bias on 65536 random 
   }
 }
 
+TEST_CASE("device: set_expert_bias rejects NaN and +-inf as the CPU router does, and keeps the bias it had") {
+  const auto cfg = mrr::presets::deepseek_v3(16, 4, 4, 2, true, 2.5);
+  const auto z = random_logits(64, 16, 6, 0);
+  mrr::Vector<float> good(16);
+  for (int e = 0; e < 16; ++e)
+    good[e] = 0.01f * static_cast<float>(e % 5);
+  mrr::TopKRouter<float> cpu(cfg);
+  mrr::device::TopKRouter<float> dev(cfg);
+  cpu.set_expert_bias(good);
+  dev.set_expert_bias(std::vector<float>(good.data(), good.data() + 16));
+  const auto before = to_host(dev.route(to_device(z)).ids);
+  for (const float v : {-std::numeric_limits<float>::infinity(), std::numeric_limits<float>::infinity(),
+                        std::numeric_limits<float>::quiet_NaN()}) {
+    CAPTURE(v);
+    mrr::Vector<float> bad = good;
+    bad[3] = v;
+    CHECK_THROWS_WITH_AS(cpu.set_expert_bias(bad), doctest::Contains("bias[3] is not finite"), mrr::InvalidArgument);
+    CHECK_THROWS_WITH_AS(dev.set_expert_bias(std::vector<float>(bad.data(), bad.data() + 16)),
+                         doctest::Contains("bias[3] is not finite"), mrr::InvalidArgument);
+    CHECK(cpu.expert_bias() == good);
+    CHECK(to_host(dev.route(to_device(z)).ids) == before);  // the rejected bias was not kept
+  }
+  const auto host = cpu.route(z);
+  CHECK(std::equal(before.begin(), before.end(), host.ids.data()));
+}
+
 TEST_CASE("device: replay with a replay mask, and replay rejects bad ids") {
   const auto z = random_logits(4096, 64, 21, 0);
   const auto cfg = mrr::presets::megatron_deepseek_v3(64, 8, 1, 1, 2.5);

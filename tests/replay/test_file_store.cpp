@@ -245,6 +245,51 @@ TEST_CASE("a flipped byte is an error when its sequence is read, never wrong ids
                        mrr::RouteFileError);
 }
 
+TEST_CASE("a damaged index left mid-file by an append is stepped over: a crashed or unfinished append still opens") {
+  // A closed file whose index got damaged opens by rescanning; appending then leaves that index
+  // (and its tail) inside the file. Until the appender's close() writes a new index, every open is
+  // a rescan that meets the damaged index mid-file: it holds no routes, so it is skipped and
+  // reported, and every routes record is recovered.
+  mrr::test::TempDir dir;
+  const auto path = dir / "routes.mrr";
+  write_sequences(path, 0, 4, false);
+  auto bytes = read_bytes(path);
+  bytes[bytes.size() - kTailBytes - 10] = static_cast<char>(bytes[bytes.size() - kTailBytes - 10] ^ 0x01);
+  write_bytes(path, bytes, bytes.size());
+  {
+    auto appender = mrr::FileRouteStore::append(path, kShape);
+    CHECK(appender.recovery().index_damaged);
+    for (mrr::SequenceId uid = 4; uid < 6; ++uid)
+      appender.record_sequence(uid, 0, tokens_of(uid), 0, kShape.num_layers, routes_of(uid, tokens_of(uid)));
+    // What a reader sees while the appender records, and what a crash now would leave behind.
+    const auto crashed = dir / "crashed.mrr";
+    std::filesystem::copy_file(path, crashed);
+    for (const auto& p : {path, crashed}) {
+      CAPTURE(p);
+      auto reader = mrr::FileRouteStore::open(p, kShape);
+      INFO(reader.recovery().describe(p));
+      CHECK(reader.recovery().index_damaged);
+      CHECK_FALSE(reader.recovery().opened_from_index);
+      CHECK(reader.recovery().records == 6u);
+      CHECK(reader.num_sequences() == 6);
+      for (mrr::SequenceId uid = 0; uid < 6; ++uid)
+        check_sequence(reader, uid, tokens_of(uid));
+    }
+    // The crashed copy takes more appends, and closes cleanly.
+    write_sequences(crashed, 6, 1, true);
+    auto reopened = mrr::FileRouteStore::open(crashed, kShape);
+    CHECK(reopened.recovery().clean());
+    CHECK(reopened.num_sequences() == 7);
+    for (mrr::SequenceId uid = 0; uid < 7; ++uid)
+      check_sequence(reopened, uid, tokens_of(uid));
+  }
+  auto closed = mrr::FileRouteStore::open(path, kShape);
+  CHECK(closed.recovery().opened_from_index);
+  CHECK(closed.num_sequences() == 6);
+  for (mrr::SequenceId uid = 0; uid < 6; ++uid)
+    check_sequence(closed, uid, tokens_of(uid));
+}
+
 // Lookups verify each record when they first read it (from the same read that decodes it), not
 // the whole sequence up front: a damaged record is an error whenever any of its ids is asked for
 // (however few, from a record larger than one read too), and the other records' ids stay usable.

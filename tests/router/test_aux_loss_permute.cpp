@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -104,6 +105,40 @@ TEST_CASE("Routing-form permutation equals Megatron's dense permute; combine equ
   long total = 0;
   for (auto n : perm.tokens_per_expert) total += n;
   CHECK(total == 22);
+}
+
+TEST_CASE("permute_tokens, combine and combine_backward reject a permutation made for another routing") {
+  mrr::RouterConfig cfg;
+  cfg.num_experts = 4;
+  cfg.topk = 2;
+  mrr::TopKRouter<double> router(cfg);
+  const auto big = router.route(random_matrix(64, 4, 9));
+  const auto small = router.route(random_matrix(2, 4, 10));
+  const auto p_big = mrr::make_expert_permutation(big, 4);      // 64 tokens, 128 rows
+  const auto p_small = mrr::make_expert_permutation(small, 4);  // 2 tokens, 4 rows
+  const auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const mrr::InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  // Tokens of another batch: the permutation's rows name tokens 0..63 of a 2-row matrix.
+  const auto two_tokens = random_matrix(2, 5, 11);
+  CHECK(message([&] {
+          (void)mrr::permute_tokens<double>(two_tokens, p_big);
+        }).find("'tokens' has 2 rows but the permutation was made for 64 tokens") != std::string::npos);
+  // A routing of 64 tokens with the 2-token permutation (whose expert rows match expert_out).
+  const auto expert_out = random_matrix(p_small.rows(), 5, 12);
+  const std::string expected = "the routing is [64, 2] but the permutation was made for [2, 2]";
+  CHECK(message([&] { (void)mrr::combine<double>(expert_out, big, p_small); }).find(expected) != std::string::npos);
+  const auto grad_out = random_matrix(64, 5, 13);
+  CHECK(message([&] { (void)mrr::combine_backward<double>(grad_out, expert_out, big, p_small); }).find(expected) !=
+        std::string::npos);
+  // The matching ones still run.
+  CHECK(message([&] { (void)mrr::combine<double>(expert_out, small, p_small); }).empty());
+  CHECK(mrr::permute_tokens<double>(two_tokens, p_small).rows() == 4);
 }
 
 TEST_CASE("combine_row sums the slots in order, rounding each product, for every slot count and column range") {

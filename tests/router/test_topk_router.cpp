@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -234,6 +235,34 @@ TEST_CASE("capacity: dropped slots get zero weight and no gradient; sparse equal
     for (int t = 0; t < 40; ++t)
       for (int j = 0; j < 2; ++j) masked_g(t, j) = r.kept(t, j) ? 1.0 : 0.0;
     CHECK((grad - router.backward(z, routing_without_drops, masked_g)).cwiseAbs().maxCoeff() == 0.0);
+  }
+}
+
+TEST_CASE("capacity: a factor too large for int64 keeps every slot (it saturates, never wraps negative)") {
+  CHECK(mrr::expert_capacity(40, 2, 8, 0.5) == 5);
+  CHECK(mrr::expert_capacity(40, 2, 8, 1e17) == 1'000'000'000'000'000'000);  // ceil(80 / 8 * 1e17), exact
+  for (const double cf : {1e19, 1e20, 1e300}) {
+    CAPTURE(cf);
+    CHECK(mrr::expert_capacity(40, 2, 8, cf) == std::numeric_limits<std::int64_t>::max());
+    mrr::RouterConfig cfg;
+    cfg.num_experts = 8;
+    cfg.topk = 2;
+    cfg.capacity_factor = cf;
+    const auto z = random_logits(40, 8, 6);
+    for (auto policy : {mrr::DropPolicy::probs, mrr::DropPolicy::position}) {
+      cfg.drop_policy = policy;
+      const auto r = mrr::TopKRouter<double>(cfg).route(z);
+      REQUIRE(r.has_capacity_mask());
+      CHECK(r.kept.cast<int>().sum() == 80);  // sparse: every slot kept
+      auto sparse = r;
+      mrr::drop_over_capacity(sparse, 8, cf, policy);
+      CHECK(sparse.kept.cast<int>().sum() == 80);
+      const auto dense = mrr::to_dense(r, 8);
+      for (const bool pad : {false, true}) {
+        const auto d = mrr::apply_token_dropping<double>(dense.probs, dense.map, 2, cf, policy, pad);
+        CHECK(d.map.cast<int>().sum() == (pad ? 40 * 8 : 80));
+      }
+    }
   }
 }
 

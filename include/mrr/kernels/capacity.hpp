@@ -30,11 +30,15 @@ MRR_NAMESPACE_BEGIN
 namespace kernels {
 
 // Megatron get_capacity(slots, num_experts, capacity_factor) = ceil(slots / E * capacity_factor),
-// slots = tokens * k. The caller checks capacity_factor is finite and positive.
+// slots = tokens * k. The caller checks capacity_factor is finite and positive. A capacity past
+// int64's range saturates (every slot is kept either way): a huge factor (1e20 for "never drop")
+// must not convert to a negative capacity that drops every slot.
 MRR_HOST_DEVICE inline std::int64_t expert_capacity(std::int64_t slots, int num_experts, double capacity_factor) {
   using std::ceil;
   const double per_expert = static_cast<double>(slots) / static_cast<double>(num_experts);
-  return static_cast<std::int64_t>(ceil(per_expert * capacity_factor));
+  const double capacity = ceil(per_expert * capacity_factor);
+  constexpr double kBeyondInt64 = 9223372036854775808.0;  // 2^63
+  return capacity >= kBeyondInt64 ? INT64_MAX : static_cast<std::int64_t>(capacity);
 }
 
 // A 64-bit key whose ascending order is the probabilities' descending order: the value widened to

@@ -622,7 +622,14 @@ class FileRouteStore final {
       if (h.payload_bytes > left || need > left) return torn(offset, size);
       if (stream_payload(hb, h, offset, [](const unsigned char*, std::size_t) {}) != h.checksum) {
         if (offset + need == size) return torn(offset, size);  // the last record, partly persisted
-        damaged(offset, detail::str("a record (sequence uid ", h.uid, ") fails its checksum"));
+        // An index or tail left inside the file by an earlier close (appending leaves them in place)
+        // holds no routes: its intact header gives its size, so it is stepped over and reported.
+        if (h.type != route_file::RecordType::routes) {
+          recovery_.index_damaged = true;
+          offset += need;
+          continue;
+        }
+        damaged(offset, detail::str("a routes record (sequence uid ", h.uid, ") fails its checksum"));
       }
       if (h.type == route_file::RecordType::routes) {
         check_route_record(h, offset, size);

@@ -223,6 +223,8 @@ ExpertPermutation make_expert_permutation(const Routing<T>& routing, int num_exp
 // tokens [tokens, hidden] -> out [rows, hidden], expert-major, reusing out's storage.
 template <class T>
 void permute_tokens_into(RowMatrix<T>& out, MatrixRef<T> tokens, const ExpertPermutation& p) {
+  detail::require(tokens.rows() == p.row_of_slot.rows(), "permute_tokens", "'tokens' has ", tokens.rows(),
+                  " rows but the permutation was made for ", p.row_of_slot.rows(), " tokens");
   out.resize(p.rows(), tokens.cols());
   detail::gather_rows(tokens, p.source_token.data(), out);
 }
@@ -240,12 +242,21 @@ inline void require_permuted_rows(std::int64_t rows, const ExpertPermutation& p,
   detail::require(rows == p.rows(), fn, "'", what, "' has ", rows, " rows, the permutation ", p.rows());
 }
 
+// The routing's [tokens, k] is the one the permutation was made for (row_of_slot is read per slot).
+template <class T>
+void require_permutation_of(const Routing<T>& routing, const ExpertPermutation& p, const char* fn) {
+  detail::require(routing.tokens() == p.row_of_slot.rows() && routing.topk() == p.row_of_slot.cols(), fn,
+                  "the routing is [", routing.tokens(), ", ", routing.topk(), "] but the permutation was made for [",
+                  p.row_of_slot.rows(), ", ", p.row_of_slot.cols(), "]");
+}
+
 }  // namespace detail
 
 // out[t] = sum_j weights[t, j] * expert_out[row_of_slot[t, j]], summed in slot order in
 // Accum precision (float32 at least), so the result is independent of how rows arrived.
 template <class T, class Accum = kernels::accum_t<T>>
 void combine_into(RowMatrix<T>& out, MatrixRef<T> expert_out, const Routing<T>& routing, const ExpertPermutation& p) {
+  detail::require_permutation_of(routing, p, "combine");
   detail::require_permuted_rows(expert_out.rows(), p, "combine", "expert_out");
   const std::int64_t tokens = routing.tokens();
   const int k = routing.topk();
@@ -303,6 +314,7 @@ template <class T, class Accum = kernels::accum_t<T>>
 void combine_backward_into(RowMatrix<T>& grad_expert_out, RowMatrix<T>& grad_weights, MatrixRef<T> grad_out,
                            MatrixRef<T> expert_out, const Routing<T>& routing, const ExpertPermutation& p) {
   constexpr const char* fn = "combine_backward";
+  detail::require_permutation_of(routing, p, fn);
   detail::require_permuted_rows(expert_out.rows(), p, fn, "expert_out");
   detail::require(grad_out.rows() == routing.tokens() && grad_out.cols() == expert_out.cols(), fn, "'grad_out' has shape ",
                   detail::shape_of(grad_out), ", expected [", routing.tokens(), ", ", expert_out.cols(), "]");

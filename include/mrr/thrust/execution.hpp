@@ -76,6 +76,8 @@ MatrixView<T> matrix_view(T* data, long rows, long cols, long row_stride = -1) {
 // Checks that `m` is a usable [rows, cols] view.
 template <class T>
 void require_view(const MatrixView<T>& m, long rows, long cols, const char* fn, const char* name) {
+  mrr::detail::require(m.rows >= 0 && m.cols >= 0, fn, "'", name, "' has shape [", m.rows, ", ", m.cols,
+                       "]: a negative extent");
   mrr::detail::require(m.data != nullptr || m.rows * m.cols == 0, fn, "'", name, "' is a null pointer");
   mrr::detail::require(m.col_stride == 1, fn, "'", name, "' has column stride ", m.col_stride,
                        ": rows must be contiguous (column stride 1); copy a column-major or strided tensor first "

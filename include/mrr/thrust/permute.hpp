@@ -93,6 +93,8 @@ struct ScanExpert {
 };
 
 // One work item: the experts' offsets from their totals, and the first bad slot into the status.
+// After a bad id the offsets are all 0 (no rows), so a gather enqueued before the status is checked
+// copies nothing.
 struct FinishScan {
   std::int32_t* totals;
   std::int32_t* offsets;
@@ -106,6 +108,8 @@ struct FinishScan {
       if (bad[c] >= 0) {
         status->code = status_expert_out_of_range;
         status->index = bad[c];
+        for (int e = 0; e <= num_experts; ++e)
+          offsets[e] = 0;
         return;
       }
   }
@@ -123,10 +127,15 @@ struct PlaceChunk {
   long slots, chunk;
   int num_experts, chunks, k;
   MRR_HOST_DEVICE void operator()(int c) const {
-    if (status->code != status_ok) return;  // a bad id has no row to go to
-    std::int32_t next[kMaxPermuteExperts];
-    for (int e = 0; e < num_experts; ++e) next[e] = offsets[e] + histogram[static_cast<long>(e) * chunks + c];
     const long lo = c * chunk, hi = lo + chunk < slots ? lo + chunk : slots;
+    if (status->code != status_ok) {  // a bad id has no row to go to: every slot is dropped
+      for (long s = lo; s < hi; ++s)
+        row_of_slot[s] = -1;
+      return;
+    }
+    std::int32_t next[kMaxPermuteExperts];
+    for (int e = 0; e < num_experts; ++e)
+      next[e] = offsets[e] + histogram[static_cast<long>(e) * chunks + c];
     mrr::kernels::place_slots(ids, kept, lo, hi, k, next, 1, source_token, row_of_slot);
   }
 };
@@ -264,8 +273,8 @@ struct KeyBounds {
   }
 };
 
-// offsets[e] = bounds[e] for e <= E (offsets[E]: the dispatched rows); item E + 1 reports the
-// first bad slot, if any.
+// offsets[e] = bounds[e] for e <= E (offsets[E]: the dispatched rows), all 0 after a bad id; item
+// E + 1 reports the first bad slot, if any.
 struct FinishSorted {
   const std::int32_t* bounds;
   const std::int32_t* sorted_slot;
@@ -275,7 +284,7 @@ struct FinishSorted {
   int num_experts;
   MRR_HOST_DEVICE void operator()(int e) const {
     if (e <= num_experts) {
-      offsets[e] = bounds[e];
+      offsets[e] = bounds[num_experts + 1] < slots ? 0 : bounds[e];
     } else if (bounds[e] < slots) {
       status->code = status_expert_out_of_range;
       status->index = sorted_slot[bounds[e]];
@@ -284,7 +293,7 @@ struct FinishSorted {
 };
 
 // Sorted position r: a dispatched slot's row (source_token, row_of_slot), or a dropped slot's -1.
-// Nothing is written when an id was bad.
+// After a bad id every slot is dropped (-1) and no row is written.
 struct PlaceSorted {
   const std::int32_t* sorted_slot;
   const std::int32_t* bounds;
@@ -293,8 +302,11 @@ struct PlaceSorted {
   long slots;
   int num_experts, k;
   MRR_HOST_DEVICE void operator()(long r) const {
-    if (bounds[num_experts + 1] < slots) return;  // a bad id: the status says which
     const std::int32_t s = sorted_slot[r];
+    if (bounds[num_experts + 1] < slots) {  // a bad id (the status says which)
+      row_of_slot[s] = -1;
+      return;
+    }
     if (r < bounds[num_experts]) {
       source_token[r] = s / k;
       row_of_slot[s] = static_cast<std::int32_t>(r);
@@ -518,7 +530,9 @@ inline constexpr bool host_system = THRUST_DEVICE_SYSTEM != THRUST_DEVICE_SYSTEM
 // The permutation of ids [tokens, k] (int32 or int64, contiguous rows: a strided id matrix is an
 // error) into p; kept (null, or [tokens * k] 0/1) leaves dropped slots out. An id outside
 // [0, num_experts) sets *status (status_expert_out_of_range, index = the first such slot) and
-// leaves p's rows unwritten. Enqueued on x.stream; nothing waits. The workspace is
+// leaves p inert: no rows (expert_offsets all 0) and every slot dropped (row_of_slot -1), so a
+// permute or combine enqueued before the status is checked reads nothing outside its inputs (the
+// combine writes zeros). Enqueued on x.stream; nothing waits. The workspace is
 // permutation_workspace_bytes(tokens, k, E, algorithm) bytes.
 template <class Id>
 void make_expert_permutation(MatrixView<const Id> ids, const std::uint8_t* kept, const PermutationView& p,

@@ -27,7 +27,6 @@
 #include <thrust/for_each.h>
 #include <thrust/functional.h>
 #include <thrust/iterator/counting_iterator.h>
-#include <thrust/logical.h>
 #include <thrust/reduce.h>
 #include <thrust/sort.h>
 #include <thrust/transform.h>
@@ -203,10 +202,9 @@ struct BackwardRows {
   }
 };
 
-// NaN and +inf are not valid logits (-inf is a valid mask).
 template <class T>
-struct InvalidLogit {
-  MRR_HOST_DEVICE bool operator()(T x) const { return !(x == x) || (x > T(0) && !(x * T(0) == T(0))); }
+struct NotFinite {
+  MRR_HOST_DEVICE bool operator()(T x) const { return !(x == x) || !(x * T(0) == T(0)); }
 };
 
 struct IsBadRow {
@@ -288,8 +286,14 @@ class ThrustTopKRouter {
                          "the config has use_expert_bias = false");
     mrr::detail::require(static_cast<int>(bias.size()) == num_experts(), "device::TopKRouter::set_expert_bias",
                          "bias has ", bias.size(), " entries for ", num_experts(), " experts");
-    bias_ = vector<T>(bias.begin(), bias.end());
-    check_finite(bias_, "device::TopKRouter::set_expert_bias", "expert bias");
+    vector<T> values(bias.begin(), bias.end());
+    // As the CPU router: every value finite (a -inf bias is no mask), and a rejected bias leaves
+    // the router's as it was.
+    const auto bad = thrust::find_if(Backend::policy(), values.begin(), values.end(), kernels::NotFinite<T>{});
+    if (bad != values.end()) [[unlikely]]
+      mrr::detail::throw_invalid_argument("device::TopKRouter::set_expert_bias", "bias[", bad - values.begin(),
+                                          "] is not finite");
+    bias_ = std::move(values);
   }
 
   // ---- The view API (DESIGN.md section 11): caller memory, stream and workspace -------------
@@ -555,11 +559,6 @@ class ThrustTopKRouter {
     mrr::detail::require(logits.size() % static_cast<std::size_t>(num_experts()) == 0, fn, "logits have ",
                          logits.size(), " values, not a multiple of ", num_experts(), " experts");
     return static_cast<long>(logits.size() / static_cast<std::size_t>(num_experts()));
-  }
-
-  static void check_finite(const vector<T>& v, const char* fn, const char* what) {
-    if (thrust::any_of(Backend::policy(), v.begin(), v.end(), kernels::InvalidLogit<T>{})) [[unlikely]]
-      mrr::detail::throw_invalid_argument(fn, what, " hold NaN or +inf");
   }
 
   // One reduction over the per-row codes; only a failure looks for the first bad row.
