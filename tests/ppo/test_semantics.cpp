@@ -122,6 +122,17 @@ TEST_CASE("group labels: integers and strings give the same groups") {
     const auto b = ppo::compute_advantage<double>(name, {rewards, mask, std::nullopt, &strings});
     CHECK(a.advantages == b.advantages);
   }
+  // Labels are compared as given (deliberate difference 8): "01" and "1" are two groups in every
+  // estimator, grpo_vectorized included (verl's converts all-integer labels to int64 first).
+  const ppo::GroupIndex numeric_strings(std::vector<std::string>{"01", "1", "1", "01", "2", "2"});
+  CHECK(numeric_strings.num_groups() == 3);
+  const ppo::GroupIndex same_as_ints(std::vector<std::int64_t>{0, 1, 1, 0, 2, 2});
+  for (const auto name : {"grpo", "grpo_vectorized", "rloo_vectorized"}) {
+    CAPTURE(name);
+    const auto a = ppo::compute_advantage<double>(name, {rewards, mask, std::nullopt, &numeric_strings});
+    const auto b = ppo::compute_advantage<double>(name, {rewards, mask, std::nullopt, &same_as_ints});
+    CHECK(a.advantages == b.advantages);
+  }
 }
 
 TEST_CASE("rloo keeps a singleton's score, rloo_vectorized zeroes it") {
@@ -175,6 +186,24 @@ TEST_CASE("entropy_from_logits: uniform, one-hot and -inf logits") {
   CHECK(h[0] == doctest::Approx(std::log(4.0)));
   CHECK(h[1] == doctest::Approx(0.0).epsilon(1e-12));
   CHECK(h[2] == doctest::Approx(std::log(2.0)));
+  // The loss and its gradient too (deliberate difference 7: verl's are NaN): a -inf column is
+  // the row without that column, and gets no gradient.
+  RowMatrix<double> z(2, 3), without(2, 2);
+  z << 0.0, -inf, 1.0, 2.0, -inf, 0.5;
+  without << 0.0, 1.0, 2.0, 0.5;
+  const RowMatrix<double> mask = RowMatrix<double>::Ones(1, 2);
+  RowMatrix<double> z_finite = z;
+  z_finite(0, 1) = 0.0;
+  const auto masked = ppo::compute_entropy_loss<double>(z, mask);
+  const auto reference = ppo::compute_entropy_loss<double>(without, mask);
+  CHECK(std::isfinite(masked.loss));
+  CHECK(masked.loss == doctest::Approx(reference.loss).epsilon(1e-15));
+  for (int t = 0; t < 2; ++t) {
+    CHECK(masked.grad_logits(t, 1) == 0.0);
+    CHECK(masked.grad_logits(t, 0) == doctest::Approx(reference.grad_logits(t, 0)).epsilon(1e-15));
+    CHECK(masked.grad_logits(t, 2) == doctest::Approx(reference.grad_logits(t, 1)).epsilon(1e-15));
+  }
+  CHECK(masked.loss != doctest::Approx(ppo::compute_entropy_loss<double>(z_finite, mask).loss));
 }
 
 TEST_CASE("agg_loss: dp_size and global counts scale as in verl") {
