@@ -11,8 +11,8 @@ As a module:
     f = RouteFile("routes.mrr")
     ids = f.routes(7)          # int32 [positions, layers, k], -1 where nothing was recorded
 
-Every record's checksum is verified: XXH3-64 in format version 2 (numpy, about 85 MB/s) and
-XXH64 in version 1 (pure Python, about 20-30 MB/s); --no-verify skips it. A damaged record
+Every record's checksum is verified: XXH3-64 in format versions 3 and 2 (numpy, about 85 MB/s)
+and XXH64 in version 1 (pure Python, about 20-30 MB/s); --no-verify skips it. A damaged record
 raises; an incomplete last record (a writer stopped mid-append) is reported in `torn_bytes` and
 not used, as the C++ reader does.
 """
@@ -30,8 +30,9 @@ HEADER_BYTES = 64
 RECORD_HEADER_BYTES = 56
 CHECKSUMMED_HEADER_BYTES = 40
 HEADER_CHECKED_BYTES = 48
-# Format versions read: 1 (records checksummed with XXH64) and 2 (XXH3-64); nothing else changed.
-SUPPORTED_VERSIONS = (1, 2)
+# Format versions read: 1 (records checksummed with XXH64), 2 (XXH3-64) and 3 (as 2; its index and
+# tail records carry the file id, which this reader, scanning every record, does not need).
+SUPPORTED_VERSIONS = (1, 2, 3)
 ROUTES, INDEX, TAIL = 1, 2, 3
 MAX_LAYERS = 65535
 MAX_TOPK = 4096
@@ -111,7 +112,7 @@ def xxh64(data, seed=0):
     return h
 
 
-# XXH3-64 (seed 0), the record checksum of format version 2, written from the algorithm's
+# XXH3-64 (seed 0), the record checksum of format versions 2 and 3, written from the algorithm's
 # specification (xxHash 0.8, https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md).
 # Inputs over 240 bytes run on numpy: the stripes of a block are summed as uint64 arrays (numpy
 # wraps modulo 2^64), and only the per-block scramble is a Python loop.
@@ -188,7 +189,7 @@ def _xxh3_long(d):
 
 
 def xxh3_64(data):
-    """XXH3-64 (seed 0) of a bytes-like object: the record checksum of format version 2."""
+    """XXH3-64 (seed 0) of a bytes-like object: the record checksum of format versions 2 and 3."""
     d = bytes(data)
     n = len(d)
     if n == 0:
@@ -229,7 +230,7 @@ def xxh3_64(data):
 
 
 def record_checksum(version, checksummed_header, payload):
-    """A record's checksum in a file of format `version`: XXH64 (1) or XXH3-64 (2), seed 0."""
+    """A record's checksum in a file of format `version`: XXH64 (1) or XXH3-64 (2, 3), seed 0."""
     body = bytes(checksummed_header) + bytes(payload)
     return xxh64(body) if version == 1 else xxh3_64(body)
 

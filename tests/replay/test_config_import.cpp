@@ -454,9 +454,9 @@ TEST_CASE("vLLM routed_experts .npy ([tokens, layers, k] int32) imports as an R3
 
 #ifdef MRR_PYTHON_WITH_NUMPY
 TEST_CASE("examples/python/read_routes.py reads a file written by the library, checksums verified") {
-  // In each format version the library writes: 2 (XXH3-64 record checksums; the records here
-  // take XXH3's 17-128 and over-240-byte paths) and 1 (XXH64).
-  for (const std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}}) {
+  // In each format version the library writes: 3 (the default) and 2 (XXH3-64 record checksums;
+  // the records here take XXH3's 17-128 and over-240-byte paths) and 1 (XXH64).
+  for (const std::uint16_t version : {std::uint16_t{0}, std::uint16_t{2}, std::uint16_t{1}}) {
     CAPTURE(version);
     mrr::test::TempDir dir;
     const mrr::RouteShape shape{300, 2, 3};  // 2-byte ids

@@ -1,8 +1,8 @@
-// Route file format versions (docs/route-file-format.md): new files are version 2, whose records
-// are checksummed with XXH3-64; version 1 (XXH64) is still written on request, and files an older
-// mrr wrote (tests/replay/data, bytes from mrr at a2ca4b6) are read and appended to in their own
-// version. Every checksum is recomputed here from the bytes with xxHash directly, not through the
-// library's own helpers.
+// Route file format versions (docs/route-file-format.md): new files are version 3, whose records
+// are checksummed with XXH3-64 (as in version 2) and whose index and tail records carry the file
+// id; versions 2 and 1 (XXH64) are still written on request, and files an older mrr wrote
+// (tests/replay/data, bytes from mrr at a2ca4b6) are read and appended to in their own version. Every checksum is
+// recomputed here from the bytes with xxHash directly, not through the library's own helpers.
 #include <mrr/replay.hpp>
 
 #include <doctest/doctest.h>
@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,7 @@ struct Scan {
   int routes = 0;
   int xxh64 = 0;  // records whose checksum is XXH64 of (header bytes 0..39, payload)
   int xxh3 = 0;   // ... XXH3-64 of the same bytes
+  std::vector<std::uint64_t> index_and_tail_uids;  // the uid field of each index and tail record
 };
 
 // Walks every record of a cleanly written file and says which hash each checksum is.
@@ -60,6 +62,7 @@ Scan scan_records(const std::vector<unsigned char>& f) {
     s.xxh64 += stored == XXH64(body.data(), body.size(), 0) ? 1 : 0;
     s.xxh3 += stored == XXH3_64bits(body.data(), body.size()) ? 1 : 0;
     s.routes += h[4] == 1 ? 1 : 0;
+    if (h[4] != 1) s.index_and_tail_uids.push_back(le64(h + 16));
     ++s.records;
     at += rf::kRecordHeaderBytes + ((payload + 7) & ~std::uint64_t{7});
   }
@@ -134,10 +137,10 @@ std::filesystem::path fixture(const char* name) {
 
 }  // namespace
 
-TEST_CASE("new route files are format version 2, their records checksummed with XXH3-64; version 1 on request") {
+TEST_CASE("new route files are format version 3 (XXH3-64, index and tail name the file); 2 and 1 on request") {
   mrr::test::TempDir dir;
   const mrr::RouteShape shape{64, 3, 4};
-  for (const std::uint16_t asked : {std::uint16_t{0}, std::uint16_t{2}, std::uint16_t{1}}) {
+  for (const std::uint16_t asked : {std::uint16_t{0}, std::uint16_t{3}, std::uint16_t{2}, std::uint16_t{1}}) {
     CAPTURE(asked);
     const auto path = dir / numbered("v", asked);
     {
@@ -146,15 +149,20 @@ TEST_CASE("new route files are format version 2, their records checksummed with 
       record_span(store, 6, 7, 3);    // 12 bytes (52 hashed): its 17-128 path
       store.close();
     }
-    const int version = asked == 1 ? 1 : 2;
+    const int version = asked == 0 ? 3 : asked;
     const auto bytes = file_bytes(path);
     CHECK(bytes[8] == version);
     CHECK(bytes[9] == 0);
     const Scan s = scan_records(bytes);
     CHECK(s.routes == 6);
     CHECK(s.records == 8);  // and the index and tail records
-    CHECK(s.xxh3 == (version == 2 ? s.records : 0));
+    CHECK(s.xxh3 == (version >= 2 ? s.records : 0));
     CHECK(s.xxh64 == (version == 1 ? s.records : 0));
+    // The index and the tail carry the header's file id from version 3 (0 before).
+    const std::uint64_t file_id = le64(bytes.data() + 32);
+    CHECK(file_id != 0);
+    const std::vector<std::uint64_t> expected(2, version >= 3 ? file_id : 0);
+    CHECK(s.index_and_tail_uids == expected);
     const auto store = mrr::FileRouteStore::open(path, shape);
     CHECK(store.format_version() == version);
     CHECK(store.recovery().opened_from_index);  // the index record's checksum checked as the version says
@@ -166,7 +174,7 @@ TEST_CASE("new route files are format version 2, their records checksummed with 
 TEST_CASE("a damaged record fails its checksum in either format version") {
   mrr::test::TempDir dir;
   const mrr::RouteShape shape{300, 2, 6};
-  for (const std::uint16_t version : {std::uint16_t{1}, std::uint16_t{2}}) {
+  for (const std::uint16_t version : {std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}}) {
     CAPTURE(version);
     const auto path = dir / numbered("v", version);
     {
@@ -238,7 +246,7 @@ TEST_CASE("version-1 files an older mrr wrote are read, and appended to in versi
 TEST_CASE("format versions this mrr does not know are refused, naming the version") {
   mrr::test::TempDir dir;
   const mrr::RouteShape shape{64, 3, 4};
-  for (const std::uint16_t bad : {std::uint16_t{3}, std::uint16_t{7}, std::uint16_t{65535}}) {
+  for (const std::uint16_t bad : {std::uint16_t{4}, std::uint16_t{7}, std::uint16_t{65535}}) {
     CAPTURE(bad);
     const auto path = dir / numbered("asked", bad);
     std::string why = "format_version = ";
@@ -252,22 +260,95 @@ TEST_CASE("format versions this mrr does not know are refused, naming the versio
   }
   // A file of a newer version (a valid header otherwise, its checksum recomputed) is refused by
   // readers and writers alike.
-  const auto path = dir / "v3.routes";
+  const auto path = dir / "v4.routes";
   {
     auto store = mrr::FileRouteStore::create(path, shape);
     record_span(store, 1, 0, 10);
   }
   auto bytes = file_bytes(path);
-  bytes[8] = 3;
+  bytes[8] = 4;
   const std::uint64_t sum = XXH64(bytes.data(), 56, 0);
   std::memcpy(bytes.data() + 56, &sum, 8);
   put_bytes(path, bytes);
   CHECK_THROWS_WITH_AS(mrr::FileRouteStore::open(path, shape),
-                       doctest::Contains("format version 3, which this mrr does not read (it reads versions 1 to 2"),
+                       doctest::Contains("format version 4, which this mrr does not read (it reads versions 1 to 3"),
                        mrr::RouteFileError);
-  CHECK_THROWS_WITH_AS(mrr::FileRouteStore::append(path, shape), doctest::Contains("format version 3"),
+  CHECK_THROWS_WITH_AS(mrr::FileRouteStore::append(path, shape), doctest::Contains("format version 4"),
                        mrr::RouteFileError);
   CHECK(file_bytes(path) == bytes);  // untouched
+}
+
+TEST_CASE("version 3: ids that hold an index and a tail never pass for the tail of a file that was not closed") {
+  // Until close() writes the real index and tail, a file ends with a routes record, and with 256
+  // experts every byte is a valid id: a rollout's ids can end with the bytes of an index record
+  // and a tail record (here crafted to list a forged record of sequence 1). In version 2 a reader
+  // opening the file then (while the writer records, or after it crashed) would trust that tail.
+  // In version 3 the tail and index must carry the file's random id, which ids cannot know.
+  mrr::test::TempDir dir;
+  const auto path = dir / "forged.routes";
+  const mrr::RouteShape shape{256, 1, 8};
+  auto writer = mrr::FileRouteStore::create(path, shape);
+  REQUIRE(writer.format_version() == 3);
+  const std::vector<std::uint8_t> recorded(4 * 8, 7);  // sequence 1: 4 tokens, every id 7
+  writer.record_sequence(1, 0, 4, 0, 1, std::span<const std::uint8_t>(recorded));
+  const std::uint64_t payload_at = std::filesystem::file_size(path) + rf::kRecordHeaderBytes;
+  const std::uint64_t file_id = le64(file_bytes(path).data() + 32);
+  for (const std::uint64_t guess : {std::uint64_t{0}, std::uint64_t{0x9e3779b97f4a7c15}}) {
+    REQUIRE(guess != file_id);
+    // Sequence 2's "ids": a routes record of sequence 1 (every id 200), an index listing only it,
+    // a tail pointing at that index; all checksums valid.
+    std::vector<unsigned char> forged(rf::kRecordHeaderBytes);
+    const std::vector<unsigned char> fake_ids(4 * 8, 200);
+    rf::RecordHeader h;
+    h.type = rf::RecordType::routes;
+    h.payload_bytes = fake_ids.size();
+    h.uid = 1;
+    h.num_tokens = 4;
+    h.num_layers = 1;
+    rf::encode(rf::kVersion, h, fake_ids.data(), forged.data());
+    forged.insert(forged.end(), fake_ids.begin(), fake_ids.end());
+    std::vector<unsigned char> index(8 + 32, 0);
+    rf::detail::put<std::uint64_t>(index.data(), 1);                // one entry:
+    rf::detail::put<std::uint64_t>(index.data() + 8, 1);            // uid 1
+    rf::detail::put<std::uint64_t>(index.data() + 16, payload_at);  // at the forged record
+    rf::detail::put<std::uint32_t>(index.data() + 32, 4);           // 4 tokens
+    rf::detail::put<std::uint16_t>(index.data() + 38, 1);           // 1 layer
+    const auto tail = mrr::detail::encode_index_and_tail(rf::kVersion, guess, index, payload_at + forged.size());
+    forged.insert(forged.end(), tail.begin(), tail.end());
+    REQUIRE(forged.size() % 8 == 0);
+    const auto path2 = dir / numbered("forged", static_cast<unsigned>(guess & 1u));
+    std::filesystem::copy_file(path, path2, std::filesystem::copy_options::overwrite_existing);
+    auto second = mrr::FileRouteStore::append(path2, shape);
+    second.record_sequence(2, 0, static_cast<std::int64_t>(forged.size() / 8), 0, 1,
+                           std::span<const std::uint8_t>(forged.data(), forged.size()));
+    // A reader now (the same bytes a crash would leave): a rescan, every record as recorded.
+    const mrr::TokenLayout first_four = span(1, 0, 4);
+    mrr::ExpertIds got;
+    std::vector<std::uint8_t> found;
+    {
+      const auto reader = mrr::FileRouteStore::open(path2, shape);
+      CHECK_FALSE(reader.recovery().opened_from_index);
+      CHECK(reader.num_sequences() == 2);
+      REQUIRE(reader.lookup(0, first_four, got, found) == 4);
+      CHECK((got.array() == 7).all());
+      CHECK(reader.recorded_positions(2) == static_cast<std::int64_t>(forged.size() / 8));
+    }
+    // A crash now, then an append and a clean close: nothing recorded is lost.
+    const auto crashed = dir / numbered("crashed", static_cast<unsigned>(guess & 1u));
+    std::filesystem::copy_file(path2, crashed, std::filesystem::copy_options::overwrite_existing);
+    {
+      auto appender = mrr::FileRouteStore::append(crashed, shape);
+      CHECK_FALSE(appender.recovery().opened_from_index);
+      const std::vector<std::uint8_t> more(8, 3);
+      appender.record_sequence(3, 0, 1, 0, 1, std::span<const std::uint8_t>(more));
+    }
+    const auto after = mrr::FileRouteStore::open(crashed, shape);
+    CHECK(after.recovery().opened_from_index);
+    CHECK(after.num_sequences() == 3);
+    REQUIRE(after.lookup(0, first_four, got, found) == 4);
+    CHECK((got.array() == 7).all());
+    CHECK(after.contains(2));
+  }
 }
 
 TEST_CASE("a version-2 index entry that disagrees with its record's header is damage, never other rows") {

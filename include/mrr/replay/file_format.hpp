@@ -25,8 +25,10 @@ inline constexpr char kRecordMagic[4] = {'M', 'R', 'R', 'R'};
 // New files are written in kVersion; files of every version from kOldestVersion are read, and
 // appended to in their own version. Version 2 changed the records' checksum (XXH64 -> XXH3-64: a
 // first read of a record hashes it, and XXH3 does so 1.7-3.4x faster) and the index entries
-// (they carry each record's rows, so a first read needs no header reads).
-inline constexpr std::uint16_t kVersion = 2;
+// (they carry each record's rows, so a first read needs no header reads). Version 3 binds the index
+// and tail records to their file: their headers carry the file id, so ids that a routes record
+// holds can never pass for the tail of a file that was not closed (nothing else changed).
+inline constexpr std::uint16_t kVersion = 3;
 inline constexpr std::uint16_t kOldestVersion = 1;
 inline constexpr bool version_supported(unsigned v) {
   return v >= kOldestVersion && v <= kVersion;
@@ -36,6 +38,10 @@ inline constexpr bool version_supported(unsigned v) {
 // without reading its records' headers first.
 inline constexpr std::size_t index_entry_bytes(unsigned version) {
   return version >= 2 ? 32 : 16;
+}
+// The sequence uid field of index and tail record headers: the file id from version 3, else 0.
+inline constexpr std::uint64_t index_and_tail_uid(unsigned version, std::uint64_t file_id) {
+  return version >= 3 ? file_id : 0;
 }
 inline constexpr std::size_t kHeaderBytes = 64;
 inline constexpr std::size_t kRecordHeaderBytes = 56;
@@ -128,7 +134,7 @@ inline std::string decode(const unsigned char* in, FileHeader& h) {
 
 // A record's checksum, computed as its payload streams past in pieces of any size (a reader
 // verifies records far larger than its buffers): a hash of the first kChecksummedHeaderBytes
-// header bytes followed by the payload, XXH3-64 (seed 0) in format version 2 and XXH64 (seed 0)
+// header bytes followed by the payload, XXH3-64 (seed 0) from format version 2 and XXH64 (seed 0)
 // in version 1. `version` is the file's (a supported one: the header was checked).
 class RecordChecksum {
  public:

@@ -60,9 +60,9 @@ struct FileStoreOptions {
   // fdatasync when closing (a cleanly closed file then survives power loss, not only a crash).
   bool sync_on_close = true;
   // The format version a new file is written in (docs/route-file-format.md): 0, the newest
-  // (route_file::kVersion), or 1 for readers that predate version 2 (mrr before 2026-11-27, or an
-  // older read_routes.py). append() keeps the file's own version; a nonzero value that differs
-  // from it is an error, never a file of two versions.
+  // (route_file::kVersion), or 2 or 1 for readers that predate version 3 or 2 (mrr before
+  // 2026-11-27, or an older read_routes.py). append() keeps the file's own version; a nonzero value
+  // that differs from it is an error, never a file of two versions.
   std::uint16_t format_version = 0;
   // A reader keeps records of several layers (record_sequence's [tokens, layers, k] blocks: a
   // rollout's routes) in memory whole, up to this many bytes, once a lookup has read and verified
@@ -556,7 +556,7 @@ class FileRouteStore final {
     if (size < route_file::kHeaderBytes + tail_bytes) return false;
     unsigned char tail[route_file::kRecordHeaderBytes + 8];  // a tail record is exactly this
     file_.read_exact(tail, sizeof tail, size - tail_bytes);
-    const std::optional<std::uint64_t> tail_points_at = detail::decode_tail(header_.version, tail);
+    const std::optional<std::uint64_t> tail_points_at = detail::decode_tail(header_.version, header_.file_id, tail);
     if (!tail_points_at) return false;
     const std::uint64_t index_offset = *tail_points_at;
     if (index_offset < route_file::kHeaderBytes || index_offset > size - tail_bytes - route_file::kRecordHeaderBytes) {
@@ -571,6 +571,7 @@ class FileRouteStore final {
     route_file::RecordHeader ih;
     // The payload size is checked against the file before it is padded or allocated.
     if (!route_file::decode(ih_bytes, ih) || ih.type != route_file::RecordType::index ||
+        ih.uid != route_file::index_and_tail_uid(header_.version, header_.file_id) ||
         ih.payload_bytes > size - tail_bytes - index_offset ||
         index_offset + route_file::record_bytes(ih.payload_bytes) != size - tail_bytes || ih.payload_bytes < 8 ||
         (ih.payload_bytes - 8) % route_file::index_entry_bytes(header_.version) != 0) {
@@ -1111,7 +1112,7 @@ class FileRouteStore final {
   // The index and tail records that end a cleanly closed file, after its last record.
   void write_index() {
     const std::vector<unsigned char> bytes =
-        detail::encode_index_and_tail(header_.version, index_.encode(header_.version), end_);
+        detail::encode_index_and_tail(header_.version, header_.file_id, index_.encode(header_.version), end_);
     file_.write_all(bytes.data(), bytes.size(), end_);
     end_ += bytes.size();
   }

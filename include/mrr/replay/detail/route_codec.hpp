@@ -441,14 +441,16 @@ class RecordBatch {
 };
 
 // The bytes of an index record holding `index_payload` followed by the tail record pointing at it,
-// for a file of format `version` whose records end (and whose index starts) at `index_offset`.
-inline std::vector<unsigned char> encode_index_and_tail(std::uint16_t version,
+// for a file of format `version` and id `file_id` whose records end (and whose index starts) at
+// `index_offset`.
+inline std::vector<unsigned char> encode_index_and_tail(std::uint16_t version, std::uint64_t file_id,
                                                         std::span<const unsigned char> index_payload,
                                                         std::uint64_t index_offset) {
   const auto tail_at = static_cast<std::size_t>(route_file::record_bytes(index_payload.size()));
   std::vector<unsigned char> buffer(tail_at + static_cast<std::size_t>(route_file::record_bytes(8)), 0);
   route_file::RecordHeader ih;
   ih.type = route_file::RecordType::index;
+  ih.uid = route_file::index_and_tail_uid(version, file_id);
   ih.payload_bytes = index_payload.size();
   if (!index_payload.empty())
     std::memcpy(buffer.data() + route_file::kRecordHeaderBytes, index_payload.data(), index_payload.size());
@@ -457,6 +459,7 @@ inline std::vector<unsigned char> encode_index_and_tail(std::uint16_t version,
   route_file::detail::put<std::uint64_t>(tail_payload, index_offset);
   route_file::RecordHeader th;
   th.type = route_file::RecordType::tail;
+  th.uid = route_file::index_and_tail_uid(version, file_id);
   th.payload_bytes = 8;
   std::memcpy(buffer.data() + tail_at + route_file::kRecordHeaderBytes, tail_payload, 8);
   route_file::encode(version, th, tail_payload, buffer.data() + tail_at);
@@ -464,10 +467,13 @@ inline std::vector<unsigned char> encode_index_and_tail(std::uint16_t version,
 }
 
 // The index offset a tail record (its kRecordHeaderBytes + 8 bytes) points at, or nothing when
-// those bytes are not an intact tail record of a file of format `version`.
-inline std::optional<std::uint64_t> decode_tail(std::uint16_t version, const unsigned char* tail) {
+// those bytes are not an intact tail record of the file of format `version` and id `file_id`
+// (from version 3 a tail names its file: bytes that a routes record holds cannot pass for one).
+inline std::optional<std::uint64_t> decode_tail(std::uint16_t version, std::uint64_t file_id,
+                                                const unsigned char* tail) {
   route_file::RecordHeader th;
   if (!route_file::decode(tail, th) || th.type != route_file::RecordType::tail || th.payload_bytes != 8 ||
+      th.uid != route_file::index_and_tail_uid(version, file_id) ||
       route_file::checksum(version, tail, tail + route_file::kRecordHeaderBytes, 8) != th.checksum)
     return std::nullopt;
   return route_file::detail::get<std::uint64_t>(tail + route_file::kRecordHeaderBytes);
