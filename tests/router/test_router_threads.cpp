@@ -5,7 +5,10 @@
 #include <doctest/doctest.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <limits>
 #include <random>
+#include <vector>
 
 namespace {
 
@@ -90,5 +93,64 @@ TEST_CASE("an invalid replayed id is reported for the first bad row whatever the
   for (int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
     CHECK_THROWS_WITH_AS(router.replay(z, ids), doctest::Contains("row 1500 repeats expert id"), mrr::InvalidArgument);
+  }
+}
+
+namespace {
+
+// Routes and replays every row of z on its own, in pieces of every length up to 40 rows, and from
+// a copy of z in a buffer offset by one float (another alignment); each row's ids and weights must
+// be the bits of routing all rows at once. So a token routes the same whatever rank (and so chunk
+// and tile of rows) holds it, and wherever its logits sit.
+template <class T>
+void rows_route_alone_as_together(const mrr::RouterConfig& config, const mrr::RowMatrix<T>& z) {
+  const mrr::TopKRouter<T> router(config);
+  const auto all = router.route(z);
+  const auto replayed_all = router.replay(z, all.ids);
+  const auto rows = z.rows();
+  long differing = 0;
+  for (Eigen::Index length :
+       {Eigen::Index{1}, Eigen::Index{2}, Eigen::Index{3}, Eigen::Index{5}, Eigen::Index{7}, Eigen::Index{40}})
+    for (Eigen::Index first = 0; first < rows; first += length) {
+      const Eigen::Index n = std::min(length, rows - first);
+      const auto part = router.route(z.middleRows(first, n));
+      const mrr::ExpertIds part_ids = all.ids.middleRows(first, n);
+      const auto replayed = router.replay(z.middleRows(first, n), part_ids);
+      differing += part.ids == all.ids.middleRows(first, n) ? 0 : 1;
+      differing += part.weights == all.weights.middleRows(first, n) ? 0 : 1;
+      differing += replayed.weights == replayed_all.weights.middleRows(first, n) ? 0 : 1;
+    }
+  std::vector<T> shifted(static_cast<std::size_t>(z.size()) + 1);
+  std::copy(z.data(), z.data() + z.size(), shifted.begin() + 1);
+  const Eigen::Map<const mrr::RowMatrix<T>> moved(shifted.data() + 1, z.rows(), z.cols());
+  const auto again = router.route(moved);
+  differing += again.ids == all.ids && again.weights == all.weights ? 0 : 1;
+  CHECK(differing == 0);
+}
+
+template <class T>
+mrr::RowMatrix<T> random_logits_of(Eigen::Index rows, Eigen::Index cols, unsigned seed) {
+  const mrr::RowMatrix<float> f = random_matrix(rows, cols, seed);
+  mrr::RowMatrix<T> z = (f.cast<T>() * T(2)).eval();
+  for (Eigen::Index t = 0; t < rows; t += 11)
+    z(t, (t * 5) % cols) = -std::numeric_limits<T>::infinity();
+  return z;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("a token's ids and weights do not depend on the rows routed with it, nor on its logits' address", T,
+                   float, double) {
+  // Odd k and unrenormalised pre-softmax (Qwen2-MoE's norm_topk_prob = false, DeepSeek-V2's k = 6)
+  // and sigmoid scores take the tile pass whose exponentials once depended on the tile's length.
+  const int experts = 12;
+  for (const auto& config :
+       {mrr::presets::qwen2_moe(experts, 3, false), mrr::presets::qwen2_moe(experts, 6, false),
+        mrr::presets::qwen2_moe(experts, 4, false), mrr::presets::megatron_deepseek_v3(experts, 3, 1, 1, 1.0),
+        mrr::presets::deepseek_v3(experts, 3, 4, 2, true, 2.5), mrr::presets::qwen3_moe(experts, 3),
+        mrr::presets::mixtral(experts, 2)}) {
+    CAPTURE(config.topk);
+    CAPTURE(config.pre_softmax);
+    rows_route_alone_as_together<T>(config, random_logits_of<T>(121, experts, 17));
   }
 }

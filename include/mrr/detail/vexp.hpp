@@ -10,7 +10,9 @@
 #include <mrr/detail/cpu_dispatch.hpp>
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #define MRR_VEXP_AVX2 MRR_AVX2_DISPATCH
 
@@ -94,6 +96,31 @@ inline void exp_float_span(const float* x, float* y, std::int64_t n) {
   if (vexp_use_avx2()) return exp_float_span_avx2(x, y, n);
 #endif
   exp_float_span_portable(x, y, n);
+}
+
+// Element-wise exp and sigmoid whose bits depend on each element's value only. Eigen's vectorised
+// exp takes its scalar path (other bits) for the elements before the first aligned packet and
+// after the last one, so with it a value's bits would depend on where it sits: on the length of
+// the span (a tile of a rank's rows: so on P) or on the span's address (a per-thread buffer: so on
+// the thread). Float runs exp_float (one branch-free formula for every lane and the remainder),
+// double std::exp.
+template <class T>
+inline void exp_each(T* x, std::int64_t n) {
+  if constexpr (std::is_same_v<T, float>)
+    exp_float_span(x, x, n);
+  else
+    for (std::int64_t i = 0; i < n; ++i)
+      x[i] = std::exp(x[i]);
+}
+
+// x <- 1 / (1 + exp(-x)), element-wise as exp_each (exactly 0 at -inf).
+template <class T>
+inline void sigmoid_each(T* x, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i)
+    x[i] = -x[i];
+  exp_each(x, n);
+  for (std::int64_t i = 0; i < n; ++i)
+    x[i] = T(1) / (T(1) + x[i]);
 }
 
 }  // namespace detail

@@ -7,6 +7,7 @@
 
 #include <mrr/concepts.hpp>
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/vexp.hpp>
 #include <mrr/error.hpp>
 #include <mrr/tensor.hpp>
 
@@ -187,7 +188,11 @@ class SwiGLUExperts {
       g.noalias() = x * w_gate_[e].transpose();
       u.noalias() = x * w_up_[e].transpose();
       auto a = s.block(0, n);
-      a.array() = g.array() * (Scalar(1) + (-g.array()).exp()).inverse() * u.array();  // silu(g) * u
+      // silu(g) * u = g * sigmoid(g) * u, element by element (detail::sigmoid_each): the bits of
+      // each element depend on its values only, not on the scratch's address (so on the thread).
+      a = g;
+      detail::sigmoid_each(a.data(), n * I);
+      a.array() = g.array() * a.array() * u.array();
       out.middleRows(r0, n).noalias() = a * w_down_[e].transpose();
     }
   }
@@ -229,7 +234,8 @@ class SwiGLUExperts {
       auto a = s.block(3, n);   // silu(g) * u, then d a
       auto dg = s.block(4, n);
       auto du = s.block(5, n);
-      sg.array() = (Scalar(1) + (-g.array()).exp()).inverse();
+      sg = g;
+      detail::sigmoid_each(sg.data(), n * I);
       a.array() = g.array() * sg.array() * u.array();
       grads.w_down[e].noalias() += dy.transpose() * a;
       a.noalias() = dy * w_down_[e];  // d a

@@ -69,10 +69,12 @@ template <class T, class Id>
 void reject_nan_weights(const Id* ids, const T* w, int k, long row, bool replayed, const char* fn) {
   for (int j = 0; j < k; ++j)
     if (std::isnan(w[j])) [[unlikely]]
-      throw_invalid_argument(fn, "logits row ", row, ": the weight of ", replayed ? "replayed" : "chosen", " expert ",
-                             ids[j], " (slot ", j,
-                             ") is NaN because every logit it is normalised over is -inf (masked); a row whose "
-                             "chosen experts are all masked cannot be routed");
+      throw_invalid_argument(
+          fn, "logits row ", row, ": the weight of ", replayed ? "replayed" : "chosen", " expert ", ids[j], " (slot ",
+          j,
+          ") is NaN because every logit it is normalised over is -inf (masked); a row whose "
+          "chosen experts are all masked cannot be routed (group-limited routing keeps whole groups: the groups "
+          "kept may hold only masked experts)");
 }
 
 }  // namespace detail

@@ -9,13 +9,14 @@
 // float softmax of detail/softmax_tile.hpp with its AVX2 variant).
 #pragma once
 
+#include <mrr/cpu/backend.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/parallel.hpp>
 #include <mrr/detail/softmax_tile.hpp>
+#include <mrr/detail/vexp.hpp>
 #include <mrr/error.hpp>
 #include <mrr/kernels/router.hpp>
 #include <mrr/router/capacity.hpp>
-#include <mrr/cpu/backend.hpp>
 #include <mrr/router/config.hpp>
 #include <mrr/router/fwd.hpp>
 #include <mrr/router/params.hpp>
@@ -357,12 +358,11 @@ class TopKRouter {
           for (int e = 0; e < num_e; ++e) scores[e] = z[e];
         }
         break;
-      case ScoreFunction::sigmoid: {
-        // Vectorised through Eigen; selection needs the order, the weights use the scalar path.
-        Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>> zz(z, num_e);
-        Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>>(scores, num_e) = (Scalar(1) + (-zz).exp()).inverse();
+      case ScoreFunction::sigmoid:
+        for (int e = 0; e < num_e; ++e)
+          scores[e] = z[e];
+        detail::sigmoid_each(scores, num_e);
         break;
-      }
       case ScoreFunction::sqrt_softplus:
         for (int e = 0; e < num_e; ++e) scores[e] = kernels::sqrt_softplus(z[e]);
         break;
@@ -372,22 +372,49 @@ class TopKRouter {
   }
 
   static void softmax(const Scalar* z, int n, Scalar* out) {
-    Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>> zz(z, n);
-    Eigen::Map<Eigen::Array<Scalar, Eigen::Dynamic, 1>> p(out, n);
-    p = (zz - zz.maxCoeff()).exp();
-    p /= p.sum();
+    const Scalar mx = *std::max_element(z, z + n);
+    for (int e = 0; e < n; ++e)
+      out[e] = z[e] - mx;
+    detail::exp_each(out, n);
+    const Scalar sum = fixed_order_sum(out, n);
+    for (int e = 0; e < n; ++e)
+      out[e] /= sum;
   }
 
-  // kernels::softmax_normalizer vectorised (weights_tile's full-row softmax): (max, sum exp(z - max)).
+  // kernels::softmax_normalizer on the host (weights_tile's full-row softmax): (max, sum exp(z -
+  // max)), the exponentials in chunks of a stack buffer.
   static std::pair<Scalar, Scalar> softmax_normalizer(const Scalar* z, int n) {
-    Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>> zz(z, n);
-    const Scalar mx = zz.maxCoeff();
-    return {mx, (zz - mx).exp().sum()};
+    const Scalar mx = *std::max_element(z, z + n);
+    constexpr int kChunk = 256;
+    Scalar buffer[kChunk];
+    Scalar sum = 0;
+    for (int first = 0; first < n; first += kChunk) {
+      const int m = std::min(kChunk, n - first);
+      for (int i = 0; i < m; ++i)
+        buffer[i] = z[first + i] - mx;
+      detail::exp_each(buffer, m);
+      sum += fixed_order_sum(buffer, m);
+    }
+    return {mx, sum};
+  }
+
+  // The sum of x[0, n) in an order fixed by n: eight partial sums by index (element i goes to sum
+  // i % 8, in index order), then added pairwise. The same bits whether or not the compiler
+  // vectorises the loop, and wherever x sits.
+  static Scalar fixed_order_sum(const Scalar* x, int n) {
+    Scalar part[8] = {};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int l = 0; l < 8; ++l)
+        part[l] += x[i + l];
+    for (int l = 0; i < n; ++i, ++l)
+      part[l] += x[i];
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
   }
 
   // kernels::weights_row over the rows [first, end) at once (DESIGN.md section 3), in place: on
-  // entry weights(t, j) holds the logit z[t, ids(t, j)]. The exponentials and scores run
-  // vectorised over the whole tile; sums and maxima run per row in slot order.
+  // entry weights(t, j) holds the logit z[t, ids(t, j)]. The exponentials and scores run over the
+  // whole tile, element by element (detail::exp_each); sums and maxima run per row in slot order.
   void weights_tile(const MatrixRef<Scalar>& logits, Routing<Scalar>& out, Eigen::Index first, Eigen::Index end,
                     Workspace& ws) const {
     using Array = Eigen::Array<Scalar, Eigen::Dynamic, 1>;
@@ -413,13 +440,9 @@ class TopKRouter {
           }
           for (int j = 0; j < k; ++j) w[j] -= mx;
         }
-        // Eigen's vectorised exp flushes at about -88, not to zero, but a masked (-inf) logit must
-        // weigh exactly 0: a tile holding one takes the scalar exp (decided per tile, so per row
-        // index, never per thread).
-        if (has_masked(w0, n)) [[unlikely]]
-          for (Eigen::Index i = 0; i < n; ++i) w0[i] = std::exp(w0[i]);
-        else
-          tile = tile.exp();
+        // Each weight's bits depend on its own logits only (detail::exp_each), whichever tile it is in; a
+        // masked (-inf) logit weighs exactly 0.
+        detail::exp_each(w0, n);
         for (Eigen::Index t = first; t < end; ++t) {
           Scalar* w = w0 + (t - first) * k;
           Scalar sum = scale[static_cast<std::size_t>(t - first)];
@@ -433,8 +456,8 @@ class TopKRouter {
       }
       case ScoreFunction::sigmoid:
       case ScoreFunction::sqrt_softplus: {
-        if (config_.score_function == ScoreFunction::sigmoid && !has_masked(w0, n))
-          tile = (Scalar(1) + (-tile).exp()).inverse();
+        if (config_.score_function == ScoreFunction::sigmoid)
+          detail::sigmoid_each(w0, n);
         else
           for (Eigen::Index i = 0; i < n; ++i) w0[i] = score(w0[i]);
         if (config_.normalizes())
@@ -449,12 +472,6 @@ class TopKRouter {
       }
     }
     if (config_.scaling_factor) tile *= static_cast<Scalar>(*config_.scaling_factor);
-  }
-
-  static bool has_masked(const Scalar* w, Eigen::Index n) {
-    bool masked = false;
-    for (Eigen::Index i = 0; i < n; ++i) masked |= w[i] == -std::numeric_limits<Scalar>::infinity();
-    return masked;
   }
 
   Scalar score(Scalar x) const { return kernels::score_of(params_.score, x); }

@@ -576,9 +576,11 @@ class ThrustTopKRouter {
       mrr::detail::throw_invalid_argument(fn, "row ", row, ": a replayed row has an expert id outside [0, ",
                                           num_experts(), ") or repeats an id");
     if (code == kernels::row_nan_weight)
-      mrr::detail::throw_invalid_argument(fn, "logits row ", row,
-                                          ": a weight is NaN because every logit it is normalised over is -inf "
-                                          "(masked); a row whose chosen experts are all masked cannot be routed");
+      mrr::detail::throw_invalid_argument(
+          fn, "logits row ", row,
+          ": a weight is NaN because every logit it is normalised over is -inf "
+          "(masked); a row whose chosen experts are all masked cannot be routed (group-limited "
+          "routing keeps whole groups: the groups kept may hold only masked experts)");
     mrr::detail::throw_invalid_argument(fn, "logits row ", row, " has fewer finite logits than k=", topk(),
                                         " (the others are -inf, masked): a row needs at least k unmasked experts");
   }
