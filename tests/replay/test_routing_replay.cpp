@@ -137,6 +137,45 @@ TEST_CASE("recompute consumes forwards first-in-first-out across micro-batches (
                        mrr::InvalidArgument);
 }
 
+TEST_CASE("a recompute cleans the padding rows of the forward it replays, not the current micro-batch's") {
+  // F1 F2 B1 B2 with padded micro-batches: during B1 the layout is still mb2's. mb1's row 3 is
+  // padding holding NaN (allowed) where mb2 has a real token; mb2's row 0 is padding where mb1 has
+  // a real token. B1 must route exactly as F1 did, and a failed recompute takes nothing.
+  const int E = 16, k = 2;
+  mrr::TopKRouter<float> router(mrr::presets::qwen2_moe(E, k, false));
+  mrr::MemoryRouteStore store({E, 1, k});
+  mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
+  const mrr::TokenLayout mb1({{1, 0}, {1, 1}, {1, 2}, {1, -1}});
+  const mrr::TokenLayout mb2({{2, -1}, {2, 0}, {2, 1}, {2, 2}});
+  auto z1 = logits(4, E, 11);
+  z1.row(3).setConstant(std::numeric_limits<float>::quiet_NaN());
+  auto z2 = logits(4, E, 12);
+  z2.row(0).setConstant(std::numeric_limits<float>::quiet_NaN());
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  replay.set_micro_batch(mb1);
+  (void)replay.route(router, 0, z1);
+  replay.set_micro_batch(mb2);
+  (void)replay.route(router, 0, z2);
+
+  replay.set_activation_recompute(true);
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  replay.set_micro_batch(mb1);
+  const auto f1 = replay.route(router, 0, z1);
+  replay.set_micro_batch(mb2);
+  const auto f2 = replay.route(router, 0, z2);
+  replay.begin_pass(mrr::TrainingPass::actor_recompute);
+  CHECK_THROWS_WITH_AS(replay.route(router, 0, logits(3, E, 13)), doctest::Contains("recompute must follow"),
+                       mrr::InvalidArgument);
+  CHECK(replay.queued(0) == 2);  // the failed recompute took nothing
+  const auto b1 = replay.route(router, 0, z1);
+  const auto b2 = replay.route(router, 0, z2);
+  CHECK(b1.ids == f1.ids);
+  CHECK(b1.weights == f1.weights);
+  CHECK(b2.ids == f2.ids);
+  CHECK(b2.weights == f2.weights);
+  CHECK(replay.queued(0) == 0);
+}
+
 TEST_CASE("R2: a token without a recorded route is an error, never a silent native route") {
   const int E = 16, k = 2;
   mrr::TopKRouter<float> router(mrr::presets::mixtral(E, k));

@@ -135,14 +135,17 @@ class RoutingReplay {
   // Padding rows of the micro-batch are never recorded or used, so their logits may hold
   // anything (a trainer's uninitialised or NaN-filled padding): they are routed as zeros, and a
   // NaN there is not the error it is in a real token's row.
+  // A recompute (replay_backward) takes the padding rows of the forward it replays, which it
+  // queued, not the current micro-batch's: in a schedule F1 F2 B1 B2 the layout is F2's during B1.
   template <Router R>
   Routing<typename R::scalar_type> route(const R& router, int layer, MatrixRef<typename R::scalar_type> logits) {
     using S = typename R::scalar_type;
     constexpr const char* fn = "RoutingReplay::route";
-    if (!padding_rows_finite(logits)) {
+    const std::vector<std::uint8_t> padding = padding_rows(layer, logits.rows());
+    if (!padding_rows_finite(logits, padding)) {
       RowMatrix<S> clean = logits;
-      for (std::size_t r = 0; r < layout_.size(); ++r)
-        if (layout_[r].is_padding()) clean.row(static_cast<Eigen::Index>(r)).setZero();
+      for (std::size_t r = 0; r < padding.size(); ++r)
+        if (padding[r] != 0) clean.row(static_cast<Eigen::Index>(r)).setZero();
       return route_with(HostLogits<R>{router, clean}, layer, fn);
     }
     return route_with(HostLogits<R>{router, logits}, layer, fn);
@@ -219,19 +222,40 @@ class RoutingReplay {
                     shape.to_string());
   }
 
-  // False when the layout describes these rows and a padding row holds a NaN or infinity.
-  template <class S>
-  bool padding_rows_finite(const MatrixRef<S>& logits) const {
-    if (layout_.size() != static_cast<std::size_t>(logits.rows()) || layout_.real_tokens() == layout_.size()) return true;
+  // The padding rows (1) of the forward whose `rows` logits are routed now: the queued forward's
+  // for a recompute, else the micro-batch layout's; empty when unknown or none.
+  std::vector<std::uint8_t> padding_rows(int layer, long rows) const {
+    if (action_ == RouterAction::replay_backward) {
+      if (layer < 0 || static_cast<std::size_t>(layer) >= queues_.size() ||
+          queues_[static_cast<std::size_t>(layer)].empty())
+        return {};
+      const Queued& q = queues_[static_cast<std::size_t>(layer)].front();
+      return q.padding.size() == static_cast<std::size_t>(rows) ? q.padding : std::vector<std::uint8_t>{};
+    }
+    return padding_of_layout(rows);
+  }
+
+  std::vector<std::uint8_t> padding_of_layout(long rows) const {
+    if (layout_.size() != static_cast<std::size_t>(rows) || layout_.real_tokens() == layout_.size()) return {};
+    std::vector<std::uint8_t> padding(layout_.size());
     for (std::size_t r = 0; r < layout_.size(); ++r)
-      if (layout_[r].is_padding() && !logits.row(static_cast<Eigen::Index>(r)).allFinite()) return false;
+      padding[r] = layout_[r].is_padding() ? 1 : 0;
+    return padding;
+  }
+
+  // False when a padding row holds a NaN or infinity.
+  template <class S>
+  static bool padding_rows_finite(const MatrixRef<S>& logits, const std::vector<std::uint8_t>& padding) {
+    for (std::size_t r = 0; r < padding.size(); ++r)
+      if (padding[r] != 0 && !logits.row(static_cast<Eigen::Index>(r)).allFinite()) return false;
     return true;
   }
 
   struct Queued {
     ExpertIds ids;
     std::vector<std::uint8_t> found;
-    bool all_found = false;  // every row has a route (no padding, none missing)
+    bool all_found = false;             // every row has a route (no padding, none missing)
+    std::vector<std::uint8_t> padding;  // the forward's padding rows (1), empty when none
   };
 
   // The mask a replay passes its router: none when every row has a route, so the router takes
@@ -254,10 +278,12 @@ class RoutingReplay {
           recompute_ ? ""
                      : "; activation recompute is off (the default), so the actor update queued nothing: call "
                        "set_activation_recompute(true) before the actor_update pass when the backward recomputes"));
+    // Checked before it is taken: a recompute of the wrong forward leaves the queue as it was.
+    detail::require(queue.front().ids.rows() == rows, fn, "layer ", layer, ": the recomputed forward has ", rows,
+                    " rows but the forward it replays had ", queue.front().ids.rows(),
+                    " (recompute must follow the forward order)");
     Queued q = std::move(queue.front());
     queue.pop_front();
-    detail::require(q.ids.rows() == rows, fn, "layer ", layer, ": the recomputed forward has ", rows,
-                    " rows but the forward it replays had ", q.ids.rows(), " (recompute must follow the forward order)");
     return q;
   }
 
@@ -271,6 +297,7 @@ class RoutingReplay {
     Queued q;
     q.all_found = store_->lookup(layer, layout_, q.ids, q.found) == layout_.size();
     check_missing(layer, q.found);
+    if (queue_) q.padding = padding_of_layout(static_cast<long>(layout_.size()));
     return q;
   }
 
