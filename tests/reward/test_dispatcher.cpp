@@ -509,6 +509,16 @@ TEST_SUITE("reward") {
       CHECK(d.dispatch(transport, Request{}).attempts == 2);  // tried again (and evicted again)
       CHECK_FALSE(healthy(d, "a"));
     }
+    SUBCASE("failing probes keep an evicted worker out: readmit_after counts from the last failed probe") {
+      for (int i = 0; i < 5; ++i) {
+        clock.advance(4s);
+        d.report_health("a", false);
+        CHECK(d.dispatch(transport, Request{}).attempts == 1);  // 20 s after the eviction, still out
+      }
+      CHECK_FALSE(healthy(d, "a"));
+      clock.advance(11s);  // its probes stopped: time re-admits it
+      CHECK(d.dispatch(transport, Request{}).attempts == 2);
+    }
     SUBCASE("failed probes evict, and with every worker evicted there is no worker (503)") {
       for (int i = 0; i < 3; ++i)
         d.report_health("b", false);

@@ -195,6 +195,56 @@ TEST_SUITE("reward") {
     }
   }
 
+  TEST_CASE("a chunked worker response is relayed whole, and max_response_bytes counts all of its chunks") {
+    // A worker that streams its answer (Transfer-Encoding: chunked) in 4 KiB chunks.
+    std::string expected(100'000, '\0');
+    for (std::size_t i = 0; i < expected.size(); ++i)
+      expected[i] = static_cast<char>('a' + (i * 7 + i / 4096) % 26);
+    httplib::Server worker;
+    worker.Get("/stream", [&](const httplib::Request&, httplib::Response& res) {
+      res.set_chunked_content_provider("application/octet-stream", [&](std::size_t offset, httplib::DataSink& sink) {
+        if (offset >= expected.size()) {
+          sink.done();
+          return true;
+        }
+        return sink.write(expected.data() + offset, std::min<std::size_t>(4096, expected.size() - offset));
+      });
+    });
+    const int port = worker.bind_to_any_port("127.0.0.1");
+    REQUIRE(port > 0);
+    std::thread serving([&] { worker.listen_after_bind(); });
+    const std::string url = "http://127.0.0.1:" + std::to_string(port);
+    mrr::reward::Request get;
+    get.method = "GET";
+    get.target = "/stream";
+    {
+      mrr::reward::HttpTransport transport;
+      const auto reply = transport.send(url, get, 10s);
+      REQUIRE(reply.answered());
+      CHECK(reply.response.status == 200);
+      CHECK(reply.response.body.size() == expected.size());
+      CHECK(reply.response.body == expected);
+    }
+    {  // every chunk is under the limit, the body is not
+      mrr::reward::HttpTransportOptions small;
+      small.max_response_bytes = 50'000;
+      mrr::reward::HttpTransport transport(small);
+      const auto reply = transport.send(url, get, 10s);
+      CHECK_FALSE(reply.answered());
+      CHECK(reply.failure == mrr::reward::Failure::io);
+      CHECK(reply.error.find("max_response_bytes (50000 bytes)") != std::string::npos);
+    }
+    {  // and through the router
+      HttpRouter router({url}, quick_router(false));
+      auto client = client_of(router.url());
+      const auto r = client.Get("/stream");
+      CHECK(status_of(r) == 200);
+      CHECK(r->body == expected);
+    }
+    worker.stop();
+    serving.join();
+  }
+
   TEST_CASE("no worker available: 503 with a JSON reason; workers added and removed at run time") {
     LocalWorker worker({"w1"});
     RouterOptions options = quick_router();

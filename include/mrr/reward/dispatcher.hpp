@@ -52,8 +52,9 @@ struct DispatchOptions {
   int failures_to_evict = 3;                            // consecutive failures (requests or health probes) that evict
   int successes_to_readmit = 2;  // consecutive good health probes that re-admit an evicted worker
   // An evicted worker is re-admitted on probation after this long even without a health probe
-  // (one more failure evicts it again), so a dispatcher without HealthMonitor cannot starve.
-  // Zero: only health probes re-admit.
+  // (one more failure evicts it again), so a dispatcher without HealthMonitor cannot starve. It
+  // counts from the eviction or from the worker's last failed probe, so a worker whose probes keep
+  // failing stays out. Zero: only health probes re-admit.
   Duration readmit_after = std::chrono::seconds(10);
 };
 
@@ -300,6 +301,9 @@ class BasicDispatcher {
         if (!w.healthy && w.consecutive_probe_successes >= options_.successes_to_readmit) readmit(w);
       } else {
         w.consecutive_probe_successes = 0;
+        // A probe that fails keeps an evicted worker out: readmit_after counts from its last
+        // failed probe (time alone re-admits only workers nobody probes, or whose probes stopped).
+        if (!w.healthy) w.evicted_at = clock_.now();
         count_failure(w, "health probe failed");
       }
     }

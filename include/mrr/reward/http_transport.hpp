@@ -102,15 +102,21 @@ class HttpTransport {
     // The socket timeouts bound each read; this bounds the whole body of a worker that trickles.
     out.progress = [deadline](std::uint64_t, std::uint64_t) { return std::chrono::steady_clock::now() < deadline; };
     // The answer is read into a string sized from its Content-Length at once, not grown by doubling,
-    // and abandoned once it passes max_response_bytes (at once when its length says it will).
+    // and abandoned once it passes max_response_bytes (at once when its length says it will). The
+    // bytes are counted here: cpp-httplib passes a chunked body chunk by chunk, each from offset 0
+    // with the chunk's length as `total`, so neither says where in the body a piece goes.
     std::string body;
-    bool too_large = false;
+    bool too_large = false, first_piece = true;
     const std::uint64_t limit = options_.max_response_bytes;
     out.content_receiver = [&](const char* data, std::size_t n, std::uint64_t offset, std::uint64_t total) {
-      if (offset == 0) body.clear();
-      too_large = (offset == 0 && total > limit) || n > limit - body.size();
-      if (too_large) return false;  // cpp-httplib stops reading: Error::Canceled
-      if (offset == 0 && total > body.capacity()) body.reserve(static_cast<std::size_t>(total));
+      if (first_piece) {
+        first_piece = false;
+        too_large = offset == 0 && total > limit;
+        if (too_large) return false;  // cpp-httplib stops reading: Error::Canceled
+        if (offset == 0 && total > body.capacity()) body.reserve(static_cast<std::size_t>(total));
+      }
+      too_large = n > limit - body.size();
+      if (too_large) return false;
       body.append(data, n);
       return true;
     };
