@@ -116,7 +116,15 @@ class RoutingReplay {
   }
 
   // The rows of the micro-batch whose forwards follow.
-  void set_micro_batch(TokenLayout layout) { layout_ = std::move(layout); }
+  void set_micro_batch(TokenLayout layout) {
+    layout_ = std::move(layout);
+    // Its padding rows, once per micro-batch (not per layer): empty when it has none.
+    layout_padding_.clear();
+    if (layout_.real_tokens() != layout_.size()) {
+      layout_padding_.resize(layout_.size());
+      for (std::size_t r = 0; r < layout_.size(); ++r) layout_padding_[r] = layout_[r].is_padding() ? 1 : 0;
+    }
+  }
   const TokenLayout& micro_batch() const { return layout_; }
 
   // Ids queued for recomputation in `layer`.
@@ -141,7 +149,7 @@ class RoutingReplay {
   Routing<typename R::scalar_type> route(const R& router, int layer, MatrixRef<typename R::scalar_type> logits) {
     using S = typename R::scalar_type;
     constexpr const char* fn = "RoutingReplay::route";
-    const std::vector<std::uint8_t> padding = padding_rows(layer, logits.rows());
+    const std::span<const std::uint8_t> padding = padding_rows(layer, logits.rows());
     if (!padding_rows_finite(logits, padding)) {
       RowMatrix<S> clean = logits;
       for (std::size_t r = 0; r < padding.size(); ++r)
@@ -224,28 +232,21 @@ class RoutingReplay {
 
   // The padding rows (1) of the forward whose `rows` logits are routed now: the queued forward's
   // for a recompute, else the micro-batch layout's; empty when unknown or none.
-  std::vector<std::uint8_t> padding_rows(int layer, long rows) const {
+  std::span<const std::uint8_t> padding_rows(int layer, long rows) const {
+    const std::vector<std::uint8_t>* padding = &layout_padding_;
     if (action_ == RouterAction::replay_backward) {
       if (layer < 0 || static_cast<std::size_t>(layer) >= queues_.size() ||
           queues_[static_cast<std::size_t>(layer)].empty())
         return {};
-      const Queued& q = queues_[static_cast<std::size_t>(layer)].front();
-      return q.padding.size() == static_cast<std::size_t>(rows) ? q.padding : std::vector<std::uint8_t>{};
+      padding = &queues_[static_cast<std::size_t>(layer)].front().padding;
     }
-    return padding_of_layout(rows);
-  }
-
-  std::vector<std::uint8_t> padding_of_layout(long rows) const {
-    if (layout_.size() != static_cast<std::size_t>(rows) || layout_.real_tokens() == layout_.size()) return {};
-    std::vector<std::uint8_t> padding(layout_.size());
-    for (std::size_t r = 0; r < layout_.size(); ++r)
-      padding[r] = layout_[r].is_padding() ? 1 : 0;
-    return padding;
+    return padding->size() == static_cast<std::size_t>(rows) ? std::span<const std::uint8_t>(*padding)
+                                                             : std::span<const std::uint8_t>{};
   }
 
   // False when a padding row holds a NaN or infinity.
   template <class S>
-  static bool padding_rows_finite(const MatrixRef<S>& logits, const std::vector<std::uint8_t>& padding) {
+  static bool padding_rows_finite(const MatrixRef<S>& logits, std::span<const std::uint8_t> padding) {
     for (std::size_t r = 0; r < padding.size(); ++r)
       if (padding[r] != 0 && !logits.row(static_cast<Eigen::Index>(r)).allFinite()) return false;
     return true;
@@ -297,7 +298,7 @@ class RoutingReplay {
     Queued q;
     q.all_found = store_->lookup(layer, layout_, q.ids, q.found) == layout_.size();
     check_missing(layer, q.found);
-    if (queue_) q.padding = padding_of_layout(static_cast<long>(layout_.size()));
+    if (queue_) q.padding = layout_padding_;
     return q;
   }
 
@@ -333,6 +334,7 @@ class RoutingReplay {
   bool queue_ = true;
   bool recompute_ = false;
   TokenLayout layout_;
+  std::vector<std::uint8_t> layout_padding_;  // layout_'s padding rows (1), empty when none
   std::vector<std::deque<Queued>> queues_;
   ReplayStats stats_;
 };
