@@ -12,6 +12,7 @@
 #include "moe_fixture.hpp"
 
 #include <atomic>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -319,4 +320,62 @@ TEST_CASE("MoELayer: E not divisible by one rank is rejected with SingleProcess'
   const auto p = mrr::ExpertPlacement::contiguous(8, 4);
   CHECK(p.first_expert(3) == 6);
   CHECK(p.owner(5) == 2);
+}
+
+TEST_CASE("MoELayer: a forward that fails on one rank leaves every rank's recompute queue as it was") {
+  // R2 with activation recompute on 2 ranks. Micro-batches A and B are recorded; in the update the
+  // gate moved, so native routing would differ from the recorded routes.
+  const auto m = MoEModel<double>::random(mrr::presets::qwen3_moe(8, 2), 8, 4, 11);
+  const Eigen::Index rows = 8;  // per rank
+  std::vector<int> checked(2, 0);
+  mrr::InProcessGroup(2).run([&](const mrr::InProcessComm& comm) {
+    const int r = comm.rank();
+    mrr::MemoryRouteStore store({.num_experts = 8, .num_layers = 1, .topk = 2});
+    mrr::RoutingReplay replay(mrr::ReplayMode::R2, store);
+    auto layer = m.layer(comm, &replay, 0);
+    const auto la = mrr::test::token_layout(rows * r, rows * r + rows);
+    const auto lb = mrr::test::token_layout(100 + rows * r, 100 + rows * r + rows);
+    const RowMatrix<double> xa = mrr::test::random_normal<double>(rows, 8, 20 + r);
+    const RowMatrix<double> xb = mrr::test::random_normal<double>(rows, 8, 30 + r);
+    replay.begin_pass(mrr::TrainingPass::old_log_prob);
+    replay.set_micro_batch(la);
+    layer.forward(xa);
+    replay.set_micro_batch(lb);
+    layer.forward(xb);
+    layer.set_gate_weight(m.gate + 0.7 * mrr::test::random_normal<double>(8, 8, 40));
+    replay.set_activation_recompute(true);
+    replay.begin_pass(mrr::TrainingPass::actor_update);
+
+    // A's update forward fails on rank 1 only (a NaN in a real token), after rank 0's router
+    // replayed and queued A's ids. Every rank throws, and rank 0 must not keep A's ids queued.
+    RowMatrix<double> bad = xa;
+    if (r == 1) bad(3, 2) = std::numeric_limits<double>::quiet_NaN();
+    replay.set_micro_batch(la);
+    CHECK_THROWS_WITH(layer.forward(bad), doctest::Contains("nan"));
+    CHECK(replay.queued(0) == 0);
+
+    // The trainer skips A: B's forward, then its recompute, which must replay B's ids, not A's.
+    replay.set_micro_batch(lb);
+    const auto fb = layer.forward(xb);
+    CHECK(replay.queued(0) == 1);
+    replay.begin_pass(mrr::TrainingPass::actor_recompute);
+    // A recompute that fails on rank 0 only (the experts' input is fine on rank 1, whose router
+    // took B's ids) gives them back on every rank: the retry replays B.
+    RowMatrix<double> bad_b = xb;
+    if (r == 0) bad_b(5, 1) = std::numeric_limits<double>::infinity();
+    CHECK_THROWS_WITH(layer.forward(bad_b), doctest::Contains(r == 0 ? "inf" : "rank 0 of 2 failed"));
+    CHECK(replay.queued(0) == 1);
+    const auto rb = layer.forward(xb);
+    CHECK(replay.queued(0) == 0);
+    CHECK(rb.routing.ids == fb.routing.ids);
+    CHECK(bitwise_equal(rb.output, fb.output));
+    // Native routing with the moved gate differs: the replayed ids are not what it would pick.
+    replay.begin_pass(mrr::TrainingPass::ref_log_prob);  // R2: native
+    CHECK(layer.forward(xb).routing.ids != fb.routing.ids);
+    // A revert with nothing to undo changes nothing.
+    replay.revert_route(0);
+    CHECK(replay.queued(0) == 0);
+    checked[static_cast<std::size_t>(r)] = 1;
+  });
+  CHECK(checked == std::vector<int>{1, 1});
 }

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <span>
 
 using mrr::RowMatrix;
@@ -264,4 +265,82 @@ TEST_CASE("MoELayer with replay: every row recorded reaches the mask-free replay
   CHECK(some.routing.ids.topRows(recorded_rows) == recorded);
   CHECK(some.routing.ids.bottomRows(kTokens - recorded_rows) ==
         natively(some).bottomRows(kTokens - recorded_rows));
+}
+
+TEST_CASE("MoELayer: a NaN or infinite padding row is a zero token: finite output and gradients, the zero row's bits") {
+  // Padding rows (the micro-batch layout's) may hold anything; the masked loss gives them a zero
+  // output gradient. Without the rule, 0 x NaN made the gate and expert weight gradients NaN.
+  const auto model = model_with(mrr::presets::qwen3_moe(6, 2));
+  mrr::MemoryRouteStore store({.num_experts = 6, .num_layers = 1, .topk = 2});
+  mrr::RoutingReplay replay(mrr::ReplayMode::R2, store);
+  auto layer = model.layer(mrr::SingleProcess{}, &replay, 0);
+  // Two sequences right-padded to 7 rows: rows 5, 6 and 13 are padding.
+  std::vector<mrr::TokenKey> keys;
+  for (int s = 0; s < 2; ++s)
+    for (int p = 0; p < 7; ++p)
+      keys.push_back(p < (s == 0 ? 5 : 6) ? mrr::TokenKey{static_cast<mrr::SequenceId>(50 + s), p} : mrr::TokenKey{});
+  const mrr::TokenLayout padded(keys);
+  // Another micro-batch, without padding, for a F1 F2 B1 B2 schedule.
+  const auto other = mrr::test::token_layout(100, 100 + kTokens);
+  RowMatrix<double> zeros = mrr::test::random_normal<double>(kTokens, kHidden, 31);
+  RowMatrix<double> gy = mrr::test::random_normal<double>(kTokens, kHidden, 32);
+  for (Eigen::Index r : {5, 6, 13}) {
+    zeros.row(r).setZero();
+    gy.row(r).setZero();
+  }
+  RowMatrix<double> poisoned = zeros;
+  poisoned(5, 1) = std::numeric_limits<double>::quiet_NaN();
+  poisoned.row(6).setConstant(std::numeric_limits<double>::infinity());
+  poisoned(13, 0) = -std::numeric_limits<double>::infinity();
+  const RowMatrix<double> x2 = mrr::test::random_normal<double>(kTokens, kHidden, 33);
+
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  replay.set_micro_batch(padded);
+  const auto recorded = layer.forward(poisoned);
+  CHECK(mrr::test::bitwise_equal(recorded.output, layer.forward(zeros).output));
+  replay.set_micro_batch(other);
+  layer.forward(x2);
+
+  replay.set_activation_recompute(true);
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  replay.set_micro_batch(padded);
+  const auto f = layer.forward(poisoned);
+  replay.set_micro_batch(other);
+  layer.forward(x2);
+  const auto g = layer.backward(f, gy);
+  CHECK(f.output.allFinite());
+  CHECK(g.gate_weight.allFinite());
+  CHECK(g.input.allFinite());
+  CHECK(g.gate_weight.cwiseAbs().maxCoeff() > 0);
+  for (const auto& w : g.experts.w_gate)
+    CHECK(w.allFinite());
+  for (const auto& w : g.experts.w_up)
+    CHECK(w.allFinite());
+  for (const auto& w : g.experts.w_down)
+    CHECK(w.allFinite());
+  // B1 recomputes F1 (padded) while the layout is F2's: the queued padding rows apply.
+  replay.begin_pass(mrr::TrainingPass::actor_recompute);
+  const auto b = layer.forward(poisoned);
+  CHECK(mrr::test::bitwise_equal(b.output, f.output));
+  const auto gb = layer.backward(b, gy);
+  CHECK(mrr::test::bitwise_equal(gb.gate_weight, g.gate_weight));
+  CHECK(mrr::test::bitwise_equal(gb.input, g.input));
+
+  // Bit for bit the zero-padded input's results.
+  replay.set_activation_recompute(false);
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  replay.set_micro_batch(padded);
+  const auto fz = layer.forward(zeros);
+  const auto gz = layer.backward(fz, gy);
+  CHECK(mrr::test::bitwise_equal(f.output, fz.output));
+  CHECK(mrr::test::bitwise_equal(g.gate_weight, gz.gate_weight));
+  CHECK(mrr::test::bitwise_equal(g.input, gz.input));
+  for (std::size_t e = 0; e < g.experts.w_down.size(); ++e) {
+    CHECK(mrr::test::bitwise_equal(g.experts.w_gate[e], gz.experts.w_gate[e]));
+    CHECK(mrr::test::bitwise_equal(g.experts.w_down[e], gz.experts.w_down[e]));
+  }
+  // A real row's NaN is still an error.
+  RowMatrix<double> bad = zeros;
+  bad(2, 3) = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH(layer.forward(bad), doctest::Contains("nan"));
 }

@@ -137,6 +137,57 @@ TEST_CASE("recompute consumes forwards first-in-first-out across micro-batches (
                        mrr::InvalidArgument);
 }
 
+TEST_CASE("a failed recompute keeps its queued ids; revert_route undoes the last route call's queue change") {
+  const int E = 16, k = 2;
+  mrr::TopKRouter<float> router(mrr::presets::mixtral(E, k));
+  mrr::MemoryRouteStore store({E, 2, k});
+  mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  const std::vector<mrr::SequenceId> a = {1}, b = {2};
+  const auto la = mrr::TokenLayout::packed(a, std::vector<std::int64_t>{0, 5});
+  const auto lb = mrr::TokenLayout::packed(b, std::vector<std::int64_t>{0, 5});
+  replay.set_micro_batch(la);
+  const auto ra = replay.route(router, 0, logits(5, E, 1));
+  replay.route(router, 1, logits(5, E, 11));
+  replay.set_micro_batch(lb);
+  const auto rb = replay.route(router, 0, logits(5, E, 2));
+
+  replay.set_activation_recompute(true);
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  replay.set_micro_batch(la);
+  replay.route(router, 0, logits(5, E, 3));
+  replay.route(router, 1, logits(5, E, 13));
+  // Layer 1's forward failed after routing: only layer 1's entry goes, and only once.
+  replay.revert_route(1);
+  replay.revert_route(1);
+  CHECK(replay.queued(0) == 1);
+  CHECK(replay.queued(1) == 0);
+  replay.set_micro_batch(lb);
+  replay.route(router, 0, logits(5, E, 4));
+  replay.revert_route(0);  // B's forward failed: A's entry stays
+  CHECK(replay.queued(0) == 1);
+
+  replay.begin_pass(mrr::TrainingPass::actor_recompute);
+  // A recompute whose replay fails (a NaN in a real token) takes nothing.
+  mrr::RowMatrix<float> bad = logits(5, E, 5);
+  bad.row(2).setConstant(std::numeric_limits<float>::quiet_NaN());
+  CHECK_THROWS_WITH_AS(replay.route(router, 0, bad), doctest::Contains("nan"), mrr::InvalidArgument);
+  CHECK(replay.queued(0) == 1);
+  // One that fails after its replay gets its ids back, in front.
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  replay.set_micro_batch(lb);
+  replay.route(router, 0, logits(5, E, 6));
+  CHECK(replay.queued(0) == 2);
+  replay.begin_pass(mrr::TrainingPass::actor_recompute);
+  CHECK(replay.route(router, 0, logits(5, E, 7)).ids == ra.ids);
+  replay.revert_route(0);
+  CHECK(replay.queued(0) == 2);
+  CHECK(replay.route(router, 0, logits(5, E, 7)).ids == ra.ids);
+  CHECK(replay.route(router, 0, logits(5, E, 8)).ids == rb.ids);
+  CHECK(replay.queued(0) == 0);
+  CHECK_THROWS_AS(replay.revert_route(2), mrr::InvalidArgument);
+}
+
 TEST_CASE("a recompute cleans the padding rows of the forward it replays, not the current micro-batch's") {
   // F1 F2 B1 B2 with padded micro-batches: during B1 the layout is still mb2's. mb1's row 3 is
   // padding holding NaN (allowed) where mb2 has a real token; mb2's row 0 is padding where mb1 has

@@ -578,15 +578,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("route_file"), py::arg("mode") = py::none(), py::arg("missing") = py::none(), py::keep_alive<1, 2>())
       .def_property_readonly("mode", [](const Replay& r) { return std::string(mrr::to_string(r.replay.mode())); })
       .def_property_readonly("action", [](const Replay& r) { return std::string(mrr::to_string(r.replay.action())); })
-      .def("begin_pass", [](Replay& r, const std::string& name) { r.replay.begin_pass(parse_pass(name)); },
-           py::arg("name"))
+      .def(
+          "begin_pass", [](Replay& r, const std::string& name) { r.replay.begin_pass(parse_pass(name)); },
+          py::arg("name"))
       .def(
           "set_action",
           [](Replay& r, const std::string& name, bool queue_for_recompute) {
             r.replay.set_action(parse_action(name), queue_for_recompute);
           },
           py::arg("name"), py::arg("queue_for_recompute") = true)
-      .def("set_activation_recompute", [](Replay& r, bool on) { r.replay.set_activation_recompute(on); }, py::arg("on"))
+      .def(
+          "set_activation_recompute", [](Replay& r, bool on) { r.replay.set_activation_recompute(on); }, py::arg("on"))
       .def(
           "set_micro_batch_padded",
           [](Replay& r, const at::Tensor& uids, const at::Tensor& attention_mask) {
@@ -614,6 +616,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("router"), py::arg("layer"), py::arg("logits"))
       .def("stats", &Replay::stats)
-      .def("queued", [](const Replay& r, int layer) { return r.replay.queued(layer); }, py::arg("layer"))
-      .def("clear_queues", [](Replay& r) { r.replay.clear_queues(); });
+      .def(
+          "queued", [](const Replay& r, int layer) { return r.replay.queued(layer); }, py::arg("layer"))
+      .def("clear_queues", [](Replay& r) { r.replay.clear_queues(); })
+      .def(
+          "revert_route", [](Replay& r, int layer) { r.replay.revert_route(layer); }, py::arg("layer"),
+          "Undoes what the layer's last route call did to its recompute queue: call it when the forward fails "
+          "after routing (the ids it queued are dropped, the ids a recompute took are queued again).");
 }

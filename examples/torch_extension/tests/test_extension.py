@@ -107,6 +107,33 @@ def test_recompute_queue_is_fifo(mt):
         replay.route(router, 0, torch.randn(4, E, generator=g))
 
 
+def test_revert_route_after_a_failed_forward(mt):
+    # The trainer's layer fails after routing: revert_route drops the ids the update forward
+    # queued, and gives a failed recompute's ids back for its retry.
+    g = torch.Generator().manual_seed(3)
+    router = mt.Router(E, K)
+    store = memory_store(mt, "R2")
+    replay = mt.Replay(store)
+    replay.set_activation_recompute(True)
+    replay.begin_pass("old_log_prob")
+    replay.set_micro_batch_packed(torch.tensor([7, 8]), torch.tensor([0, 4, 8]))
+    rec = replay.route(router, 0, torch.randn(8, E, generator=g))[1]
+    replay.begin_pass("actor_update")
+    replay.route(router, 0, torch.randn(8, E, generator=g))
+    replay.revert_route(0)  # that forward failed later: its ids must not be recomputed with
+    assert replay.queued(0) == 0
+    replay.route(router, 0, torch.randn(8, E, generator=g))
+    assert replay.queued(0) == 1
+    replay.begin_pass("actor_recompute")
+    replay.route(router, 0, torch.randn(8, E, generator=g))
+    replay.revert_route(0)  # the recompute failed after routing: its ids come back
+    assert replay.queued(0) == 1
+    replay.revert_route(0)  # nothing left to undo
+    assert replay.queued(0) == 1
+    assert torch.equal(replay.route(router, 0, torch.randn(8, E, generator=g))[1], rec)
+    assert replay.queued(0) == 0
+
+
 # --- (2) R3: vLLM's routed_experts [n - 1, layers, k], last token native ----------------------
 
 

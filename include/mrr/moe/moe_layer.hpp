@@ -153,23 +153,35 @@ class MoELayer {
   // The same into a context the caller keeps (one per micro-batch in flight): its matrices are
   // reused when their shapes match, so a training loop allocates nothing per step. The results
   // are the same bits as forward(hidden).
+  //
+  // A forward that fails (here or, through the agreement, on another rank) after its router ran
+  // undoes what the routing did to the replay queue (RoutingReplay::revert_route): ids it queued
+  // for a recompute are dropped, ids a recompute took are queued again.
   void forward(MatrixRef<Scalar> hidden, Forward& f) {
     constexpr const char* fn = "MoELayer::forward";
-    agree_on_step(comm_, fn, [&] {
-      detail::require(hidden.cols() == hidden_size(), fn, "'hidden' has shape ", detail::shape_of(hidden),
-                      " but the layer's hidden_size is ", hidden_size());
-      f.input = hidden;
-      f.num_experts = num_experts();
-      gate_.logits_into(f.logits, f.input);
-      f.routing = router_.forward(f.router_logits());
-      static_cast<DispatchPlan&>(f) = make_dispatch_plan(f.routing, placement_, hidden_size());
-    });
-    dispatch(f);
-    // With one rank the experts' rows are the permuted rows: they write f.expert_outputs directly.
-    RowMatrix<Scalar>& out = single_rank() ? f.expert_outputs : expert_rows_;
-    out.resize(f.local_rows(), hidden_size());
-    agree_on_step(comm_, fn, [&] { run_experts_forward(f, out, fn); });
-    combine(f, out);
+    bool routed = false;
+    try {
+      agree_on_step(comm_, fn, [&] {
+        detail::require(hidden.cols() == hidden_size(), fn, "'hidden' has shape ", detail::shape_of(hidden),
+                        " but the layer's hidden_size is ", hidden_size());
+        f.input = hidden;
+        zero_nonfinite_padding(f.input);
+        f.num_experts = num_experts();
+        gate_.logits_into(f.logits, f.input);
+        f.routing = router_.forward(f.router_logits());
+        routed = true;
+        static_cast<DispatchPlan&>(f) = make_dispatch_plan(f.routing, placement_, hidden_size());
+      });
+      dispatch(f);
+      // With one rank the experts' rows are the permuted rows: they write f.expert_outputs directly.
+      RowMatrix<Scalar>& out = single_rank() ? f.expert_outputs : expert_rows_;
+      out.resize(f.local_rows(), hidden_size());
+      agree_on_step(comm_, fn, [&] { run_experts_forward(f, out, fn); });
+      combine(f, out);
+    } catch (...) {
+      if (routed) router_.revert_forward();
+      throw;
+    }
   }
 
   // forward's communication steps on their own, so bench/ep can time dispatch + combine without
@@ -275,6 +287,19 @@ class MoELayer {
   }
 
   bool single_rank() const { return comm_.size() == 1; }
+
+  // Padding rows (the replay controller's micro-batch layout says which) may hold anything, and
+  // the router already routes a non-finite one as zeros; the layer goes one step further and
+  // treats such a row of its input as zeros, so that the row's NaN never reaches an expert, the
+  // output or, as 0 x NaN, a weight gradient (the masked loss gives it a zero output gradient).
+  // Finite padding rows are computed as given, as Megatron and HF do.
+  void zero_nonfinite_padding(RowMatrix<Scalar>& input) const {
+    const auto padding = router_.padding_rows(static_cast<long>(input.rows()));
+    for (std::size_t r = 0; r < padding.size(); ++r) {
+      const auto row = static_cast<Eigen::Index>(r);
+      if (padding[r] != 0 && !input.row(row).allFinite()) input.row(row).setZero();
+    }
+  }
 
   // Local expert e's rows of a grouped matrix (rows as in f.expert_inputs).
   template <class M>

@@ -80,7 +80,11 @@ class RoutingReplay {
  public:
   RoutingReplay(ReplayMode mode, Store& store) : RoutingReplay(mode, store, default_missing(mode)) {}
   RoutingReplay(ReplayMode mode, Store& store, MissingRoutes missing)
-      : mode_(mode), store_(&store), missing_(missing), queues_(static_cast<std::size_t>(store.shape().num_layers)) {}
+      : mode_(mode),
+        store_(&store),
+        missing_(missing),
+        queues_(static_cast<std::size_t>(store.shape().num_layers)),
+        last_(queues_.size()) {}
 
   ReplayMode mode() const { return mode_; }
   RouterAction action() const { return action_; }
@@ -104,6 +108,24 @@ class RoutingReplay {
   bool activation_recompute() const { return recompute_; }
   void clear_queues() {
     for (auto& q : queues_) q.clear();
+    for (auto& l : last_)
+      l = LastChange{};
+  }
+
+  // Undoes what `layer`'s last route call did to its recompute queue: a forward that fails after
+  // its router ran (a later step failed here, or on another rank, and every rank throws) calls
+  // it, so that the ids that forward queued do not stay for a later micro-batch's recompute to
+  // take, and the ids a failed recompute took are queued again, in front, for the retry. Calling
+  // it again, or after a route call that changed no queue (native, record), does nothing.
+  // MoELayer::forward does this itself; a trainer that routes through ReplayRouter in its own
+  // layer calls ReplayRouter::revert_forward when its forward fails.
+  void revert_route(int layer) {
+    check_layer(layer, "RoutingReplay::revert_route");
+    auto& queue = queues_[static_cast<std::size_t>(layer)];
+    LastChange& last = last_[static_cast<std::size_t>(layer)];
+    if (last.kind == LastChange::queued && !queue.empty()) queue.pop_back();
+    if (last.kind == LastChange::popped) queue.push_front(std::move(last.entry));
+    last = LastChange{};
   }
 
   // Low level (Megatron's set_global_router_replay_action). queue_for_recompute: replay_forward
@@ -167,6 +189,21 @@ class RoutingReplay {
     return route_with(ResidentLogits<R>{router, logits}, layer, "RoutingReplay::route_resident");
   }
 
+  // The padding rows (1) of the forward of `layer` that routes `rows` rows next: the queued
+  // forward's for a recompute, else the micro-batch layout's; empty when unknown or none.
+  // MoELayer reads them to treat a non-finite padding row of its input as zeros.
+  std::span<const std::uint8_t> padding_rows(int layer, long rows) const {
+    const std::vector<std::uint8_t>* padding = &layout_padding_;
+    if (action_ == RouterAction::replay_backward) {
+      if (layer < 0 || static_cast<std::size_t>(layer) >= queues_.size() ||
+          queues_[static_cast<std::size_t>(layer)].empty())
+        return {};
+      padding = &queues_[static_cast<std::size_t>(layer)].front().padding;
+    }
+    return padding->size() == static_cast<std::size_t>(rows) ? std::span<const std::uint8_t>(*padding)
+                                                             : std::span<const std::uint8_t>{};
+  }
+
  private:
   // How route_with reaches one router call's logits: host matrices, or a backend's memory where
   // only ids cross to the host store.
@@ -202,11 +239,22 @@ class RoutingReplay {
   // (replay_backward). The one body behind route and route_resident.
   template <class Logits>
   auto route_with(const Logits& in, int layer, const char* fn) {
-    if (action_ == RouterAction::native) return in.route();
+    if (action_ == RouterAction::native) {
+      if (layer >= 0 && static_cast<std::size_t>(layer) < last_.size()) last_[static_cast<std::size_t>(layer)] = {};
+      return in.route();
+    }
     check_router(in.router, layer, fn);
+    LastChange& last = last_[static_cast<std::size_t>(layer)];
+    last = LastChange{};
     if (action_ == RouterAction::replay_backward) {
-      const Queued q = pop_queued(layer, in.rows(), fn);
-      return in.replay(q.ids, replay_mask(q));
+      // Taken only once the replay succeeded: a recompute that fails leaves the queue as it was.
+      auto& queue = queues_[static_cast<std::size_t>(layer)];
+      check_queued(layer, in.rows(), fn);
+      auto routing = in.replay(queue.front().ids, replay_mask(queue.front()));
+      last.entry = std::move(queue.front());
+      last.kind = LastChange::popped;
+      queue.pop_front();
+      return routing;
     }
     check_layout_rows(layer, in.rows(), fn);
     if (action_ == RouterAction::record) {
@@ -217,7 +265,10 @@ class RoutingReplay {
     }
     Queued q = lookup_replayed(layer);  // replay_forward
     auto routing = in.replay(q.ids, replay_mask(q));
-    if (queue_) queues_[static_cast<std::size_t>(layer)].push_back(std::move(q));
+    if (queue_) {
+      queues_[static_cast<std::size_t>(layer)].push_back(std::move(q));
+      last.kind = LastChange::queued;
+    }
     return routing;
   }
 
@@ -228,20 +279,6 @@ class RoutingReplay {
     detail::require(router.num_experts() == shape.num_experts && router.topk() == shape.topk, fn, "layer ", layer,
                     ": the router has ", router.num_experts(), " experts and k=", router.topk(), " but the store holds ",
                     shape.to_string());
-  }
-
-  // The padding rows (1) of the forward whose `rows` logits are routed now: the queued forward's
-  // for a recompute, else the micro-batch layout's; empty when unknown or none.
-  std::span<const std::uint8_t> padding_rows(int layer, long rows) const {
-    const std::vector<std::uint8_t>* padding = &layout_padding_;
-    if (action_ == RouterAction::replay_backward) {
-      if (layer < 0 || static_cast<std::size_t>(layer) >= queues_.size() ||
-          queues_[static_cast<std::size_t>(layer)].empty())
-        return {};
-      padding = &queues_[static_cast<std::size_t>(layer)].front().padding;
-    }
-    return padding->size() == static_cast<std::size_t>(rows) ? std::span<const std::uint8_t>(*padding)
-                                                             : std::span<const std::uint8_t>{};
   }
 
   // False when a padding row holds a NaN or infinity.
@@ -268,9 +305,10 @@ class RoutingReplay {
     return none;
   }
 
-  // replay_backward: the oldest ids queued by replay_forward in `layer`, for a forward of `rows`.
-  Queued pop_queued(int layer, long rows, const char* fn) {
-    auto& queue = queues_[static_cast<std::size_t>(layer)];
+  // replay_backward takes the oldest ids queued by replay_forward in `layer`: they must exist and
+  // be for a forward of `rows`.
+  void check_queued(int layer, long rows, const char* fn) const {
+    const auto& queue = queues_[static_cast<std::size_t>(layer)];
     if (queue.empty())
       throw RouteStoreError(detail::str(
           "mrr::", fn, ": layer ", layer,
@@ -279,13 +317,9 @@ class RoutingReplay {
           recompute_ ? ""
                      : "; activation recompute is off (the default), so the actor update queued nothing: call "
                        "set_activation_recompute(true) before the actor_update pass when the backward recomputes"));
-    // Checked before it is taken: a recompute of the wrong forward leaves the queue as it was.
     detail::require(queue.front().ids.rows() == rows, fn, "layer ", layer, ": the recomputed forward has ", rows,
                     " rows but the forward it replays had ", queue.front().ids.rows(),
                     " (recompute must follow the forward order)");
-    Queued q = std::move(queue.front());
-    queue.pop_front();
-    return q;
   }
 
   void check_layout_rows(int layer, long rows, const char* fn) const {
@@ -336,6 +370,12 @@ class RoutingReplay {
   TokenLayout layout_;
   std::vector<std::uint8_t> layout_padding_;  // layout_'s padding rows (1), empty when none
   std::vector<std::deque<Queued>> queues_;
+  // Per layer, what its last route call did to its queue, for revert_route.
+  struct LastChange {
+    enum Kind : std::uint8_t { none, queued, popped } kind = none;
+    Queued entry;  // the entry a recompute took
+  };
+  std::vector<LastChange> last_;
   ReplayStats stats_;
 };
 
@@ -354,6 +394,8 @@ class RoutingReplay<NoRouteStore> {
   void check_layer(int, const char*) const {}  // no store: any layer routes natively
   void begin_pass(TrainingPass) {}
   void set_micro_batch(const TokenLayout&) {}
+  void revert_route(int) {}
+  std::span<const std::uint8_t> padding_rows(int, long) const { return {}; }
 
   template <Router R>
   Routing<typename R::scalar_type> route(const R& router, int, MatrixRef<typename R::scalar_type> logits) const {
@@ -384,6 +426,12 @@ class ReplayRouter {
                                   MatrixRef<scalar_type> grad_weights) const {
     return router_.backward(logits, routing, grad_weights);
   }
+
+  // The padding rows (1) of this layer's next forward of `rows` rows (RoutingReplay::padding_rows).
+  std::span<const std::uint8_t> padding_rows(long rows) const { return replay_->padding_rows(layer_, rows); }
+
+  // After a forward that fails once this router ran: see RoutingReplay::revert_route.
+  void revert_forward() { replay_->revert_route(layer_); }
 
   // Throws unless the layer is one of the controller's store's layers (always passes without one).
   void check_layer(const char* fn) const { replay_->check_layer(layer_, fn); }
