@@ -3,6 +3,7 @@
 // SIGKILL mid-test and restarted. No timing is asserted beyond generous upper bounds.
 #include "child_process.hpp"
 #include "test_worker.hpp"
+#include "trickling_worker.hpp"
 
 #include <mrr/reward/http_proxy.hpp>
 #include <mrr/reward/http_server.hpp>
@@ -188,6 +189,12 @@ TEST_SUITE("reward") {
       CHECK(missing->status == 404);
       CHECK(missing->get_header_value("X-Mrr-Attempts") == "1");  // a 404 is an answer, not retried
     }
+    SUBCASE("X-Forwarded-For split over several fields is one list, the client's address appended") {
+      const auto r2 =
+          client.Post("/score", {{"X-Forwarded-For", "10.0.0.1"}, {"X-Forwarded-For", "10.0.0.2, 10.0.0.3"}}, "{}",
+                      "application/json");
+      CHECK(body_of(r2)["headers"]["x-forwarded-for"] == "10.0.0.1, 10.0.0.2, 10.0.0.3, 127.0.0.1");
+    }
     SUBCASE("other methods are forwarded as they are") {
       CHECK(body_of(client.Put("/p?x=1", "put-body", "text/plain"))["method"] == "PUT");
       CHECK(body_of(client.Patch("/p", "patch-body", "text/plain"))["body"] == "patch-body");
@@ -362,6 +369,58 @@ TEST_SUITE("reward") {
       CHECK(elapsed < 4s);
       CHECK(router.dispatcher().in_flight() == 0);
     }
+  }
+
+  TEST_CASE("a worker trickling its answer is cut at the attempt's budget, a trickling /health at the probe's") {
+    // Every byte comes well within the socket read timeout: only a limit on the whole exchange
+    // ends it (cpp-httplib's own timeouts are per socket call; without it, 12 s each here).
+    mrr_test::TricklingWorker trickling;
+    mrr::reward::HttpTransport transport;
+    mrr::reward::Request request;
+    request.target = "/score";
+    request.body = "{}";
+    auto start = std::chrono::steady_clock::now();
+    const auto reply = transport.send(trickling.url(), request, 400ms);
+    auto elapsed = std::chrono::steady_clock::now() - start;
+    CHECK(reply.failure == mrr::reward::Failure::timeout);
+    CHECK(reply.error.find("no whole answer within the attempt's 400 ms") != std::string::npos);
+    CHECK(elapsed >= 400ms);
+    CHECK(elapsed < 3s);
+    start = std::chrono::steady_clock::now();
+    CHECK_FALSE(transport.check_health(trickling.url(), 300ms));
+    elapsed = std::chrono::steady_clock::now() - start;
+    CHECK(elapsed >= 300ms);
+    CHECK(elapsed < 3s);
+    CHECK(trickling.requests() == 2);
+
+    // Through the router: the attempt moves to the good worker within its budget.
+    LocalWorker fast({"fast"});
+    auto options = quick_router(false);
+    options.dispatch.attempt_timeout = 500ms;
+    {
+      HttpRouter router({trickling.url(), fast.url()}, options);
+      for (int i = 0; i < 2; ++i) {  // round robin: one of them meets the trickling worker first
+        start = std::chrono::steady_clock::now();
+        const auto r = client_of(router.url()).Post("/score", "{}", "application/json");
+        elapsed = std::chrono::steady_clock::now() - start;
+        REQUIRE(r);
+        CHECK(r->status == 200);
+        CHECK(json::parse(r->body)["worker"] == "fast");
+        CHECK(elapsed < 4s);
+      }
+      CHECK(router.dispatcher().stats(trickling.url())->last_error.find("no whole answer") != std::string::npos);
+    }
+
+    // Health checks: the trickling worker's probe ends at the probe timeout, so the one monitor
+    // thread still evicts it, probes the others, and shutting down does not wait for it.
+    options.health = mrr::reward::HealthOptions{100ms, 300ms};
+    start = std::chrono::steady_clock::now();
+    {
+      HttpRouter router({trickling.url(), fast.url()}, options);
+      CHECK(eventually([&] { return !healthy(router, trickling.url()); }, 5s));
+      CHECK(healthy(router, fast.url()));
+    }
+    CHECK(std::chrono::steady_clock::now() - start < 6s);
   }
 
   TEST_CASE("a killed worker is evicted, traffic moves, and it is re-admitted when it recovers") {

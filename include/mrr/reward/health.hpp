@@ -23,7 +23,8 @@ struct HealthOptions {
 };
 
 // Probes run one worker after another on the monitor's thread, so a hung worker delays a round by
-// at most `timeout`. Destruction stops the thread and waits for the current probe.
+// at most `timeout` (the probe must bound itself: HttpTransport bounds the whole probe, not each
+// socket call). Destruction stops the thread and waits for the current probe.
 template <HealthProbe Probe, ClockSource Clock>
 class HealthMonitor {
  public:
@@ -39,8 +40,21 @@ class HealthMonitor {
   ~HealthMonitor() { stop(); }
 
   // One round: probes every registered worker now and reports the verdicts.
-  void check_now() {
+  void check_now() { check_round(std::stop_token{}); }
+
+  void stop() {
+    if (!thread_.joinable()) return;
+    thread_.request_stop();
+    wake_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  // A stop request ends the round after the current probe, so that shutting down waits for one
+  // probe (at most `timeout` with a probe that bounds itself, as HttpTransport does), not a round.
+  void check_round(const std::stop_token& stop) {
     for (const std::string& worker : dispatcher_.addresses()) {
+      if (stop.stop_requested()) return;
       bool healthy = false;
       try {
         healthy = static_cast<bool>(probe_.check_health(worker, options_.timeout));
@@ -51,17 +65,9 @@ class HealthMonitor {
     }
   }
 
-  void stop() {
-    if (!thread_.joinable()) return;
-    thread_.request_stop();
-    wake_.notify_all();
-    thread_.join();
-  }
-
- private:
   void run(std::stop_token stop) {
     while (!stop.stop_requested()) {
-      check_now();
+      check_round(stop);
       std::unique_lock lock(mutex_);
       wake_.wait_for(lock, stop, options_.interval, [] { return false; });
     }

@@ -133,7 +133,12 @@ class BasicHttpProxy {
       return;
     }
     if (!in.remote_addr.empty()) {
-      const std::string forwarded(header_value(request.headers, "X-Forwarded-For"));
+      // Every X-Forwarded-For field the client sent, in order (a list split over several fields
+      // is one list, RFC 9110 §5.3), then the client's address: one field.
+      std::string forwarded;
+      for (const auto& [name, value] : request.headers)
+        if (detail::iequals(name, "X-Forwarded-For") && !value.empty())
+          forwarded.append(forwarded.empty() ? "" : ", ").append(value);
       std::erase_if(request.headers, [](const auto& h) { return detail::iequals(h.first, "X-Forwarded-For"); });
       request.headers.emplace_back("X-Forwarded-For",
                                    forwarded.empty() ? in.remote_addr : forwarded + ", " + in.remote_addr);

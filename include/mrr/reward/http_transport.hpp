@@ -13,12 +13,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -62,6 +65,110 @@ inline std::chrono::microseconds at_least_1ms(Duration d) {
   return std::max<std::chrono::microseconds>(std::chrono::duration_cast<std::chrono::microseconds>(d),
                                              std::chrono::milliseconds(1));
 }
+
+// cpp-httplib's timeouts bound each socket call, not an exchange: a worker that trickles its
+// response head (or a /health answer) a byte at a time would hold an attempt, or the health
+// monitor's one thread, for ever. The watchdog stops a client whose exchange outlives its
+// deadline: Client::stop() from another thread shuts the socket down (the one thing cpp-httplib
+// makes safe while a request is in flight) and the blocked call returns. Until the exchange
+// ends, it stops the client again every few milliseconds, in case the first stop came while
+// the client was still connecting (no socket yet to shut down). One thread per transport,
+// started with the first exchange; it sleeps until the earliest deadline.
+class ExchangeWatchdog {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  ExchangeWatchdog() = default;
+  ExchangeWatchdog(const ExchangeWatchdog&) = delete;
+  ExchangeWatchdog& operator=(const ExchangeWatchdog&) = delete;
+  ~ExchangeWatchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // Watches `client` until the Watch is destroyed; fired() says whether its deadline passed.
+  class Watch {
+   public:
+    Watch(ExchangeWatchdog& dog, httplib::Client& client, Clock::time_point deadline)
+        : dog_(&dog), id_(dog.add(client, deadline)) {}
+    Watch(const Watch&) = delete;
+    Watch& operator=(const Watch&) = delete;
+    ~Watch() { end(); }
+    // Stops watching (the client is no longer touched after this returns); true when the deadline
+    // passed and the client was stopped.
+    bool end() {
+      if (dog_ != nullptr) {
+        fired_ = dog_->remove(id_);
+        dog_ = nullptr;
+      }
+      return fired_;
+    }
+
+   private:
+    ExchangeWatchdog* dog_;
+    std::uint64_t id_;
+    bool fired_ = false;
+  };
+
+ private:
+  static constexpr auto restop_every = std::chrono::milliseconds(5);
+
+  struct Entry {
+    httplib::Client* client;
+    Clock::time_point deadline;
+    bool fired = false;
+  };
+
+  std::uint64_t add(httplib::Client& client, Clock::time_point deadline) {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t id = next_id_++;
+    entries_.emplace(id, Entry{&client, deadline});
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    if (deadline < next_wake_) {
+      next_wake_ = deadline;
+      lock.unlock();
+      wake_.notify_one();
+    }
+    return id;
+  }
+
+  bool remove(std::uint64_t id) {
+    std::lock_guard lock(mutex_);
+    const auto it = entries_.find(id);
+    const bool fired = it->second.fired;
+    entries_.erase(it);
+    return fired;
+  }
+
+  void run() {
+    std::unique_lock lock(mutex_);
+    while (!stopping_) {
+      const auto now = Clock::now();
+      next_wake_ = Clock::time_point::max();
+      for (auto& [id, e] : entries_) {
+        if (e.deadline <= now) {
+          e.client->stop();  // under the lock: the exchange cannot end and free the client meanwhile
+          e.fired = true;
+          e.deadline = now + restop_every;
+        }
+        next_wake_ = std::min(next_wake_, e.deadline);
+      }
+      wake_.wait_until(lock, next_wake_ == Clock::time_point::max() ? now + std::chrono::hours(1) : next_wake_);
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::map<std::uint64_t, Entry> entries_;
+  std::uint64_t next_id_ = 0;
+  Clock::time_point next_wake_ = Clock::time_point::max();
+  bool stopping_ = false;
+  std::thread thread_;  // last: started once the members it uses exist
+};
 
 }  // namespace detail
 
@@ -123,10 +230,18 @@ class HttpTransport {
 
     httplib::Response in;
     httplib::Error error = httplib::Error::Success;
-    if (!client->send(out, in, error)) {
+    detail::ExchangeWatchdog::Watch watch(watchdog_, *client, deadline);
+    const bool sent = client->send(out, in, error);
+    const bool stopped = watch.end();  // the exchange outlived its budget (e.g. a trickled response head)
+    if (!sent) {
       if (too_large)
         return Reply::failed(Failure::io, mrr::detail::str("the worker's response is over max_response_bytes (",
                                                            limit, " bytes)"));
+      if (stopped)
+        return Reply::failed(Failure::timeout,
+                             mrr::detail::str("no whole answer within the attempt's ",
+                                              std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
+                                              " ms (", httplib::to_string(error), ")"));
       const auto elapsed = std::chrono::steady_clock::now() - start;
       return Reply::failed(classify(error, elapsed, timeout), httplib::to_string(error));
     }
@@ -135,11 +250,12 @@ class HttpTransport {
     for (const auto& [name, value] : in.headers)
       if (!is_unforwardable_header(name)) response.headers.emplace_back(name, value);
     response.body = std::move(body);
-    give_back(*ep, std::move(client));
+    if (!stopped) give_back(*ep, std::move(client));  // a stopped one has no connection left
     return Reply::from(std::move(response));
   }
 
   // GET <base>/<health_path> on a fresh connection (a pooled one may be stale); 2xx is healthy.
+  // The whole probe, not each socket call, is bounded by `timeout`.
   bool check_health(std::string_view worker, Duration timeout) {
     std::shared_ptr<detail::Endpoint> ep;
     try {
@@ -152,8 +268,11 @@ class HttpTransport {
     client->set_connection_timeout(detail::at_least_1ms(std::min(timeout, options_.connect_timeout)));
     client->set_read_timeout(detail::at_least_1ms(timeout));
     client->set_write_timeout(detail::at_least_1ms(timeout));
+    detail::ExchangeWatchdog::Watch watch(watchdog_, *client,
+                                          detail::saturating_add(std::chrono::steady_clock::now(), timeout));
     const auto result = client->Get(ep->url.base_path + options_.health_path);
-    return result && result->status >= 200 && result->status < 300;
+    const bool late = watch.end();
+    return !late && result && result->status >= 200 && result->status < 300;
   }
 
   // Closes the idle connections to a worker (e.g. once it is removed from the dispatcher).
@@ -215,6 +334,7 @@ class HttpTransport {
   const HttpTransportOptions options_;
   std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<detail::Endpoint>> endpoints_;
+  detail::ExchangeWatchdog watchdog_;  // last: stopped before the endpoints' clients go
 };
 
 }  // namespace reward
