@@ -120,6 +120,48 @@ TEST_CASE("override values: file paths must be real paths, null unsets, quotes m
                        mrr::ConfigError);
 }
 
+TEST_CASE("Hydra's ~key puts a key back to verl's default; unclosed quotes and ${...} are errors") {
+  mrr::ReplayConfig c;
+  const std::vector<std::string> args = {"actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                                         "actor_rollout_ref.actor.router_replay.mode=R3",
+                                         "actor_rollout_ref.actor.router_replay.record_file=a.mrr",
+                                         "~actor_rollout_ref.rollout.enable_rollout_routing_replay",
+                                         "~actor_rollout_ref.actor.router_replay.record_file=a.mrr",
+                                         "~trainer.logger"};
+  const auto rest = c.apply_overrides(std::span<const std::string>(args));
+  CHECK_FALSE(c.enable_rollout_routing_replay);
+  CHECK(c.record_file.empty());
+  CHECK(c.mode == mrr::ReplayMode::R3);
+  CHECK(rest == std::vector<std::string>{"~trainer.logger"});
+  CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains("enable_rollout_routing_replay=false"), mrr::ConfigError);
+  // ~key=value deletes only a matching value, as Hydra does.
+  const std::vector<std::string> mismatch = {"~actor_rollout_ref.actor.router_replay.mode=R2"};
+  CHECK_THROWS_WITH_AS(c.apply_overrides(std::span<const std::string>(mismatch)),
+                       doctest::Contains("the key does not hold R2"), mrr::ConfigError);
+  CHECK(c.mode == mrr::ReplayMode::R3);
+  c.record_file = "b.mrr";
+  c.enable_rollout_routing_replay = true;
+  const std::vector<std::string> node = {"~actor_rollout_ref.actor.router_replay"};
+  c.apply_overrides(std::span<const std::string>(node));
+  CHECK(c.mode == mrr::ReplayMode::disabled);
+  CHECK(c.record_file.empty());
+  CHECK(c.enable_rollout_routing_replay);  // not under router_replay
+
+  const std::string rf(mrr::ReplayConfig::kRecordFile);
+  CHECK_THROWS_WITH_AS(c.set(rf, "\"routes.mrr'"), doctest::Contains("opens a quote (\") that does not close"),
+                       mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(c.set(rf, "'routes.mrr"), doctest::Contains("does not close"), mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(c.set(rf, "\""), doctest::Contains("does not close"), mrr::ConfigError);
+  // OmegaConf interpolations are not resolved here: never a file named after them.
+  CHECK_THROWS_WITH_AS(c.set(rf, "routes_${oc.env:USER,me}.mrr"), doctest::Contains("holds an OmegaConf interpolation"),
+                       mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(c.set(rf, "'${oc.env:HOME}/r.mrr'"), doctest::Contains("OmegaConf"), mrr::ConfigError);
+  c.set(rf, "a\\${b}.mrr");  // OmegaConf's escape: a literal ${
+  CHECK(c.record_file == "a${b}.mrr");
+  c.set(rf, "cost$5.mrr");
+  CHECK(c.record_file == "cost$5.mrr");
+}
+
 TEST_CASE("a key given twice on the command line takes its last value, as in Hydra") {
   mrr::ReplayConfig c;
   const std::vector<std::string> args = {"actor_rollout_ref.actor.router_replay.mode=R3",
@@ -295,6 +337,45 @@ TEST_CASE("YAML config with verl's layout, then overrides") {
   CHECK_THROWS_WITH_AS(mrr::load_replay_config(dir / "nope.yaml"), doctest::Contains("nope.yaml does not exist"),
                        mrr::ConfigError);
 }
+TEST_CASE("YAML: merge keys (<<) are expanded as PyYAML expands them; validate() errors name the file") {
+  // The anchor's map is merged under the map's own keys, which win; an earlier merged map wins
+  // over a later one.
+  const auto c = mrr::load_replay_config_from_string(
+      std::string("base: &b {actor: {router_replay: {mode: R2, record_file: routes.mrr}}}\n"
+                  "actor_rollout_ref: {<<: *b}\n"));
+  CHECK(c.mode == mrr::ReplayMode::R2);
+  CHECK(c.record_file == "routes.mrr");
+  const auto own =
+      mrr::load_replay_config_from_string(std::string("defaults: &d {mode: R3, replay_file: a.mrr}\n"
+                                                      "first: &f {mode: R2}\n"
+                                                      "actor_rollout_ref:\n"
+                                                      "  actor:\n"
+                                                      "    router_replay:\n"
+                                                      "      <<: [*f, *d]\n"
+                                                      "      replay_file: null\n"
+                                                      "      record_file: r.mrr\n"));
+  CHECK(own.mode == mrr::ReplayMode::R2);  // *f before *d
+  CHECK(own.replay_file.empty());          // the map's own key wins over the merged one
+  CHECK(own.record_file == "r.mrr");
+  const auto nested =
+      mrr::load_replay_config_from_string(std::string("a: &a {enable_rollout_routing_replay: true}\n"
+                                                      "b: &b {<<: *a, name: vllm}\n"
+                                                      "actor_rollout_ref:\n"
+                                                      "  actor: {router_replay: {mode: R3}}\n"
+                                                      "  rollout: {<<: *b}\n"));
+  CHECK(nested.enable_rollout_routing_replay);
+  CHECK_THROWS_WITH_AS(mrr::load_replay_config_from_string(std::string("actor_rollout_ref: {<<: 5}\n")),
+                       doctest::Contains("actor_rollout_ref: a merge key (<<) takes a map or a list of maps"),
+                       mrr::ConfigError);
+  // A quoted "<<" is a plain key, unknown under router_replay.
+  CHECK_THROWS_WITH_AS(
+      mrr::load_replay_config_from_string(std::string("actor_rollout_ref: {actor: {router_replay: {'<<': R2}}}\n")),
+      doctest::Contains("unknown key actor_rollout_ref.actor.router_replay.<<"), mrr::ConfigError);
+  CHECK_THROWS_WITH_AS(
+      mrr::load_replay_config_from_string(std::string("actor_rollout_ref: {actor: {router_replay: {mode: R3}}}\n")),
+      doctest::Contains("YAML config: actor_rollout_ref.actor.router_replay.mode=R3 replays"), mrr::ConfigError);
+}
+
 TEST_CASE("YAML: a FIFO or a directory as the config file is refused at once, naming the file") {
   mrr::test::TempDir dir;
   const auto fifo = dir / "ppo.yaml";
@@ -440,6 +521,28 @@ TEST_CASE("vLLM routed_experts .npy ([tokens, layers, k] int32) imports as an R3
   mrr::MemoryRouteStore wrong_k({E, L, k + 1});
   CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(wrong_k, 1, dir / "r.npy"), doctest::Contains("k = 2"),
                        mrr::InvalidArgument);
+  // A token listing one expert twice in a layer is refused before anything is stored, in every
+  // id width and store (a route file is append-only: a bad route could never be corrected).
+  {
+    const std::vector<std::uint8_t> dup = {0, 1, 5, 5, 2, 3};  // [3 tokens, 1 layer, k = 2]: token 1 repeats 5
+    mrr::test::TempDir files;
+    auto file = mrr::FileRouteStore::create(files / "dup.mrr", {E, 1, k});
+    CHECK_THROWS_WITH_AS(mrr::import_routed_experts(file, 4, std::span<const std::uint8_t>(dup), 3, 1, k),
+                         doctest::Contains("routed_experts[1, 0, 1] = 5 repeats an expert"), mrr::InvalidArgument);
+    CHECK_FALSE(file.contains(4));
+    mrr::MemoryRouteStore mem({E, 1, k});
+    const std::vector<std::int64_t> dup64(dup.begin(), dup.end());
+    CHECK_THROWS_WITH_AS(mrr::import_routed_experts(mem, 4, std::span<const std::int64_t>(dup64), 3, 1, k),
+                         doctest::Contains("repeats an expert"), mrr::InvalidArgument);
+    CHECK_FALSE(mem.contains(4));
+    // The corrected routes then import (into a store chosen at run time too).
+    const std::vector<std::uint8_t> fixed = {0, 1, 5, 6, 2, 3};
+    mrr::import_routed_experts(file, 4, std::span<const std::uint8_t>(fixed), 3, 1, k);
+    CHECK(file.recorded_positions(4) == 3);
+    mrr::AnyRouteStore any(mrr::RouteShape{E, 1, k});
+    mrr::import_routed_experts(any, 4, std::span<const std::uint8_t>(fixed), 3, 1, k);
+    CHECK(any.recorded_positions(4) == 3);
+  }
   mrr::MemoryRouteStore few_experts({8, L, k});
   CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(few_experts, 1, dir / "r.npy"),
                        doctest::Contains("is outside [0, 8)"), mrr::InvalidArgument);

@@ -76,6 +76,19 @@ TEST_CASE("packed layouts: cu_seqlens, start positions and trailing padding") {
   CHECK(layout[5].is_padding());
   CHECK_THROWS_AS(mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, 2}), mrr::InvalidArgument);
   CHECK_THROWS_AS(mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, 3, 2}), mrr::InvalidArgument);
+  // Sizes are checked before anything is allocated: a wrong total is an error naming it, never
+  // std::bad_alloc; a negative total other than -1 (the default) is not "not given".
+  const std::vector<mrr::SequenceId> one = {1};
+  CHECK_THROWS_WITH_AS(mrr::TokenLayout::packed(one, std::vector<std::int64_t>{0, 3}, {}, std::int64_t{1} << 40),
+                       doctest::Contains("total_rows=1099511627776 (cu_seqlens.back()=3) is more rows than"),
+                       mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(mrr::TokenLayout::packed(one, std::vector<std::int64_t>{0, (std::int64_t{1} << 32) + 1}),
+                       doctest::Contains("is more rows than a micro-batch can have"), mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(mrr::TokenLayout::packed(one, std::vector<std::int64_t>{0, 3}, {}, -2),
+                       doctest::Contains("total_rows=-2 is negative"), mrr::InvalidArgument);
+  CHECK(mrr::TokenLayout::packed(one, std::vector<std::int64_t>{0, 3}, {}, -1).size() == 3);
+  CHECK_THROWS_WITH_AS(mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, 3, 2}, {}, std::int64_t{1} << 40),
+                       doctest::Contains("'cu_seqlens' decreases at entry 2"), mrr::InvalidArgument);
 }
 
 TEST_CASE("memory store: recorded padded, replayed packed in another order and composition") {

@@ -197,7 +197,7 @@ def test_lookup_into_int64_int32_and_uint8(mt, tmp_path, in_file):
 
 def test_vllm_import_checks_ids_and_shape(mt):
     store = memory_store(mt, "R3")
-    bad = np.zeros((3, L, K), dtype=np.uint16)
+    bad = np.tile(np.arange(K, dtype=np.uint16), (3, L, 1))  # distinct experts per token and layer
     bad[1, 0, 1] = E  # one past the last expert
     with pytest.raises(mt.InvalidArgumentError, match=r"routed_experts\[1, 0, 1\] = 8 is outside \[0, 8\)"):
         store.import_vllm(5, bad)
@@ -205,6 +205,10 @@ def test_vllm_import_checks_ids_and_shape(mt):
         store.import_vllm(5, np.zeros((3, 3, K), dtype=np.int32))
     with pytest.raises(mt.InvalidArgumentError, match="'routed_experts' has numpy dtype float32"):
         store.import_vllm(5, np.zeros((3, L, K), dtype=np.float32))
+    repeat = np.tile(np.arange(K, dtype=np.uint8), (3, L, 1))
+    repeat[2, 1, K - 1] = repeat[2, 1, 0]  # a token listing one expert twice: never a top-k
+    with pytest.raises(mt.InvalidArgumentError, match=r"routed_experts\[2, 1, %d\] = 0 repeats an expert" % (K - 1)):
+        store.import_vllm(5, repeat)
     assert not store.contains(5)
 
 

@@ -12,6 +12,7 @@
 #include <mrr/replay/open_store.hpp>
 
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -39,6 +40,12 @@ class AnyRouteStore {
   template <class Id>  // int32, int64, uint16, uint8: as the stores' lookup
   std::size_t lookup(int layer, const TokenLayout& layout, RowMatrix<Id>& out, std::vector<std::uint8_t>& found) const {
     return std::visit([&](const auto& s) { return s.lookup(layer, layout, out, found); }, store_);
+  }
+  // A span of one sequence for a range of layers, ids [tokens][layers][k] (import_routed_experts).
+  void record_sequence(SequenceId uid, std::int64_t first_position, std::int64_t num_tokens, int first_layer,
+                       int num_layers, std::span<const std::int32_t> ids) {
+    std::visit([&](auto& s) { s.record_sequence(uid, first_position, num_tokens, first_layer, num_layers, ids); },
+               store_);
   }
   std::int64_t recorded_positions(SequenceId uid) const {
     return std::visit([&](const auto& s) { return s.recorded_positions(uid); }, store_);

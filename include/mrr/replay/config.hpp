@@ -131,11 +131,7 @@ struct ReplayConfig {
   // Sets one key from its text as written on a command line (quotes make it a string). Returns
   // false for keys that are not router-replay keys (a trainer's command line holds many); an
   // unknown key under router_replay is an error.
-  bool set(std::string_view key, std::string_view value) {
-    const bool quoted =
-        value.size() >= 2 && (value.front() == '"' || value.front() == '\'') && value.back() == value.front();
-    return set(key, quoted ? ConfigValue::quoted(value.substr(1, value.size() - 2)) : ConfigValue::plain(value));
-  }
+  bool set(std::string_view key, std::string_view value) { return set(key, command_line_value(key, value)); }
 
   // Sets one key from a resolved value (the YAML reader's entry point).
   bool set(std::string_view key, const ConfigValue& value) {
@@ -161,21 +157,54 @@ struct ReplayConfig {
 
   // Applies "key=value" overrides in order (Hydra's "+key=value" and "++key=value" too) and
   // returns those that are not router-replay keys, untouched, for the rest of the trainer. A key
-  // given twice takes its last value, as Hydra does.
+  // given twice takes its last value, as Hydra does. Hydra's deletion "~key" puts a key back to
+  // verl's default, and "~key=value" does so when the key holds that value (else it is an error,
+  // as in Hydra).
   template <class Str>
   std::vector<std::string> apply_overrides(std::span<const Str> args) {
     std::vector<std::string> rest;
     for (const auto& a : args) {
       std::string_view arg(a);
       std::string_view body = arg;
-      while (!body.empty() && body.front() == '+')
+      const bool remove = body.starts_with('~');
+      if (remove) body.remove_prefix(1);
+      while (!remove && !body.empty() && body.front() == '+')
         body.remove_prefix(1);
       const auto eq = body.find('=');
-      if (eq == std::string_view::npos || !set(trim(body.substr(0, eq)), trim(body.substr(eq + 1))))
-        rest.emplace_back(arg);
+      const std::string_view key = trim(body.substr(0, eq));
+      const bool applied =
+          remove ? unset(key, eq == std::string_view::npos ? std::nullopt
+                                                           : std::optional<std::string_view>(trim(body.substr(eq + 1))))
+                 : eq != std::string_view::npos && set(key, trim(body.substr(eq + 1)));
+      if (!applied) rest.emplace_back(arg);
     }
     return rest;
   }
+
+  // Hydra's "~key" / "~key=value": the key back to verl's default (when it holds `value`, if
+  // given). False for keys that are not router-replay keys.
+  bool unset(std::string_view key, std::optional<std::string_view> value = std::nullopt) {
+    if (key == kNode) {
+      if (value) throw ConfigError(detail::str("~", kNode, "=", *value, ": delete the whole map without a value"));
+      const bool flag = enable_rollout_routing_replay;  // not under router_replay
+      *this = ReplayConfig{};
+      enable_rollout_routing_replay = flag;
+      return true;
+    }
+    ReplayConfig fresh;
+    if (!fresh.set(key, ConfigValue::plain({}))) return false;  // not ours (null is each key's default)
+    if (value) {
+      ReplayConfig given = *this;
+      given.set(key, *value);
+      if (!(given == *this))
+        throw ConfigError(detail::str("~", key, "=", *value, ": the key does not hold ", *value,
+                                      " (Hydra deletes a key only when its value matches)"));
+    }
+    set(key, ConfigValue::plain({}));
+    return true;
+  }
+
+  bool operator==(const ReplayConfig&) const = default;
 
   std::vector<std::string> apply_overrides(int argc, const char* const* argv) {
     std::vector<std::string_view> args(argv + 1, argv + argc);
@@ -222,6 +251,17 @@ struct ReplayConfig {
     return ec ? absolute.lexically_normal() : canonical;
   }
 
+  // A value as written on a command line: quoted ('...' or "...") is a string, anything else is
+  // resolved as YAML would. A quote that does not close is an error (Hydra refuses it too),
+  // not part of the value.
+  static ConfigValue command_line_value(std::string_view key, std::string_view value) {
+    if (value.empty() || (value.front() != '"' && value.front() != '\'')) return ConfigValue::plain(value);
+    if (value.size() < 2 || value.back() != value.front())
+      throw ConfigError(
+          detail::str(key, ": the value ", value, " opens a quote (", value.front(), ") that does not close"));
+    return ConfigValue::quoted(value.substr(1, value.size() - 2));
+  }
+
   static std::string_view trim(std::string_view s) {
     while (!s.empty() && (s.front() == ' ' || s.front() == '\t'))
       s.remove_prefix(1);
@@ -256,7 +296,24 @@ struct ReplayConfig {
       throw ConfigError(detail::str(key, ": the file path has a NUL byte at offset ", nul));
     if (std::all_of(t.begin(), t.end(), [](char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }))
       throw ConfigError(detail::str(key, ": the file path is only whitespace (use null for no file)"));
-    return std::string(t);
+    // OmegaConf resolves ${...} (quoted or not) before verl reads the value; mrr does not, and a
+    // file named after the unresolved text is never what was meant. \${ is OmegaConf's escape
+    // for a literal ${.
+    std::string path;
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      if (t.substr(i, 3) == "\\${") {
+        path += "${";
+        i += 2;
+      } else if (t.substr(i, 2) == "${") {
+        throw ConfigError(detail::str(key, ": '", t,
+                                      "' holds an OmegaConf interpolation, which mrr does not "
+                                      "resolve: give the path it stands for (e.g. from OmegaConf.to_yaml(cfg, "
+                                      "resolve=True)), or write \\${ for a literal ${"));
+      } else {
+        path += t[i];
+      }
+    }
+    return path;
   }
 
   static bool bool_value(std::string_view key, const ConfigValue& value) {

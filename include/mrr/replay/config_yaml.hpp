@@ -35,19 +35,55 @@ inline std::string yaml_path(std::string_view parent, std::string_view name) {
   return parent.empty() ? std::string(name) : str(parent, ".", name);
 }
 
+struct YamlEntry {
+  YAML::Node key, value;
+};
+
+// The entries of the map `node` (at dotted `path`) as PyYAML, and so OmegaConf and verl, reads
+// them: YAML 1.1 merge keys expanded (`<<: *base` or `<<: [*a, *b]`: the merged maps' entries,
+// under the map's own keys, which win, and an earlier merged map's over a later one's). yaml-cpp
+// expands none, and a key found only through a merge must not silently keep its default. A key
+// written twice in one map is an error: yaml-cpp keeps both, and which one node[name] returns is
+// not what a reader of the file expects (OmegaConf refuses it too).
+inline std::vector<YamlEntry> yaml_entries(const YAML::Node& node, std::string_view path, int depth = 0) {
+  std::vector<YamlEntry> out;
+  std::set<std::string, std::less<>> seen;
+  std::vector<YAML::Node> merges;
+  for (const auto& kv : node) {
+    const bool plain_scalar_key = kv.first.IsScalar() && (kv.first.Tag() == "?" || kv.first.Tag().empty());
+    if (plain_scalar_key && kv.first.Scalar() == "<<") {
+      merges.push_back(kv.second);
+      continue;
+    }
+    if (kv.first.IsScalar() && !seen.insert(kv.first.Scalar()).second)
+      throw ConfigError(str(yaml_path(path, kv.first.Scalar()), " appears twice; YAML keys must be unique"));
+    out.push_back({kv.first, kv.second});
+  }
+  const std::string where = path.empty() ? std::string("the top level") : std::string(path);
+  if (!merges.empty() && depth >= 32) throw ConfigError(str(where, ": merge keys (<<) nest more than 32 deep"));
+  for (const YAML::Node& merge : merges) {
+    std::vector<YAML::Node> maps;
+    if (merge.IsSequence())
+      for (const auto& m : merge)
+        maps.push_back(m);
+    else
+      maps.push_back(merge);
+    for (const YAML::Node& m : maps) {
+      if (!m.IsMap()) throw ConfigError(str(where, ": a merge key (<<) takes a map or a list of maps"));
+      for (YamlEntry& e : yaml_entries(m, path, depth + 1))
+        if (!e.key.IsScalar() || seen.insert(e.key.Scalar()).second) out.push_back(std::move(e));
+    }
+  }
+  return out;
+}
+
 // The value of key `name` in the map `node` (at dotted `path`), or an undefined node when the map
-// or the key is absent. The key must appear once: yaml-cpp keeps duplicates, and which one
-// node[name] returns is not what a reader of the file expects.
+// or the key is absent (merge keys expanded, a key written twice an error: yaml_entries).
 inline YAML::Node yaml_find(const YAML::Node& node, std::string_view path, std::string_view name) {
   YAML::Node found(YAML::NodeType::Undefined);
   if (!node.IsDefined() || !node.IsMap()) return found;
-  bool seen = false;
-  for (const auto& kv : node) {
-    if (!kv.first.IsScalar() || kv.first.Scalar() != name) continue;
-    if (seen) throw ConfigError(str(yaml_path(path, name), " appears twice; YAML keys must be unique"));
-    seen = true;
-    found = kv.second;
-  }
+  for (const YamlEntry& e : yaml_entries(node, path))
+    if (e.key.IsScalar() && e.key.Scalar() == name) found = e.value;
   return found;
 }
 
@@ -90,16 +126,13 @@ inline void read_replay_config(const YAML::Node& root, ReplayConfig& config) {
   if (replay.IsDefined() && !replay.IsNull()) {
     if (!replay.IsMap())
       throw ConfigError(detail::str(ReplayConfig::kNode, ": expected a map of mode, record_file and replay_file"));
-    std::set<std::string, std::less<>> seen;
-    for (const auto& kv : replay) {
-      if (!kv.first.IsScalar())
+    for (const auto& kv : detail::yaml_entries(replay, ReplayConfig::kNode)) {
+      if (!kv.key.IsScalar())
         throw ConfigError(detail::str(ReplayConfig::kNode, ": a key is a ",
-                                      kv.first.IsNull() ? "null" : (kv.first.IsMap() ? "map" : "list"),
+                                      kv.key.IsNull() ? "null" : (kv.key.IsMap() ? "map" : "list"),
                                       "; keys are mode, record_file and replay_file"));
-      const std::string key = std::string(ReplayConfig::kPrefix) + kv.first.Scalar();
-      if (!seen.insert(kv.first.Scalar()).second)
-        throw ConfigError(detail::str(key, " appears twice; YAML keys must be unique"));
-      config.set(key, detail::yaml_value(kv.second, key));
+      const std::string key = std::string(ReplayConfig::kPrefix) + kv.key.Scalar();
+      config.set(key, detail::yaml_value(kv.value, key));
     }
   }
   const YAML::Node rollout = detail::yaml_map(arr, "actor_rollout_ref", "rollout");
@@ -186,7 +219,8 @@ ReplayConfig replay_config_from(std::string_view source, const YAML::Node& root,
   ReplayConfig config;
   with_source(source, [&] { read_replay_config(root, config); });
   config.apply_overrides(overrides);
-  config.validate();
+  // An inconsistent combination names the file too, though an override may have made it so.
+  with_source(overrides.empty() ? std::string(source) : str(source, " with its overrides"), [&] { config.validate(); });
   return config;
 }
 

@@ -510,7 +510,10 @@ class FileRouteStore final {
       throw RouteFileError(detail::str("mrr::", fn, ": route file ", path().string(), " is closed"));
     if (!file_.writable())
       throw RouteFileError(detail::str("mrr::", fn, ": route file ", path().string(),
-                                       " was opened read-only (FileRouteStore::open); use create or append to record"));
+                                       " was opened read-only (FileRouteStore::open, or a configuration's replay_file "
+                                       "alone); use create or append to record (record_file), and replay a read-only "
+                                       "file without recording: R2's old-log-prob pass records, so replay it with "
+                                       "set_action(replay_forward) instead"));
   }
   void require_readable(const char* fn) const {
     if (!file_.is_open())

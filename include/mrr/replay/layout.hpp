@@ -81,13 +81,20 @@ class TokenLayout {
     detail::require(first_positions.empty() || first_positions.size() == uids.size(), fn, "'first_positions' has ",
                     first_positions.size(), " entries for ", uids.size(), " sequences");
     detail::require(cu_seqlens.front() == 0, fn, "'cu_seqlens' must start at 0");
+    for (std::size_t i = 0; i + 1 < cu_seqlens.size(); ++i)
+      detail::require(cu_seqlens[i + 1] >= cu_seqlens[i], fn, "'cu_seqlens' decreases at entry ", i + 1);
     const std::int64_t used = cu_seqlens.back();
-    if (total_rows < 0) total_rows = used;
+    detail::require(total_rows >= -1, fn, "total_rows=", total_rows,
+                    " is negative (-1, the default, means cu_seqlens.back())");
+    if (total_rows == -1) total_rows = used;
     detail::require(total_rows >= used, fn, "total_rows=", total_rows, " is less than cu_seqlens.back()=", used);
+    // Rows of a micro-batch, before anything is allocated for them (a wrong total must be an
+    // error that names it, not a failed allocation).
+    detail::require(total_rows <= kMaxPositions, fn, "total_rows=", total_rows, " (cu_seqlens.back()=", used,
+                    ") is more rows than a micro-batch can have (at most 2^32)");
     TokenLayout out;
     out.rows_.reserve(static_cast<std::size_t>(total_rows));
     for (std::size_t i = 0; i < uids.size(); ++i) {
-      detail::require(cu_seqlens[i + 1] >= cu_seqlens[i], fn, "'cu_seqlens' decreases at entry ", i + 1);
       const std::int64_t start = first_positions.empty() ? 0 : first_positions[i];
       detail::require(start >= 0, fn, "first_positions[", i, "] is negative");
       detail::require(start <= kMaxPositions - (cu_seqlens[i + 1] - cu_seqlens[i]), fn, "first_positions[", i, "] = ",

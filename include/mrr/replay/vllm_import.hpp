@@ -18,6 +18,34 @@
 
 MRR_NAMESPACE_BEGIN
 
+// Throws, naming the entry, unless every id of routed_experts [tokens, layers, k] is in
+// [0, num_experts) and each (token, layer) row's k ids are distinct (a top-k never repeats one).
+template <class Int>
+void check_routed_experts(std::span<const Int> routed_experts, std::int64_t layers, std::int64_t k, int num_experts,
+                          SequenceId uid) {
+  constexpr const char* fn = "import_routed_experts";
+  const auto kk = static_cast<std::size_t>(k);
+  const auto per_token = static_cast<std::size_t>(layers) * kk;
+  const auto where = [&](std::size_t i) {
+    return detail::str("routed_experts[", i / per_token, ", ", (i % per_token) / kk, ", ", i % kk, "]");
+  };
+  // seen[e] == row + 1 when expert e appeared in the current row (row numbers as stamps: no reset).
+  std::vector<std::uint64_t> seen(static_cast<std::size_t>(num_experts), 0);
+  for (std::size_t row = 0, i = 0; i < routed_experts.size(); ++row)
+    for (std::size_t j = 0; j < kk; ++j, ++i) {
+      const auto v = static_cast<std::int64_t>(routed_experts[i]);
+      if (v < 0 || v >= num_experts)
+        detail::throw_invalid_argument(fn, "sequence ", uid, ": ", where(i), " = ", v, " is outside [0, ", num_experts,
+                                       ")");
+      std::uint64_t& stamp = seen[static_cast<std::size_t>(v)];
+      if (stamp == row + 1)
+        detail::throw_invalid_argument(fn, "sequence ", uid, ": ", where(i), " = ", v,
+                                       " repeats an expert of the same token and layer (a top-k lists k distinct "
+                                       "experts); nothing of the sequence was stored");
+      stamp = row + 1;
+    }
+}
+
 // Stores a rollout's routes [tokens, layers, k] for sequence `uid` from position `first_position`
 // (0 for a whole prompt + response) into any store with record_sequence. Shapes and ids are
 // checked against the store first: a mismatch is an error naming the array and the field.
@@ -34,8 +62,12 @@ void import_routed_experts(Store& store, SequenceId uid, std::span<const Int> ro
   const bool fits = tokens >= 0 && detail::checked_product(expect, tokens, layers, k);
   detail::require(fits && routed_experts.size() == expect, fn, "sequence ", uid, ": routed_experts holds ",
                   routed_experts.size(), " values for shape [", tokens, ", ", layers, ", ", k, "]");
+  // Every id in range, and no token listing an expert twice in a layer, before anything is
+  // written: a route file is append-only, and a bad route in it could never be replayed, nor
+  // corrected (a second import of the sequence differs from the first).
+  check_routed_experts(routed_experts, layers, k, s.num_experts, uid);
   // uint8 / uint16 ids (vLLM's routed_experts for <= 256 / <= 65,536 experts) go to a store that
-  // takes them as they are (FileRouteStore: range-checked and encoded without widening).
+  // takes them as they are (FileRouteStore: encoded without widening).
   if constexpr (std::is_same_v<Int, std::uint8_t> || std::is_same_v<Int, std::uint16_t>) {
     if constexpr (requires { store.record_sequence(uid, first_position, tokens, 0, 1, routed_experts); }) {
       store.record_sequence(uid, first_position, tokens, 0, static_cast<int>(layers), routed_experts);
@@ -43,16 +75,8 @@ void import_routed_experts(Store& store, SequenceId uid, std::span<const Int> ro
     }
   }
   std::vector<std::int32_t> ids(routed_experts.size());
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    const auto v = static_cast<std::int64_t>(routed_experts[i]);
-    if (v < 0 || v >= s.num_experts) {
-      const auto per_token = static_cast<std::size_t>(layers * k);
-      detail::throw_invalid_argument(fn, "sequence ", uid, ": routed_experts[", i / per_token, ", ",
-                                     (i % per_token) / static_cast<std::size_t>(k), ", ", i % static_cast<std::size_t>(k),
-                                     "] = ", v, " is outside [0, ", s.num_experts, ")");
-    }
-    ids[i] = static_cast<std::int32_t>(v);
-  }
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    ids[i] = static_cast<std::int32_t>(routed_experts[i]);
   store.record_sequence(uid, first_position, tokens, 0, static_cast<int>(layers), ids);
 }
 
