@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
@@ -34,9 +35,25 @@ namespace kernels {
 // The per-element math of the diagnostics, written once for the host functions below and the
 // device executors (mrr/thrust/diagnostics.hpp).
 
-// Experts of one row's routing in `a` and not in `b` (k - |a ∩ b|; ids within a row are distinct).
+// A row that is not a routing: a negative id (a store's "no route" -1) or an expert listed twice.
+inline constexpr int kNotARouting = -1;
+
+// Whether k ids are a routing: none negative, none repeated.
+template <class Id>
+MRR_HOST_DEVICE inline bool is_routing_row(const Id* ids, int k) {
+  for (int i = 0; i < k; ++i) {
+    if (static_cast<long long>(ids[i]) < 0) return false;
+    for (int j = 0; j < i; ++j)
+      if (ids[i] == ids[j]) return false;
+  }
+  return true;
+}
+
+// Experts of one row's routing in `a` and not in `b` (k - |a ∩ b|), or kNotARouting when either
+// row is not a routing (k - |a ∩ b| counts sets: a repeated or missing id would make it wrong).
 template <class IdA, class IdB = IdA>
 MRR_HOST_DEVICE inline int differing_experts(const IdA* a, const IdB* b, int k) {
+  if (!is_routing_row(a, k) || !is_routing_row(b, k)) return kNotARouting;
   int same = 0;
   for (int i = 0; i < k; ++i)
     for (int j = 0; j < k; ++j)
@@ -114,8 +131,10 @@ struct RoutingMismatch {
   double mean_differing_layers() const { return ratio(differing_layer_sum, tokens); }
   double mean_differing_layers_of_differing_tokens() const { return ratio(differing_layer_sum, differing_tokens); }
   double layer_fraction(int layer) const {
+    detail::require(layer >= 0 && static_cast<std::size_t>(layer) < layer_decisions.size(),
+                    "RoutingMismatch::layer_fraction", "layer ", layer, " outside [0, ", layer_decisions.size(), ")");
     const auto l = static_cast<std::size_t>(layer);
-    return l < layer_decisions.size() ? ratio(layer_differing[l], layer_decisions[l]) : 0.0;
+    return ratio(layer_differing[l], layer_decisions[l]);
   }
 
   // Every count, in one array (for an all-reduce across ranks), and back.
@@ -170,13 +189,15 @@ struct RoutingMismatch {
 class RoutingMismatchCounter {
  public:
   RoutingMismatchCounter(int num_layers, long rows, std::span<const std::uint8_t> compare = {})
-      : layers_(num_layers), rows_(rows), compare_(compare.begin(), compare.end()),
-        row_layers_(static_cast<std::size_t>(rows), 0), row_differing_(static_cast<std::size_t>(rows), 0) {
-    constexpr const char* fn = "RoutingMismatchCounter";
-    detail::require(num_layers > 0, fn, "num_layers must be positive, got ", num_layers);
-    detail::require(rows >= 0, fn, "rows must be >= 0, got ", rows);
-    detail::require(compare.empty() || static_cast<long>(compare.size()) == rows, fn, "'compare' has ",
-                    compare.size(), " entries for ", rows, " rows");
+      : layers_(checked_layers(num_layers)),
+        rows_(checked_rows(rows)),
+        compare_(compare.begin(), compare.end()),
+        row_layers_(static_cast<std::size_t>(rows), 0),
+        row_differing_(static_cast<std::size_t>(rows), 0),
+        added_layers_(static_cast<std::size_t>(num_layers), 0),
+        differences_(static_cast<std::size_t>(rows), 0) {
+    detail::require(compare.empty() || static_cast<long>(compare.size()) == rows, "RoutingMismatchCounter",
+                    "'compare' has ", compare.size(), " entries for ", rows, " rows");
     m_.layer_decisions.assign(static_cast<std::size_t>(num_layers), 0);
     m_.layer_differing.assign(static_cast<std::size_t>(num_layers), 0);
   }
@@ -191,19 +212,33 @@ class RoutingMismatchCounter {
                     " rows");
     detail::require(found.empty() || static_cast<long>(found.size()) == rows_, fn, "'found' has ", found.size(),
                     " entries for ", rows_, " rows");
-    const int k = static_cast<int>(a.cols());
     const auto l = static_cast<std::size_t>(layer);
+    detail::require(added_layers_[l] == 0, fn, "layer ", layer,
+                    " was already added (each layer once: a second time would count its tokens twice)");
+    const int k = static_cast<int>(a.cols());
+    const auto compared = [&](long r) {
+      return kernels::row_compared(compare_.empty() ? nullptr : compare_.data(), found.empty() ? nullptr : found.data(),
+                                   r);
+    };
+    // Every compared row checked before anything is counted: a bad layer leaves the counts as they were.
+    for (long r = 0; r < rows_; ++r) {
+      if (!compared(r)) continue;
+      const int d = kernels::differing_experts(detail::row_ptr(a, r), detail::row_ptr(b, r), k);
+      if (d == kernels::kNotARouting) [[unlikely]]
+        not_a_routing(layer, r, kernels::is_routing_row(detail::row_ptr(a, r), k) ? b : a,
+                      kernels::is_routing_row(detail::row_ptr(a, r), k) ? "b" : "a", k);
+      differences_[static_cast<std::size_t>(r)] = d;
+    }
     for (long r = 0; r < rows_; ++r) {
       const auto ri = static_cast<std::size_t>(r);
-      if (!kernels::row_compared(compare_.empty() ? nullptr : compare_.data(), found.empty() ? nullptr : found.data(),
-                                 r))
-        continue;
-      const int d = kernels::differing_experts(detail::row_ptr(a, r), detail::row_ptr(b, r), k);
+      if (!compared(r)) continue;
+      const int d = differences_[ri];
       ++m_.decisions, ++m_.layer_decisions[l];
       m_.experts += k, m_.differing_experts += d;
       if (d != 0) ++m_.differing, ++m_.layer_differing[l], ++row_differing_[ri];
       ++row_layers_[ri];
     }
+    added_layers_[l] = 1;
     ++added_;
   }
 
@@ -220,10 +255,30 @@ class RoutingMismatchCounter {
   }
 
  private:
+  static int checked_layers(int num_layers) {
+    detail::require(num_layers > 0, "RoutingMismatchCounter", "num_layers must be positive, got ", num_layers);
+    return num_layers;
+  }
+  static long checked_rows(long rows) {
+    detail::require(rows >= 0, "RoutingMismatchCounter", "rows must be >= 0, got ", rows);
+    return rows;
+  }
+  [[noreturn]] static void not_a_routing(int layer, long row, ExpertIdsRef ids, const char* side, int k) {
+    std::string row_ids;
+    for (int j = 0; j < k; ++j)
+      row_ids += detail::str(j == 0 ? "" : " ", ids(row, j));
+    detail::throw_invalid_argument("RoutingMismatchCounter::add_layer", "layer ", layer, ", row ", row, ": '", side,
+                                   "' has ids [", row_ids,
+                                   "], not a routing (an id is negative, e.g. a store's -1 "
+                                   "for no route, or repeated); skip such rows with 'found' or 'compare'");
+  }
+
   int layers_;
   long rows_;
   std::vector<std::uint8_t> compare_;
   std::vector<int> row_layers_, row_differing_;
+  std::vector<std::uint8_t> added_layers_;
+  std::vector<int> differences_;  // add_layer's scratch: each compared row's differing experts
   int added_ = 0;
   RoutingMismatch m_;
 };

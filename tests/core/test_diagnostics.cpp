@@ -109,4 +109,26 @@ TEST_CASE("diagnostics refuse bad input with the argument named") {
                        mrr::InvalidArgument);
   CHECK_THROWS_WITH_AS(c.add_layer(0, ids({{1, 2}}), ids({{1, 2}})), doctest::Contains("for 2 rows"),
                        mrr::InvalidArgument);
+  // Rows that are not routings (k - |a ∩ b| counts sets): a repeat gave -2 differing experts, and
+  // [1, 2] against [1, 1] "no difference"; a store's -1 (no route) likewise. Nothing is counted.
+  CHECK_THROWS_WITH_AS(c.add_layer(0, ids({{3, 4}, {3, 3}}), ids({{3, 4}, {3, 3}})),
+                       doctest::Contains("layer 0, row 1: 'a' has ids [3 3], not a routing"), mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(c.add_layer(0, ids({{1, 2}, {3, 4}}), ids({{1, 1}, {3, 4}})),
+                       doctest::Contains("row 0: 'b' has ids [1 1]"), mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(c.add_layer(0, ids({{-1, -1}, {3, 4}}), ids({{-1, -1}, {3, 4}})),
+                       doctest::Contains("row 0: 'a' has ids [-1 -1]"), mrr::InvalidArgument);
+  CHECK(c.result().decisions == 0);
+  // Skipped rows may hold anything.
+  const std::vector<std::uint8_t> found{0, 1};
+  c.add_layer(0, ids({{-1, -1}, {3, 4}}), ids({{-1, -1}, {3, 5}}), found);
+  CHECK(c.result().decisions == 1);
+  CHECK(c.result().differing == 1);
+  // Each layer once: a second add would count its tokens twice.
+  CHECK_THROWS_WITH_AS(c.add_layer(0, ids({{1, 2}, {3, 4}}), ids({{1, 2}, {3, 4}})),
+                       doctest::Contains("layer 0 was already added"), mrr::InvalidArgument);
+  CHECK(c.result().decisions == 1);
+  CHECK_THROWS_WITH_AS(c.result().layer_fraction(2), doctest::Contains("layer 2 outside [0, 2)"), mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(c.result().layer_fraction(-1), doctest::Contains("outside"), mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(mrr::RoutingMismatchCounter(1, -1), doctest::Contains("rows must be >= 0, got -1"),
+                       mrr::InvalidArgument);
 }

@@ -62,6 +62,10 @@ DiagnosticsResults run_device_diagnostics(const DiagnosticsInputs& in) {
       c.add_layer(0, MatrixView<const std::int32_t>(a[0].data(), in.rows, in.k, in.stride_a),
                   MatrixView<const std::int64_t>(b[0].data(), in.rows - 1, in.k, in.stride_b));
     });
+    error([&] {  // each layer once
+      c.add_layer(0, MatrixView<const std::int32_t>(a[0].data(), in.rows, in.k, in.stride_a),
+                  MatrixView<const std::int64_t>(b[0].data(), in.rows, in.k, in.stride_b));
+    });
     error([&] { Counter(exec, Workspace{ws.data(), 16}, in.layers, in.rows); });
   }
   {

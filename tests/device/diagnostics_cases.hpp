@@ -137,6 +137,7 @@ inline void check_diagnostics(const DiagnosticsInputs& in, const DiagnosticsResu
                                 std::to_string(in.lp_rows - 1) + ", column 1)";
   const std::vector<std::string> want_errors{"layer " + std::to_string(in.layers) + " outside",
                                              "'b' has shape",
+                                             "layer 0 was already added",
                                              "workspace",
                                              bad_token,
                                              "",

@@ -43,6 +43,21 @@ TEST_CASE("device diagnostics: a hand-computed case") {
   mrr::test::check_diagnostics(in, got);
 }
 
+TEST_CASE("device diagnostics: a compared row that is not a routing (-1, a repeat) is an error, a skipped one is not") {
+  mrr::test::DiagnosticsInputs in;
+  in.layers = 2, in.k = 2, in.rows = 3, in.stride_a = 2, in.stride_b = 2;
+  in.a = {{1, 2, 0, 3, -1, -1}, {5, 6, 1, 2, 3, 3}};  // row 2: no route (layer 0), a repeat (layer 1)
+  in.b = {{2, 1, 0, 4, -1, -1}, {7, 1, 2, 1, 3, 3}};
+  in.compare = {1, 1, 0};
+  in.lp_rows = 1, in.lp_cols = 1, in.lp_stride = 1;
+  in.log_p = {-1.0f}, in.log_q = {-1.0f}, in.mask = {1};
+  const auto skipped = mrr::test::run_device_diagnostics<HostMemory>(in);
+  CHECK(skipped.mismatch.decisions == 4);
+  in.compare = {1, 1, 1};
+  CHECK_THROWS_WITH_AS(mrr::test::run_device_diagnostics<HostMemory>(in),
+                       doctest::Contains("layer 0: 1 compared rows are not routings"), mrr::InvalidArgument);
+}
+
 TEST_CASE("device diagnostics: 48 layers, 128 experts, top-8, 20,000 rows; 64 x 1,500 log-probs") {
   const auto in = mrr::test::diagnostics_inputs(48, 20000, 8, 128, 64, 1500, 7);
   mrr::test::check_diagnostics(in, mrr::test::run_device_diagnostics<HostMemory>(in));

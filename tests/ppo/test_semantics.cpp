@@ -280,6 +280,18 @@ TEST_CASE("rollout IS weights: TIS, IcePop, batch normalisation and diagnostics"
   CHECK(tis.metrics.at("rollout_is_ratio_fraction_low") == doctest::Approx(0.25));   // 0.25 < 1/2
   CHECK(tis.metrics.count("rollout_is_batch_norm_factor") == 0);
 
+  // A threshold the weights' type cannot hold (1e-50 is 0 in float) would zero every weight.
+  {
+    ppo::RolloutIsOptions tiny;
+    tiny.threshold = ppo::RolloutIsThreshold::truncate_at(1e-50);
+    const RowMatrix<float> lf = log_ratio.cast<float>(), mf = mask.cast<float>();
+    CHECK_THROWS_WITH_AS(ppo::compute_rollout_correction_weights<float>(lf, mf, tiny),
+                         doctest::Contains("not positive and finite in the weights' 32-bit type"),
+                         mrr::InvalidArgument);
+    CHECK(ppo::compute_rollout_correction_weights<double>(log_ratio, mask, tiny).weights(0, 0) ==
+          doctest::Approx(1e-50));
+  }
+
   options.batch_normalize = true;
   tis = ppo::compute_rollout_correction_weights<double>(log_ratio, mask, options);
   CHECK(tis.metrics.at("rollout_is_batch_norm_factor") == doctest::Approx(5.25 / 4));

@@ -73,13 +73,27 @@ TEST_CASE("sample: deterministic per seed, independent of the batch a row is dra
   CHECK(differ > 20);
 }
 
-TEST_CASE("sampling_mask: top-k keeps the k largest (ties: lower index), top-p the smallest prefix reaching p") {
+TEST_CASE("sampling_mask: top-k keeps the k largest and their ties (vLLM), top-p the smallest prefix reaching p") {
   const std::vector<float> z = {1.f, 3.f, 2.f, 3.f, 0.f, -1.f};
   std::vector<std::uint8_t> keep;
   CHECK(mrr::rollout::sampling_mask(z.data(), 6, SamplingParams{.top_k = 2}, keep) == 2);
   CHECK(keep == std::vector<std::uint8_t>{0, 1, 0, 1, 0, 0});
   CHECK(mrr::rollout::sampling_mask(z.data(), 6, SamplingParams{.top_k = 3}, keep) == 3);
   CHECK(keep == std::vector<std::uint8_t>{0, 1, 1, 1, 0, 0});
+  // A tie with the k-th largest is kept, as vLLM's mask (logits < k-th value) keeps it.
+  CHECK(mrr::rollout::sampling_mask(z.data(), 6, SamplingParams{.top_k = 1}, keep) == 2);
+  CHECK(keep == std::vector<std::uint8_t>{0, 1, 0, 1, 0, 0});
+  const std::vector<float> tied = {3.f, 2.f, 2.f, 0.f};
+  CHECK(mrr::rollout::sampling_mask(tied.data(), 4, SamplingParams{.top_k = 2}, keep) == 3);
+  CHECK(keep == std::vector<std::uint8_t>{1, 1, 1, 0});
+  // A temperature below vLLM's 1e-5 is greedy (dividing by it overflows): the argmax, not NaN.
+  for (const double t : {1e-310, 1e-300, 5e-6}) {
+    CAPTURE(t);
+    const std::vector<double> zz = {1.0, 2.0, 0.0};
+    const auto s = mrr::rollout::sample_token(zz.data(), 3, SamplingParams{.temperature = t}, 0.999);
+    CHECK(s.token == 1);
+    CHECK(std::isfinite(s.logprob));
+  }
   // Greedy: the argmax alone, the lower index on a tie.
   CHECK(mrr::rollout::sampling_mask(z.data(), 6, SamplingParams{.temperature = 0.0}, keep) == 1);
   CHECK(keep == std::vector<std::uint8_t>{0, 1, 0, 0, 0, 0});
@@ -187,4 +201,25 @@ TEST_CASE("logprobs_from_logits: log_softmax(z / t)[label], gradient by finite d
   CHECK(s.logprob == doctest::Approx(mrr::rollout::logprobs_from_logits<float>(row, one, 0.6)[0]).epsilon(1e-5));
   CHECK_THROWS_AS(mrr::rollout::logprobs_from_logits<double>(logits, std::vector<std::int32_t>{0, 1}),
                   mrr::InvalidArgument);
+  // What has no softmax is an error in the forward and the backward alike, never NaN.
+  const std::vector<std::int32_t> first = {0};
+  const mrr::Vector<float> g1 = mrr::Vector<float>::Ones(1);
+  const RowMatrix<float> all_masked = RowMatrix<float>::Constant(1, 3, -INFINITY);
+  CHECK_THROWS_WITH_AS(mrr::rollout::logprobs_from_logits<float>(all_masked, first),
+                       doctest::Contains("every logit -inf"), mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(mrr::rollout::logprobs_from_logits_backward<float>(all_masked, first, g1),
+                       doctest::Contains("every logit -inf"), mrr::InvalidArgument);
+  RowMatrix<float> nan_row = RowMatrix<float>::Zero(1, 3);
+  nan_row(0, 2) = NAN;
+  CHECK_THROWS_WITH_AS(mrr::rollout::logprobs_from_logits_backward<float>(nan_row, first, g1),
+                       doctest::Contains("logit 2 is nan"), mrr::InvalidArgument);
+  // A temperature the logits' type cannot divide by (1 / 1e-40 is inf in float; 1 / 1e300 is 0).
+  const RowMatrix<float> plain = RowMatrix<float>::Zero(1, 3);
+  CHECK_THROWS_WITH_AS(mrr::rollout::logprobs_from_logits<float>(plain, first, 1e-40),
+                       doctest::Contains("outside what the logits' type can divide by"), mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(mrr::rollout::logprobs_from_logits<float>(plain, first, 1e300),
+                       doctest::Contains("outside what the logits' type can divide by"), mrr::InvalidArgument);
+  const RowMatrix<double> huge = RowMatrix<double>::Constant(1, 3, 1e300);
+  CHECK_THROWS_WITH_AS(mrr::rollout::logprobs_from_logits<double>(huge, first, 1e-10), doctest::Contains("overflows"),
+                       mrr::InvalidArgument);
 }

@@ -128,6 +128,12 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
   const T upper = static_cast<T>(options.threshold.upper);
   const bool icepop = options.threshold.lower.has_value();
   const T lower = static_cast<T>(options.threshold.lower.value_or(1.0 / options.threshold.upper));
+  // The thresholds as the weights' type holds them: one that rounds to 0 or overflows in T would
+  // zero every weight (or clamp none) with no error.
+  mrr::detail::require(std::isfinite(upper) && upper > T(0) && std::isfinite(lower) && lower > T(0), fn,
+                       "the thresholds [", options.threshold.lower.value_or(1.0 / options.threshold.upper), ", ",
+                       options.threshold.upper, "] are not positive and finite in the weights' ", sizeof(T) * 8,
+                       "-bit type");
   const bool sequence_level = options.level == RolloutIsLevel::sequence;
 
   Vector<T> sequence_log_ratio = Vector<T>::Zero(rows);

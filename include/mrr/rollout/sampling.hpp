@@ -19,9 +19,11 @@
 MRR_NAMESPACE_BEGIN
 namespace rollout {
 
-// vLLM's SamplingParams names: temperature 0 is greedy; top_k <= 0 (vLLM: -1) and top_p = 1 disable
-// the filters.
+// vLLM's SamplingParams names: temperature 0 is greedy, and so is any temperature below vLLM's
+// 1e-5 (_SAMPLING_EPS; dividing by it overflows); top_k <= 0 (vLLM: -1) and top_p = 1 disable the
+// filters.
 struct SamplingParams {
+  static constexpr double kGreedyBelow = 1e-5;
   double temperature = 1.0;
   int top_k = -1;
   double top_p = 1.0;
@@ -32,7 +34,7 @@ struct SamplingParams {
                     temperature);
     detail::require(top_p > 0.0 && top_p <= 1.0, fn, "top_p must be in (0, 1], got ", top_p);
   }
-  bool greedy() const { return temperature == 0.0; }
+  bool greedy() const { return temperature < kGreedyBelow; }
 };
 
 // A counter-based generator: uniform(seed, stream, counter) is a pure function (SplitMix64
@@ -78,6 +80,32 @@ void check_row(const T* z, int n, const char* fn) {
       mrr::detail::throw_invalid_argument(fn, "logit ", i, " is ", z[i], " (NaN and +inf are not valid logits)");
 }
 
+// 1 / temperature in T: finite and non-zero, else a softmax of logits / temperature would be NaN.
+template <class T>
+T inverse_temperature(double temperature, const char* fn) {
+  mrr::detail::require(temperature > 0.0 && std::isfinite(temperature), fn, "temperature must be > 0, got ",
+                       temperature);
+  const T inv_t = static_cast<T>(1.0 / temperature);
+  mrr::detail::require(std::isfinite(inv_t) && inv_t > T(0), fn, "temperature ", temperature,
+                       " is outside what the logits' type can divide by (1 / temperature is ", inv_t, ")");
+  return inv_t;
+}
+
+// The largest of a row's logits scaled by inv_t, after checking the row: finite (a row of only
+// -inf, or logits that overflow once scaled, have no softmax).
+template <class T>
+T scaled_row_max(const T* z, int vocab, T inv_t, Eigen::Index row, const char* fn) {
+  check_row(z, vocab, fn);
+  T top = -std::numeric_limits<T>::infinity();
+  for (int i = 0; i < vocab; ++i)
+    top = std::max(top, z[i] * inv_t);
+  if (!std::isfinite(top)) [[unlikely]]
+    mrr::detail::throw_invalid_argument(fn, "row ", row,
+                                        top < T(0) ? " has every logit -inf (no token to take)"
+                                                   : ": a logit / temperature overflows (scale the logits down)");
+  return top;
+}
+
 }  // namespace detail
 
 // Which tokens of one row of logits survive temperature, top-k and top-p, in vLLM's order: top-k on
@@ -103,7 +131,13 @@ int sampling_mask(const T* logits, int vocab, const SamplingParams& params, std:
       count = i;
       break;
     }
-  if (params.top_k > 0) count = std::min(count, params.top_k);
+  // top-k keeps every token tied with the k-th largest, as vLLM's mask (logits < k-th value) does.
+  if (params.top_k > 0 && params.top_k < count) {
+    const T kth = logits[order[static_cast<std::size_t>(params.top_k - 1)]];
+    count = params.top_k;
+    while (count < vocab && logits[order[static_cast<std::size_t>(count)]] == kth)
+      ++count;
+  }
   if (params.top_p < 1.0) {
     const double inv_t = 1.0 / params.temperature;
     const double top = static_cast<double>(logits[order[0]]) * inv_t;
@@ -186,18 +220,14 @@ Vector<T> logprobs_from_logits(MatrixRef<T> logits, std::span<const std::int32_t
   constexpr const char* fn = "rollout::logprobs_from_logits";
   mrr::detail::require(static_cast<Eigen::Index>(labels.size()) == logits.rows(), fn, "'labels' has ", labels.size(),
                        " entries for ", logits.rows(), " rows of logits");
-  mrr::detail::require(temperature > 0.0 && std::isfinite(temperature), fn, "temperature must be > 0, got ",
-                       temperature);
   const int vocab = static_cast<int>(logits.cols());
-  const T inv_t = static_cast<T>(1.0 / temperature);
+  const T inv_t = detail::inverse_temperature<T>(temperature, fn);
   Vector<T> out(logits.rows());
   for (Eigen::Index r = 0; r < logits.rows(); ++r) {
     const T* z = mrr::detail::row_ptr(logits, r);
-    detail::check_row(z, vocab, fn);
+    const T top = detail::scaled_row_max(z, vocab, inv_t, r, fn);
     const std::int32_t label = labels[static_cast<std::size_t>(r)];
     mrr::detail::require(label >= 0 && label < vocab, fn, "label ", label, " of row ", r, " outside [0, ", vocab, ")");
-    T top = -std::numeric_limits<T>::infinity();
-    for (int i = 0; i < vocab; ++i) top = std::max(top, z[i] * inv_t);
     T total = 0;
     for (int i = 0; i < vocab; ++i) total += std::exp(z[i] * inv_t - top);
     out[r] = z[label] * inv_t - top - std::log(total);
@@ -211,21 +241,18 @@ template <class T>
 RowMatrix<T> logprobs_from_logits_backward(MatrixRef<T> logits, std::span<const std::int32_t> labels,
                                            VectorRef<T> grad_logprobs, double temperature = 1.0) {
   constexpr const char* fn = "rollout::logprobs_from_logits_backward";
-  mrr::detail::require(static_cast<Eigen::Index>(labels.size()) == logits.rows() &&
-                           grad_logprobs.size() == logits.rows(),
-                       fn, "'labels' (", labels.size(), ") and 'grad_logprobs' (", grad_logprobs.size(),
-                       ") need one entry per row of logits (", logits.rows(), ")");
-  mrr::detail::require(temperature > 0.0 && std::isfinite(temperature), fn, "temperature must be > 0, got ",
-                       temperature);
+  mrr::detail::require(
+      static_cast<Eigen::Index>(labels.size()) == logits.rows() && grad_logprobs.size() == logits.rows(), fn,
+      "'labels' (", labels.size(), ") and 'grad_logprobs' (", grad_logprobs.size(),
+      ") need one entry per row of logits (", logits.rows(), ")");
   const int vocab = static_cast<int>(logits.cols());
-  const T inv_t = static_cast<T>(1.0 / temperature);
+  const T inv_t = detail::inverse_temperature<T>(temperature, fn);
   RowMatrix<T> grad(logits.rows(), vocab);
   for (Eigen::Index r = 0; r < logits.rows(); ++r) {
     const T* z = mrr::detail::row_ptr(logits, r);
+    const T top = detail::scaled_row_max(z, vocab, inv_t, r, fn);  // the forward's checks
     const std::int32_t label = labels[static_cast<std::size_t>(r)];
     mrr::detail::require(label >= 0 && label < vocab, fn, "label ", label, " of row ", r, " outside [0, ", vocab, ")");
-    T top = -std::numeric_limits<T>::infinity();
-    for (int i = 0; i < vocab; ++i) top = std::max(top, z[i] * inv_t);
     T total = 0;
     for (int i = 0; i < vocab; ++i) total += std::exp(z[i] * inv_t - top);
     const T g = grad_logprobs[r] * inv_t;

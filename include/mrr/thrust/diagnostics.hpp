@@ -44,8 +44,8 @@ inline constexpr long kMismatchRows = 64;  // rows per work item of a layer's co
 
 struct MismatchCounts {  // one layer's (or one block's) counts, as mrr::RoutingMismatch's
   long long decisions = 0, differing = 0, experts = 0, differing_experts = 0;
+  long long not_routings = 0;  // compared rows that are not routings (result() refuses them)
 };
-inline constexpr int kLayerCounts = 4;  // the fields of MismatchCounts
 struct TokenCounts {
   long long tokens = 0, differing_tokens = 0, differing_layer_sum = 0;
 };
@@ -66,6 +66,10 @@ struct CompareRouteRows {
     for (long r = block * kMismatchRows; r < end; ++r) {
       if (!mrr::kernels::row_compared(compare, found, r)) continue;
       const int d = mrr::kernels::differing_experts(a.data + r * a.row_stride, b.data + r * b.row_stride, k);
+      if (d == mrr::kernels::kNotARouting) {
+        c.not_routings += 1;
+        continue;
+      }
       c.decisions += 1, c.experts += k, c.differing_experts += d;
       c.differing += d != 0 ? 1 : 0;
       row_differing[r] += d != 0 ? 1 : 0;
@@ -86,6 +90,7 @@ struct SumLayerBlocks {
       const MismatchCounts& c = block_counts[l * blocks + i];
       t.decisions += c.decisions, t.differing += c.differing, t.experts += c.experts;
       t.differing_experts += c.differing_experts;
+      t.not_routings += c.not_routings;
     }
     layer_counts[l] = t;
   }
@@ -226,12 +231,15 @@ class RoutingMismatchCounter {
     mrr::detail::require(a.cols > 0 && a.cols <= 4096, fn, "the routings have k = ", a.cols, ", outside [1, 4096]");
     require_view(a, rows_, a.cols, fn, "a");
     require_view(b, rows_, a.cols, fn, "b");
+    mrr::detail::require(added_layers_[static_cast<std::size_t>(layer)] == 0, fn, "layer ", layer,
+                         " was already added (each layer once: a second time would count its tokens twice)");
     WorkspaceArena none(Workspace{}, fn);
     const auto policy = execution_policy<Backend>(exec_, none);
     const long nb = blocks(rows_);
     thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(nb),
                      kernels::CompareRouteRows<IdA, IdB>{a, b, compare_, found, row_layers_, row_differing_,
                                                          block_counts_ + static_cast<long>(layer) * nb});
+    added_layers_[static_cast<std::size_t>(layer)] = 1;
     ++added_;
   }
 
@@ -249,6 +257,10 @@ class RoutingMismatchCounter {
     std::vector<kernels::TokenCounts> tokens(static_cast<std::size_t>(nb));
     copy_to_host<Backend>(exec_, layer_counts_, layers.size(), layers.data());
     copy_to_host<Backend>(exec_, token_counts_, tokens.size(), tokens.data());
+    for (std::size_t l = 0; l < layers.size(); ++l)
+      mrr::detail::require(layers[l].not_routings == 0, fn, "layer ", l, ": ", layers[l].not_routings,
+                           " compared rows are not routings (an id is negative, e.g. a store's -1 for no route, "
+                           "or repeated); skip such rows with 'found' or 'compare'");
     mrr::RoutingMismatch m;
     for (const auto& c : layers) {
       m.layer_decisions.push_back(c.decisions), m.layer_differing.push_back(c.differing);
@@ -268,6 +280,8 @@ class RoutingMismatchCounter {
   std::int32_t *row_layers_ = nullptr, *row_differing_ = nullptr;
   kernels::MismatchCounts *block_counts_ = nullptr, *layer_counts_ = nullptr;
   kernels::TokenCounts* token_counts_ = nullptr;
+  std::vector<std::uint8_t> added_layers_ =
+      std::vector<std::uint8_t>(static_cast<std::size_t>(layers_ > 0 ? layers_ : 0), 0);
   int added_ = 0;
 };
 
