@@ -100,6 +100,15 @@ TEST_CASE("MPI: a large all_reduce_sum is the rank-order sum, bitwise, on every 
   check_all_reduce_sum<double>(world(), 100003);
 }
 
+TEST_CASE("MPI: all_reduce_sum of a type MPI has no name for (long double, sent as bytes)") {
+  // Its counts were in elements while the type was MPI_BYTE: 1/16 of the data moved, and every
+  // rank kept (part of) its own values, with no error.
+  for (const std::size_t n : {std::size_t{1}, std::size_t{5}, std::size_t{1000}}) {
+    CAPTURE(n);
+    check_all_reduce_sum<long double>(world(), n);
+  }
+}
+
 int main(int argc, char** argv) {
   mrr::MpiSession session(&argc, &argv);
   int rank = 0;

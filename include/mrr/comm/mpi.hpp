@@ -433,15 +433,18 @@ class MpiCommunicator {
     const auto P = static_cast<std::size_t>(size_);
     const std::size_t n = data.size();
     auto chunk_begin = [&](std::size_t p) { return p * n / P; };
+    // Counts and offsets in units of the MPI datatype: bytes for a type MPI has no name for
+    // (long double, __int128 travel as MPI_BYTE), scale<T> of them per element.
     std::vector<int> counts(P), offsets(P), recv_counts(P), recv_offsets(P);
     for (std::size_t p = 0; p < P; ++p) {
-      counts[p] = static_cast<int>(chunk_begin(p + 1) - chunk_begin(p));
-      offsets[p] = static_cast<int>(chunk_begin(p));
+      counts[p] = static_cast<int>((chunk_begin(p + 1) - chunk_begin(p)) * scale<T>);
+      offsets[p] = static_cast<int>(chunk_begin(p) * scale<T>);
     }
-    const auto own = static_cast<std::size_t>(counts[static_cast<std::size_t>(rank_)]);
+    const std::size_t own =
+        chunk_begin(static_cast<std::size_t>(rank_) + 1) - chunk_begin(static_cast<std::size_t>(rank_));
     for (std::size_t p = 0; p < P; ++p) {
-      recv_counts[p] = static_cast<int>(own);
-      recv_offsets[p] = static_cast<int>(p * own);
+      recv_counts[p] = static_cast<int>(own * scale<T>);
+      recv_offsets[p] = static_cast<int>(p * own * scale<T>);
     }
     std::vector<T> gathered(P * own), reduced(own);
     const MPI_Datatype type = detail::mpi_datatype<T>();
@@ -451,8 +454,8 @@ class MpiCommunicator {
                       fn, "MPI_Ialltoallv");
     state_->watchdog().wait(request, fn, "MPI_Ialltoallv");
     detail::sum_in_rank_order<T>([&](std::size_t p) { return gathered.data() + p * own; }, P, std::span<T>(reduced));
-    detail::mpi_check(MPI_Iallgatherv(reduced.data(), static_cast<int>(own), type, data.data(), counts.data(),
-                                      offsets.data(), type, native(), &request),
+    detail::mpi_check(MPI_Iallgatherv(reduced.data(), static_cast<int>(own * scale<T>), type, data.data(),
+                                      counts.data(), offsets.data(), type, native(), &request),
                       fn, "MPI_Iallgatherv");
     state_->watchdog().wait(request, fn, "MPI_Iallgatherv");
   }

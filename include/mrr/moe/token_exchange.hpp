@@ -10,6 +10,7 @@
 
 #include <mrr/concepts.hpp>
 #include <mrr/detail/config.hpp>
+#include <mrr/error.hpp>
 #include <mrr/moe/dispatch_plan.hpp>
 #include <mrr/tensor.hpp>
 
@@ -67,8 +68,10 @@ class TokenExchange {
   // forming the permuted matrix. Needs a RowCommunicator and contiguous token rows. Collective.
   template <class C>
   requires RowCommunicator<C, Scalar>
-  void gather_to_experts(const C& comm, MatrixRef<Scalar> tokens, const DispatchPlan& plan,
+  void gather_to_experts(const C& comm, MatrixRef<Scalar> tokens_in, const DispatchPlan& plan,
                          RowMatrix<Scalar>& grouped) {
+    const MatrixRef<Scalar> tokens = packed(tokens_in, plan.permutation.row_of_slot.rows(), plan.hidden,
+                                            "TokenExchange::gather_to_experts", "tokens");
     grouped.resize(plan.local_rows(), plan.hidden);
     const auto& source = plan.permutation.source_token;
     gather_.start(plan.ranks());
@@ -89,7 +92,9 @@ class TokenExchange {
   // its storage when its shape does not change. With one rank the two orders are the same and
   // this is a copy (MoELayer skips it). Collective.
   template <Communicator C>
-  void to_experts(const C& comm, MatrixRef<Scalar> permuted, const DispatchPlan& plan, RowMatrix<Scalar>& grouped) {
+  void to_experts(const C& comm, MatrixRef<Scalar> permuted_in, const DispatchPlan& plan, RowMatrix<Scalar>& grouped) {
+    const MatrixRef<Scalar> permuted =
+        packed(permuted_in, plan.permutation.rows(), plan.hidden, "TokenExchange::to_experts", "permuted");
     grouped.resize(plan.local_rows(), plan.hidden);
     if (plan.ranks() == 1) {
       exchange(comm, permuted.data(), plan.send_counts, grouped.data(), plan.recv_counts);
@@ -104,7 +109,10 @@ class TokenExchange {
   // The mirror: grouped (rows as to_experts gave them) -> permuted [plan rows, hidden], back on
   // the tokens' rank in its permuted order. Collective.
   template <Communicator C>
-  void from_experts(const C& comm, MatrixRef<Scalar> grouped, const DispatchPlan& plan, RowMatrix<Scalar>& permuted) {
+  void from_experts(const C& comm, MatrixRef<Scalar> grouped_in, const DispatchPlan& plan,
+                    RowMatrix<Scalar>& permuted) {
+    const MatrixRef<Scalar> grouped =
+        packed(grouped_in, plan.local_rows(), plan.hidden, "TokenExchange::from_experts", "grouped");
     permuted.resize(plan.permutation.rows(), plan.hidden);
     if (plan.ranks() == 1) {
       exchange(comm, grouped.data(), plan.recv_counts, permuted.data(), plan.send_counts);
@@ -117,6 +125,18 @@ class TokenExchange {
   }
 
  private:
+  // `m`, checked to be [rows, hidden], as packed rows (row stride = hidden): itself when it is,
+  // else a copy in packed_ (a strided view, e.g. the leftCols of a wider matrix). Every path
+  // below reads the rows as packed; a strided view read as one came back with its rows shifted.
+  // The shape is each rank's own argument: a mismatch throws before the exchange begins.
+  MatrixRef<Scalar> packed(MatrixRef<Scalar> m, std::int64_t rows, int hidden, const char* fn, const char* what) {
+    detail::require(m.rows() == rows && m.cols() == hidden, fn, "'", what, "' has shape ", detail::shape_of(m),
+                    " but the plan needs [", rows, ", ", hidden, "]");
+    if (m.outerStride() == hidden || m.rows() <= 1) return m;
+    packed_ = m;
+    return packed_;
+  }
+
   // src's blocks to dst's blocks in one all_to_all_rows, where the communicator has it and src's
   // rows are contiguous; false: the caller stages instead.
   template <Communicator C>
@@ -166,7 +186,8 @@ class TokenExchange {
   // Received rows before regrouping, grouped rows before sending; reused from call to call (a
   // fresh 100 MB buffer per call costs more in page faults than the copy into it).
   std::vector<Scalar> staging_;
-  RowBlocks gather_;  // gather_to_experts' send blocks, capacity reused
+  RowBlocks gather_;          // gather_to_experts' send blocks, capacity reused
+  RowMatrix<Scalar> packed_;  // a strided input's rows, packed
 };
 
 MRR_NAMESPACE_END
