@@ -308,9 +308,11 @@ class MpiCommunicator {
     constexpr const char* fn = "MpiCommunicator::all_to_all_v";
     auto mine = blank_record();
     detail::describe_all_to_all_v<T>(mine, send, send_counts, recv, recv_counts);
-    agree(fn, mine, count_limit<T>);
+    // Allocated before the agreement: a rank that fails after it would leave the others inside
+    // the exchange (its communicator's leave record then meets their MPI_Ialltoallv).
     const auto P = static_cast<std::size_t>(size_);
     std::vector<int> sc(P), sd(P), rc(P), rd(P);
+    agree(fn, mine, count_limit<T>);
     std::size_t s = 0, r = 0;
     for (std::size_t p = 0; p < P; ++p) {  // agree() checked every count and total against INT_MAX
       sc[p] = static_cast<int>(send_counts[p] * scale<T>);
@@ -429,7 +431,6 @@ class MpiCommunicator {
     constexpr const char* fn = "MpiCommunicator::all_reduce_sum";
     auto mine = blank_record();
     detail::describe_collective<T>(mine, detail::CollectiveOp::all_reduce_sum, data.size());
-    agree(fn, mine, count_limit<T>);
     const auto P = static_cast<std::size_t>(size_);
     const std::size_t n = data.size();
     auto chunk_begin = [&](std::size_t p) { return p * n / P; };
@@ -446,7 +447,12 @@ class MpiCommunicator {
       recv_counts[p] = static_cast<int>(own * scale<T>);
       recv_offsets[p] = static_cast<int>(p * own * scale<T>);
     }
-    std::vector<T> gathered(P * own), reduced(own);
+    // Allocated before the agreement (unless the size is one it refuses): a rank that fails
+    // after it would leave the others inside the exchange (its communicator's leave record then
+    // meets their MPI_Ialltoallv, which OpenMPI aborts on instead of an error on every rank).
+    const bool fits = n <= count_limit<T>;
+    std::vector<T> gathered(fits ? P * own : 0), reduced(fits ? own : 0);
+    agree(fn, mine, count_limit<T>);
     const MPI_Datatype type = detail::mpi_datatype<T>();
     MPI_Request request = MPI_REQUEST_NULL;
     detail::mpi_check(MPI_Ialltoallv(data.data(), counts.data(), offsets.data(), type, gathered.data(),
