@@ -90,7 +90,7 @@ class ExchangeWatchdog {
     if (thread_.joinable()) thread_.join();
   }
 
-  // Watches `client` until the Watch is destroyed; fired() says whether its deadline passed.
+  // Watches `client` until end() (or destruction), which says whether its deadline passed.
   class Watch {
    public:
     Watch(ExchangeWatchdog& dog, httplib::Client& client, Clock::time_point deadline)
@@ -120,7 +120,8 @@ class ExchangeWatchdog {
   struct Entry {
     httplib::Client* client;
     Clock::time_point deadline;
-    bool fired = false;
+    bool fired = false;     // the deadline passed: the client was stopped
+    bool stopping = false;  // the watchdog is calling client->stop() now
   };
 
   std::uint64_t add(httplib::Client& client, Clock::time_point deadline) {
@@ -136,9 +137,11 @@ class ExchangeWatchdog {
     return id;
   }
 
+  // Waits while the watchdog is stopping the client, so the caller may free it once this returns.
   bool remove(std::uint64_t id) {
-    std::lock_guard lock(mutex_);
-    const auto it = entries_.find(id);
+    std::unique_lock lock(mutex_);
+    const auto it = entries_.find(id);  // std::map: stays valid while others come and go
+    stopped_.wait(lock, [&] { return !it->second.stopping; });
     const bool fired = it->second.fired;
     entries_.erase(it);
     return fired;
@@ -146,23 +149,37 @@ class ExchangeWatchdog {
 
   void run() {
     std::unique_lock lock(mutex_);
+    std::vector<httplib::Client*> due;
     while (!stopping_) {
       const auto now = Clock::now();
       next_wake_ = Clock::time_point::max();
       for (auto& [id, e] : entries_) {
         if (e.deadline <= now) {
-          e.client->stop();  // under the lock: the exchange cannot end and free the client meanwhile
-          e.fired = true;
+          e.fired = e.stopping = true;
           e.deadline = now + restop_every;
+          due.push_back(e.client);
         }
         next_wake_ = std::min(next_wake_, e.deadline);
+      }
+      if (!due.empty()) {
+        // Outside the lock (stop() may wait for a connect in progress, and other exchanges must
+        // still come and go); remove() waits for `stopping` to clear before the client is freed.
+        lock.unlock();
+        for (httplib::Client* client : due)
+          client->stop();
+        lock.lock();
+        due.clear();
+        for (auto& [id, e] : entries_)
+          e.stopping = false;
+        stopped_.notify_all();
+        continue;
       }
       wake_.wait_until(lock, next_wake_ == Clock::time_point::max() ? now + std::chrono::hours(1) : next_wake_);
     }
   }
 
   std::mutex mutex_;
-  std::condition_variable wake_;
+  std::condition_variable wake_, stopped_;
   std::map<std::uint64_t, Entry> entries_;
   std::uint64_t next_id_ = 0;
   Clock::time_point next_wake_ = Clock::time_point::max();
