@@ -299,6 +299,14 @@ TEST_CASE("rollout IS weights: TIS, IcePop, batch normalisation and diagnostics"
 
   options.batch_normalize = false;
   options.threshold = ppo::RolloutIsThreshold::parse("0.5_2");
+  {
+    // Every token outside IcePop's band: no effective sample (verl: ZeroDivisionError; was inf).
+    RowMatrix<double> outside(2, 3);
+    outside << 3.0, -3.0, 5.0, -4.0, 0.0, 0.0;
+    const auto none = ppo::compute_rollout_correction_weights<double>(outside, mask, options);
+    CHECK(none.weights.isZero());
+    CHECK(none.metrics.at("rollout_is_eff_sample_size") == 0.0);
+  }
   const auto icepop = ppo::compute_rollout_correction_weights<double>(log_ratio, mask, options);
   CHECK(icepop.weights(0, 0) == 0.0);  // 0.25 below the band
   CHECK(icepop.weights(0, 2) == 0.0);  // 4 above the band

@@ -204,10 +204,13 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
   } else {
     metrics["rollout_is_std"] = T(0);
   }
-  metrics["rollout_is_eff_sample_size"] = static_cast<T>(1.0 / masked_mean_of([&](Eigen::Index i, Eigen::Index j) {
-                                                           const T normalized = clamped(i, j) / (clamped_mean + eps);
-                                                           return normalized * normalized;
-                                                         }));
+  // When every weight is 0 (IcePop rejected every token) no sample is effective: 0, where verl's
+  // 1 / 0 raises ZeroDivisionError (docs/ppo.md, deliberate difference 9).
+  const double normalized_square = masked_mean_of([&](Eigen::Index i, Eigen::Index j) {
+    const T normalized = clamped(i, j) / (clamped_mean + eps);
+    return normalized * normalized;
+  });
+  metrics["rollout_is_eff_sample_size"] = static_cast<T>(normalized_square > 0 ? 1.0 / normalized_square : 0.0);
   const Vector<T> sequence_mean = masked_row_mean<T>(w, response_mask);
   const Vector<T> raw_sequence_mean = masked_row_mean<T>(raw, response_mask);
   const T seq_avg = sequence_mean.mean();
