@@ -337,6 +337,19 @@ TEST_CASE("activation recompute is off by default: update passes queue nothing, 
   replay.begin_pass(mrr::TrainingPass::actor_recompute);
   CHECK_THROWS_WITH_AS(replay.route(router, 0, logits(5, E, 3)), doctest::Contains("call set_activation_recompute(true)"),
                        mrr::RouteStoreError);
+  // Switched on inside an update pass already begun, it applies to that pass's next forwards;
+  // a low-level set_action is not a pass, so the switch leaves its queueing alone.
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  replay.set_activation_recompute(true);
+  replay.route(router, 0, logits(5, E, 4));
+  CHECK(replay.queued(0) == 1);
+  replay.set_activation_recompute(false);
+  replay.route(router, 0, logits(5, E, 5));
+  CHECK(replay.queued(0) == 1);
+  replay.set_action(mrr::RouterAction::replay_forward, /*queue_for_recompute=*/false);
+  replay.set_activation_recompute(true);
+  replay.route(router, 0, logits(5, E, 6));
+  CHECK(replay.queued(0) == 1);
 }
 
 TEST_CASE("replay passes no mask when every row has a route, and the masked path when padding or a miss needs it") {

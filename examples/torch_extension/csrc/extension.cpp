@@ -127,6 +127,17 @@ void validate_ids(const at::Tensor& ids, int num_experts) {
     mrr::detail::reject_invalid_ids(host.data() + r * k, k, num_experts, static_cast<long>(r), fn);
 }
 
+// A sequence id from a Python int: 0 .. 2**64 - 1, or a negative int64 as the same 64 bits (a
+// uid tensor is int64, so a 64-bit hash there is negative; record/lookup read it that way too).
+mrr::SequenceId sequence_id(const py::int_& uid, const char* fn) {
+  const py::object lo = py::int_(-(std::int64_t{1} << 62)) * py::int_(2);  // -2**63
+  const py::object hi = py::int_(~std::uint64_t{0});                       // 2**64 - 1
+  require(uid >= lo && uid <= hi, fn, "uid ", py::repr(uid).cast<std::string>(),
+          " is outside a 64-bit sequence id (0 .. 2**64 - 1, or a negative int64 for the same bits)");
+  if (uid < py::int_(0)) return static_cast<mrr::SequenceId>(uid.cast<std::int64_t>());
+  return uid.cast<std::uint64_t>();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tensors and arrays in
 
@@ -265,6 +276,11 @@ struct RouteFile {
     const mrr::ExpertIds host = mrr::torch::host_ids(on_host, shape().num_experts, shape().topk, fn);
     require(static_cast<std::size_t>(host.rows()) == rows.size(), fn, "'ids' has ", host.rows(), " rows for ",
             rows.size(), " (uid, position) pairs");
+    // A row listing an expert twice is no top-k: refused before anything is stored (a route file
+    // is append-only; the replay would refuse it only later), as import_vllm refuses it.
+    const int k = shape().topk;
+    for (Eigen::Index r = 0; r < host.rows(); ++r)
+      mrr::detail::reject_invalid_ids(host.data() + r * k, k, shape().num_experts, static_cast<long>(r), fn);
     store.record(layer, rows, host);
   }
 
@@ -317,8 +333,9 @@ struct RouteFile {
 
   // vLLM's routed_experts [n - 1, layers, k]: int32 (early versions), uint8 (<= 256 experts) or
   // uint16 (more), as a tensor or a numpy array (torch 1.13 has no uint16 tensors).
-  void import_vllm(std::uint64_t uid, const py::object& routed_experts, std::int64_t first_position) {
+  void import_vllm(const py::int_& uid_in, const py::object& routed_experts, std::int64_t first_position) {
     constexpr const char* fn = "RouteFile.import_vllm";
+    const mrr::SequenceId uid = sequence_id(uid_in, fn);
     require(first_position >= 0, fn, "'first_position' = ", first_position, " is negative");
     if (THPVariable_Check(routed_experts.ptr())) {
       const at::Tensor t = routed_experts.cast<at::Tensor>();
@@ -362,8 +379,9 @@ struct RouteFile {
 
   // SGLang's meta_info["routed_experts"]: base64 of int32 [rows, layers, k] (little-endian, as
   // numpy's tobytes on the hosts SGLang runs on) covering positions [start_len, start_len + rows).
-  void import_sglang(std::uint64_t uid, const py::object& payload, std::int64_t start_len) {
+  void import_sglang(const py::int_& uid_in, const py::object& payload, std::int64_t start_len) {
     constexpr const char* fn = "RouteFile.import_sglang";
+    const mrr::SequenceId uid = sequence_id(uid_in, fn);
     require(start_len >= 0, fn, "'start_len' = ", start_len, " is negative");
     std::string text;
     if (py::isinstance<py::str>(payload) || py::isinstance<py::bytes>(payload))
@@ -554,10 +572,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "(uint8 when every expert id fits; 1-byte route files copy rows out without widening); rows not "
            "found are -1 (255 in uint8).")
       .def(
-          "recorded_positions", [](const RouteFile& f, std::uint64_t uid) { return f.store.recorded_positions(uid); },
+          "recorded_positions",
+          [](const RouteFile& f, const py::int_& uid) {
+            return f.store.recorded_positions(sequence_id(uid, "RouteFile.recorded_positions"));
+          },
           py::arg("uid"))
       .def(
-          "contains", [](const RouteFile& f, std::uint64_t uid) { return f.store.contains(uid); }, py::arg("uid"))
+          "contains",
+          [](const RouteFile& f, const py::int_& uid) {
+            return f.store.contains(sequence_id(uid, "RouteFile.contains"));
+          },
+          py::arg("uid"))
       .def(
           "end_step", [](RouteFile& f) { f.store.end_step(); },
           "A training step ended: memory forgets its routes, a file its read cache.")

@@ -51,30 +51,38 @@ class RouterReplay:
     creation order, which is layer order (Megatron creates one per router)."""
 
     global_router_replay_instances = []
+    # Where the inference model's instances start (mark_inference_boundary); -1: not set.
+    _inference_start_idx = -1
 
     def __init__(self, num_experts=None):
         # num_experts (an addition to Megatron's signature): lets set_target_indices check ids as
         # soon as they arrive; get_replay_topk checks them against the scores' width either way.
         self.num_experts = num_experts
         self.target_topk_idx = None
+        self.replay_mask = None
         self.recorded_topk_idx = None
         self.router_replay_action = None
         self.replay_backward_list = []
+        self.static_buffer = None
         RouterReplay.global_router_replay_instances.append(self)
 
     # --- all layers at once ---------------------------------------------------------------
 
     @staticmethod
-    def set_replay_data(all_layers_topk_indices):
-        """Gives layer i the indices all_layers_topk_indices[i] to replay."""
+    def set_replay_data(all_layers_topk_indices, replay_mask=None):
+        """Gives layer i the indices all_layers_topk_indices[i] to replay. replay_mask (optional,
+        [rows] bool): only the rows where it is True replay (their indices, in order, are the
+        layer's); the others route natively (padding). Every layer is checked before any is set."""
         instances = RouterReplay.global_router_replay_instances
         if len(all_layers_topk_indices) != len(instances):
             raise ValueError(
                 f"RouterReplay.set_replay_data: {len(all_layers_topk_indices)} layers of indices for "
                 f"{len(instances)} RouterReplay instances"
             )
+        for layer, (instance, indices) in enumerate(zip(instances, all_layers_topk_indices)):
+            instance._check_target(indices, replay_mask, f"set_replay_data: layer {layer}")
         for instance, indices in zip(instances, all_layers_topk_indices):
-            instance.set_target_indices(indices)
+            instance._set_target(indices, replay_mask)
 
     @staticmethod
     def get_recorded_data():
@@ -99,6 +107,37 @@ class RouterReplay:
     @staticmethod
     def clear_global_router_replay_instances():
         RouterReplay.global_router_replay_instances.clear()
+        RouterReplay._inference_start_idx = -1
+
+    @staticmethod
+    def mark_inference_boundary():
+        """Instances created from now on are the inference model's (get_inference_instances)."""
+        RouterReplay._inference_start_idx = len(RouterReplay.global_router_replay_instances)
+
+    @staticmethod
+    def get_inference_instances():
+        """The inference model's instances: all of them until mark_inference_boundary was called."""
+        if RouterReplay._inference_start_idx < 0:
+            return RouterReplay.global_router_replay_instances
+        return RouterReplay.global_router_replay_instances[RouterReplay._inference_start_idx :]
+
+    @staticmethod
+    def set_global_static_buffers(static_buffer):
+        """Gives layer i the view static_buffer[:, i, :] of a [max_tokens, layers, k] buffer to
+        record into (CUDA-graph friendly: recorded indices are copied there)."""
+        instances = RouterReplay.global_router_replay_instances
+        if static_buffer.dim() != 3 or static_buffer.shape[1] != len(instances):
+            raise _invalid(
+                f"RouterReplay.set_global_static_buffers: the buffer has shape {list(static_buffer.shape)}; expected "
+                f"[max_tokens, {len(instances)} layers, k]"
+            )
+        for layer, instance in enumerate(instances):
+            instance.set_static_buffer(static_buffer[:, layer, :])
+
+    @staticmethod
+    def clear_global_static_buffers():
+        for instance in RouterReplay.global_router_replay_instances:
+            instance.clear_static_buffer()
 
     # --- persistence through mrr (additions) ----------------------------------------------
 
@@ -144,22 +183,56 @@ class RouterReplay:
 
     # --- one layer ------------------------------------------------------------------------
 
-    def set_target_indices(self, topk_indices):
-        """The indices the next REPLAY_FORWARD uses; also queued for REPLAY_BACKWARD (FIFO)."""
+    def set_target_indices(self, topk_indices, replay_mask=None):
+        """The indices the next REPLAY_FORWARD uses (on the rows where replay_mask, if given, is
+        True); also queued for REPLAY_BACKWARD (FIFO)."""
+        self._check_target(topk_indices, replay_mask, "set_target_indices")
+        self._set_target(topk_indices, replay_mask)
+
+    def _check_target(self, topk_indices, replay_mask, what):
         if self.num_experts is not None:
             _ext().validate_ids(topk_indices, self.num_experts)
+        if replay_mask is not None:
+            if not isinstance(replay_mask, torch.Tensor) or replay_mask.dtype != torch.bool or replay_mask.dim() != 1:
+                raise _invalid(f"RouterReplay.{what}: replay_mask must be a 1-D bool tensor")
+            if int(replay_mask.sum()) != topk_indices.shape[0]:
+                raise _invalid(
+                    f"RouterReplay.{what}: replay_mask selects {int(replay_mask.sum())} rows but there are "
+                    f"{topk_indices.shape[0]} rows of indices"
+                )
+
+    def _set_target(self, topk_indices, replay_mask):
         self.target_topk_idx = topk_indices
+        self.replay_mask = replay_mask
         self.replay_backward_list.append(topk_indices)
 
     def get_recorded_indices(self):
         return self.recorded_topk_idx
 
     def record_indices(self, topk_indices):
-        self.recorded_topk_idx = topk_indices
+        """Keeps the indices; with a static buffer set, copies them into its first rows."""
+        if self.static_buffer is not None:
+            rows = topk_indices.shape[0]
+            if rows > self.static_buffer.shape[0] or topk_indices.shape[1:] != self.static_buffer.shape[1:]:
+                raise _invalid(
+                    f"RouterReplay.record_indices: indices {list(topk_indices.shape)} do not fit the static buffer "
+                    f"{list(self.static_buffer.shape)}"
+                )
+            self.static_buffer[:rows].copy_(topk_indices)
+            self.recorded_topk_idx = self.static_buffer[:rows]
+        else:
+            self.recorded_topk_idx = topk_indices
+
+    def set_static_buffer(self, buffer):
+        self.static_buffer = buffer
+
+    def clear_static_buffer(self):
+        self.static_buffer = None
 
     def clear_indices(self):
         self.recorded_topk_idx = None
         self.target_topk_idx = None
+        self.replay_mask = None
         self.replay_backward_list = []
 
     def set_router_replay_action(self, router_replay_action):
@@ -179,7 +252,14 @@ class RouterReplay:
                 f"RouterReplay.get_replay_topk: {what} indices have shape {list(indices.shape)}, expected "
                 f"[{rows}, {topk}] for scores {list(scores.shape)} and topk={topk}"
             )
-        _ext().validate_ids(indices.detach().cpu(), self.num_experts or num_experts)
+        if self.num_experts is not None and self.num_experts != num_experts:
+            raise _invalid(
+                f"RouterReplay.get_replay_topk: scores {list(scores.shape)} have {num_experts} experts but this "
+                f"RouterReplay was made with num_experts={self.num_experts}"
+            )
+        # Against the scores' own width: an index past it would make the gather fail (on a GPU, a
+        # device-side assert) rather than raise mrr's error.
+        _ext().validate_ids(indices.detach().cpu(), num_experts)
         indices = indices.to(device=scores.device, dtype=torch.int64)
         return scores.gather(1, indices), indices
 
@@ -193,9 +273,26 @@ class RouterReplay:
             self.record_indices(top_indices)
             return probs, top_indices
         if action == RouterReplayAction.REPLAY_FORWARD:
-            return self._replayed(self.target_topk_idx, scores, topk, "REPLAY_FORWARD")
+            if self.replay_mask is None:
+                return self._replayed(self.target_topk_idx, scores, topk, "REPLAY_FORWARD")
+            # Partial replay (Megatron's replay_mask): the masked rows take the target indices, in
+            # order; the others keep their native routing.
+            mask = self.replay_mask.to(scores.device)
+            if mask.shape[0] != scores.shape[0]:
+                raise _invalid(
+                    f"RouterReplay.get_replay_topk: replay_mask has {mask.shape[0]} rows for scores "
+                    f"{list(scores.shape)} (a mask sharded by sequence parallelism is not supported)"
+                )
+            _, native = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            indices = native.to(torch.int64).clone()
+            indices[mask] = self.target_topk_idx.to(device=scores.device, dtype=torch.int64)
+            return self._replayed(indices, scores, topk, "REPLAY_FORWARD")
         if action == RouterReplayAction.REPLAY_BACKWARD:
             if not self.replay_backward_list:
                 raise _invalid("RouterReplay.get_replay_topk: REPLAY_BACKWARD with no queued indices")
-            return self._replayed(self.replay_backward_list.pop(0), scores, topk, "REPLAY_BACKWARD")
-        return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            # Taken only once checked: a failed recompute leaves the queue as it was for the retry.
+            result = self._replayed(self.replay_backward_list[0], scores, topk, "REPLAY_BACKWARD")
+            self.replay_backward_list.pop(0)
+            return result
+        # Megatron passes these positionally here.
+        return default_compute_topk(scores, topk, num_groups, group_topk)

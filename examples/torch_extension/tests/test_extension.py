@@ -355,6 +355,49 @@ def test_out_of_range_id_is_never_wrapped(mt):
     assert not store.contains(1)
 
 
+def test_layouts_refuse_float_tensors_and_masks_that_are_not_0_1(mt):
+    # Each of these used to be truncated or wrapped silently (uid 10.7 -> 10, mask 256 -> 0, an
+    # additive float mask -> every row padding).
+    store = memory_store(mt, "R2")
+    replay = mt.Replay(store)
+    with pytest.raises(mt.InvalidArgumentError, match="'uids' has dtype Float"):
+        replay.set_micro_batch_padded(torch.tensor([10.7]), torch.ones(1, 3, dtype=torch.long))
+    with pytest.raises(mt.InvalidArgumentError, match=r"'attention_mask'\[0, 1\] = 256"):
+        replay.set_micro_batch_padded(torch.tensor([10]), torch.tensor([[0, 256, 1, 1]]))
+    with pytest.raises(mt.InvalidArgumentError, match="'attention_mask' has dtype Float"):
+        replay.set_micro_batch_padded(torch.tensor([10]), torch.tensor([[torch.finfo(torch.float32).min, 0.0]]))
+    with pytest.raises(mt.InvalidArgumentError, match="'cu_seqlens' has dtype Float"):
+        replay.set_micro_batch_packed(torch.tensor([1]), torch.tensor([0.0, 2.9]))
+    with pytest.raises(mt.InvalidArgumentError, match="'first_positions' has dtype Float"):
+        replay.set_micro_batch_packed(torch.tensor([1]), torch.tensor([0, 3]), torch.tensor([0.9]))
+    replay.set_micro_batch_padded(torch.tensor([10]), torch.tensor([[0, 1, 1]], dtype=torch.bool))  # bool is fine
+    # Negative int64 uids are the same 64 bits everywhere (a hash in an int64 tensor).
+    store.record(0, torch.tensor([-5]), torch.tensor([0]), torch.tensor([[1, 2]]))
+    assert store.contains(-5) and store.contains(2**64 - 5)
+    assert store.recorded_positions(-5) == 1
+    with pytest.raises(mt.InvalidArgumentError, match="outside a 64-bit sequence id"):
+        store.contains(2**64)
+    # A row listing an expert twice is refused before anything is stored.
+    with pytest.raises(mt.InvalidArgumentError, match="repeats expert id 4"):
+        store.record(0, torch.tensor([7]), torch.tensor([0]), torch.tensor([[4, 4]]))
+    assert not store.contains(7)
+
+
+def test_activation_recompute_switched_on_inside_the_update_pass(mt):
+    router = mt.Router(E, K)
+    store = memory_store(mt, "R2")
+    replay = mt.Replay(store)
+    replay.begin_pass("old_log_prob")
+    replay.set_micro_batch_packed(torch.tensor([3]), torch.tensor([0, 4]))
+    rec = replay.route(router, 0, torch.randn(4, E))[1]
+    replay.begin_pass("actor_update")
+    replay.set_activation_recompute(True)  # after begin_pass: still queues this pass's forwards
+    replay.route(router, 0, torch.randn(4, E))
+    assert replay.queued(0) == 1
+    replay.begin_pass("actor_recompute")
+    assert torch.equal(replay.route(router, 0, torch.randn(4, E))[1], rec)
+
+
 def test_wrong_dtype_and_shape_name_the_argument(mt):
     router = mt.Router(E, K)
     logits = torch.randn(3, E)
@@ -491,6 +534,76 @@ def test_megatron_invalid_ids_are_rejected(mt, megatron):
     checked = megatron(num_experts=E)  # checks on arrival too
     with pytest.raises(mt.InvalidArgumentError, match="outside"):
         checked.set_target_indices(torch.tensor([[0, E]]))
+
+
+def test_megatron_failed_calls_leave_the_queues_as_they_were(mt, megatron):
+    layers = [megatron(num_experts=E), megatron(num_experts=E)]
+    good, bad = torch.tensor([[0, 1], [2, 3]]), torch.tensor([[0, 1], [2, E]])
+    with pytest.raises(mt.InvalidArgumentError, match="outside"):
+        megatron.set_replay_data([good, bad])  # layer 1 is bad: layer 0 is not set either
+    assert [len(layer.replay_backward_list) for layer in layers] == [0, 0]
+    assert layers[0].target_topk_idx is None
+    # A recompute that fails its checks keeps its queued indices for the retry.
+    layer = megatron()
+    layer.set_target_indices(good)
+    layer.set_router_replay_action(mt.RouterReplayAction.REPLAY_BACKWARD)
+    with pytest.raises(mt.InvalidArgumentError, match=r"expected \[3, 2\]"):
+        layer.get_replay_topk(torch.rand(3, E), K)
+    assert len(layer.replay_backward_list) == 1
+    assert torch.equal(layer.get_replay_topk(torch.rand(2, E), K)[1], good)
+    # Ids are checked against the scores' width, not only num_experts: a clear error, not a gather's.
+    narrow = megatron(num_experts=E)
+    narrow.set_target_indices(torch.tensor([[1, 6]]))
+    narrow.set_router_replay_action(mt.RouterReplayAction.REPLAY_FORWARD)
+    with pytest.raises(mt.InvalidArgumentError, match="have 4 experts but this RouterReplay was made with num_experts=8"):
+        narrow.get_replay_topk(torch.rand(1, 4), K)
+    plain = megatron()
+    plain.set_target_indices(torch.tensor([[1, 6]]))
+    plain.set_router_replay_action(mt.RouterReplayAction.REPLAY_FORWARD)
+    with pytest.raises(mt.InvalidArgumentError, match="6 is outside"):
+        plain.get_replay_topk(torch.rand(1, 4), K)
+
+
+def test_megatron_replay_mask_static_buffers_and_inference_boundary(mt, megatron):
+    Action = mt.RouterReplayAction
+    layers = [megatron(), megatron()]
+    # Megatron calls default_compute_topk positionally when no action is set.
+    calls = []
+
+    def positional(scores, topk, num_groups, group_topk):
+        calls.append((num_groups, group_topk))
+        return torch.topk(scores, topk, dim=-1)
+
+    layers[0].get_replay_topk(torch.rand(3, E), K, 2, 1, positional)
+    assert calls == [(2, 1)]
+    # replay_mask: the masked rows replay the given indices in order, the others route natively.
+    scores = torch.rand(4, E)
+    mask = torch.tensor([True, False, True, False])
+    target = torch.tensor([[0, 1], [2, 3]])
+    megatron.set_replay_data([target, target], replay_mask=mask)
+    megatron.set_global_router_replay_action(Action.REPLAY_FORWARD)
+    probs, top = layers[0].get_replay_topk(scores, K, default_compute_topk=default_topk)
+    native = torch.topk(scores, K).indices
+    assert torch.equal(top[mask], target) and torch.equal(top[~mask], native[~mask])
+    assert torch.equal(probs, scores.gather(1, top))
+    with pytest.raises(mt.InvalidArgumentError, match="replay_mask selects 2 rows but there are 3"):
+        megatron.set_replay_data([torch.zeros(3, K, dtype=torch.long)] * 2, replay_mask=mask)
+    # Static buffers [max_tokens, layers, k]: recorded indices are copied into each layer's view.
+    buffer = torch.full((6, 2, K), -1, dtype=torch.long)
+    megatron.set_global_static_buffers(buffer)
+    megatron.set_global_router_replay_action(Action.RECORD)
+    layers[1].get_replay_topk(scores, K, default_compute_topk=default_topk)
+    assert torch.equal(buffer[:4, 1], native) and bool((buffer[4:, 1] == -1).all())
+    assert layers[1].get_recorded_indices().data_ptr() == buffer[:, 1].data_ptr()
+    with pytest.raises(mt.InvalidArgumentError, match="expected \\[max_tokens, 2 layers, k\\]"):
+        megatron.set_global_static_buffers(torch.zeros(6, 3, K, dtype=torch.long))
+    megatron.clear_global_static_buffers()
+    assert all(layer.static_buffer is None for layer in layers)
+    # The inference model's instances: those made after mark_inference_boundary.
+    assert megatron.get_inference_instances() == layers
+    megatron.mark_inference_boundary()
+    inference = megatron()
+    assert megatron.get_inference_instances() == [inference]
 
 
 def test_megatron_save_and_load_through_route_file(mt, megatron, tmp_path):

@@ -97,6 +97,7 @@ class RoutingReplay {
   // forwards and backwards of different micro-batches); the no-gradient passes start empty.
   void begin_pass(TrainingPass pass) {
     set_action(action_for(mode_, pass), pass == TrainingPass::actor_update && recompute_);
+    in_update_pass_ = pass == TrainingPass::actor_update;
     if (pass == TrainingPass::old_log_prob || pass == TrainingPass::ref_log_prob) clear_queues();
   }
 
@@ -104,7 +105,11 @@ class RoutingReplay {
   // update forward queues its replayed ids for the recompute that follows. Off by default, so a
   // trainer that keeps activations queues nothing (with it on, every update micro-batch's ids
   // would pile up until the next old-log-prob pass); a recompute with it off is a clear error.
-  void set_activation_recompute(bool on) { recompute_ = on; }
+  // Takes effect at once, also inside an actor_update pass already begun.
+  void set_activation_recompute(bool on) {
+    recompute_ = on;
+    if (in_update_pass_) queue_ = on;
+  }
   bool activation_recompute() const { return recompute_; }
   void clear_queues() {
     for (auto& q : queues_) q.clear();
@@ -135,6 +140,7 @@ class RoutingReplay {
       throw ConfigError(detail::str("router replay is disabled; action ", to_string(action), " needs mode R2 or R3"));
     action_ = action;
     queue_ = queue_for_recompute;
+    in_update_pass_ = false;  // begin_pass sets it after this call
   }
 
   // The rows of the micro-batch whose forwards follow.
@@ -367,6 +373,7 @@ class RoutingReplay {
   RouterAction action_ = RouterAction::native;
   bool queue_ = true;
   bool recompute_ = false;
+  bool in_update_pass_ = false;  // the action came from begin_pass(actor_update)
   TokenLayout layout_;
   std::vector<std::uint8_t> layout_padding_;  // layout_'s padding rows (1), empty when none
   std::vector<std::deque<Queued>> queues_;

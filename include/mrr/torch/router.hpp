@@ -118,7 +118,18 @@ TensorRouting route(RoutingReplay<Store>& replay, const TopKRouter<Scalar>& rout
 // verl's `uid` is shared by the n responses of one prompt, so give each response its own id
 // (e.g. its row index in the rollout batch, or a hash of uid and the sample index).
 
-// Padded batch: uids [B] (int64), attention_mask [B, S] (any integer or bool dtype).
+namespace detail {
+// Integer (or, where `bool_ok`, bool) dtypes only: a float tensor of ids or positions would be
+// truncated (10.7 -> sequence 10), and an additive float mask (0 / -inf) is not a 0/1 mask.
+inline void require_integral(const at::Tensor& t, const char* fn, const char* name, bool bool_ok = false) {
+  const at::ScalarType st = t.scalar_type();
+  mrr::detail::require(at::isIntegralType(st, /*includeBool=*/bool_ok), fn, "'", name, "' has dtype ", text(st),
+                       "; expected an integer", bool_ok ? " or bool" : "", " dtype");
+}
+}  // namespace detail
+
+// Padded batch: uids [B] (an integer dtype), attention_mask [B, S] (bool, or an integer dtype
+// holding 0 and 1 only: HF's additive float masks and other values are errors).
 inline TokenLayout padded_layout(const at::Tensor& uids, const at::Tensor& attention_mask) {
   constexpr const char* fn = "torch::padded_layout";
   detail::require_cpu(uids, fn, "uids");
@@ -126,7 +137,19 @@ inline TokenLayout padded_layout(const at::Tensor& uids, const at::Tensor& atten
   mrr::detail::require(uids.dim() == 1 && attention_mask.dim() == 2 && uids.size(0) == attention_mask.size(0), fn,
                        "'uids' [B] and 'attention_mask' [B, S] disagree: ", detail::text(uids.sizes()), " and ",
                        detail::text(attention_mask.sizes()));
+  detail::require_integral(uids, fn, "uids");
+  detail::require_integral(attention_mask, fn, "attention_mask", /*bool_ok=*/true);
   const at::Tensor u = uids.to(at::kLong).contiguous();
+  if (attention_mask.scalar_type() != at::kBool) {
+    const at::Tensor wide = attention_mask.to(at::kLong);
+    const at::Tensor bad = (wide != 0).logical_and(wide != 1);
+    if (bad.any().item<bool>()) {
+      const at::Tensor at_ = bad.nonzero()[0];
+      const std::int64_t b = at_[0].item<std::int64_t>(), t = at_[1].item<std::int64_t>();
+      mrr::detail::throw_invalid_argument(fn, "'attention_mask'[", b, ", ", t, "] = ", wide[b][t].item<std::int64_t>(),
+                                          "; a mask holds 0 (padding) and 1 (a real token) only");
+    }
+  }
   const at::Tensor m = attention_mask.to(at::kByte).contiguous();
   std::vector<SequenceId> ids(static_cast<std::size_t>(u.size(0)));
   for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<SequenceId>(u.data_ptr<std::int64_t>()[i]);
@@ -141,6 +164,7 @@ inline TokenLayout packed_layout(const at::Tensor& uids, const at::Tensor& cu_se
   auto longs = [&](const at::Tensor& t, const char* name) {
     detail::require_cpu(t, fn, name);
     mrr::detail::require(t.dim() == 1, fn, "'", name, "' must be 1-D, got ", detail::text(t.sizes()));
+    detail::require_integral(t, fn, name);
     const at::Tensor c = t.to(at::kLong).contiguous();
     return std::vector<std::int64_t>(c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel());
   };
