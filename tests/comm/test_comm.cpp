@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -106,6 +107,24 @@ TEST_CASE("InProcessGroup: barrier facing all_to_all_v after an exchange reads n
   });
   for (const auto& message : seen)
     CHECK(message.find("rank 1 calls all_to_all_v<float> while rank 0 calls barrier") != std::string::npos);
+}
+
+TEST_CASE("collective messages name the element type, 16-byte integers included") {
+  using mrr::detail::element_name;
+  using mrr::detail::element_tag;
+  __extension__ typedef __int128 int128;  // a GNU extension (integral in gnu++ modes)
+  __extension__ typedef unsigned __int128 uint128;
+  CHECK(element_name(element_tag<float>()) == "float");
+  CHECK(element_name(element_tag<std::int32_t>()) == "int32");
+  CHECK(element_name(element_tag<std::uint8_t>()) == "uint8");
+  CHECK(element_name(element_tag<long double>()) == "a 16-byte type");
+  // They were named "uint48" and "a 18446744073709550652-byte type".
+  if constexpr (std::is_integral_v<int128>) {
+    CHECK(element_name(element_tag<int128>()) == "int128");
+    CHECK(element_name(element_tag<uint128>()) == "uint128");
+  } else {
+    CHECK(element_name(element_tag<int128>()) == "a 16-byte type");
+  }
 }
 
 TEST_CASE("overlapping send and recv buffers are refused on every rank") {

@@ -67,9 +67,9 @@ constexpr std::uint64_t element_tag() {
   else if constexpr (std::is_same_v<T, double>)
     return 2;
   else if constexpr (std::is_integral_v<T> && std::is_signed_v<T>)
-    return 10 + sizeof(T);
+    return 100 + sizeof(T);  // ranges wide enough for 16-byte integers (__int128)
   else if constexpr (std::is_integral_v<T>)
-    return 20 + sizeof(T);
+    return 200 + sizeof(T);
   else
     return 1000 + sizeof(T);  // any other trivially copyable type: by size
 }
@@ -77,9 +77,10 @@ constexpr std::uint64_t element_tag() {
 inline std::string element_name(std::uint64_t tag) {
   if (tag == 1) return "float";
   if (tag == 2) return "double";
-  if (tag > 10 && tag <= 18) return str("int", 8 * (tag - 10));
-  if (tag > 20 && tag <= 28) return str("uint", 8 * (tag - 20));
-  return str("a ", tag - 1000, "-byte type");
+  if (tag > 100 && tag < 200) return str("int", 8 * (tag - 100));
+  if (tag > 200 && tag < 300) return str("uint", 8 * (tag - 200));
+  if (tag >= 1000) return str("a ", tag - 1000, "-byte type");
+  return str("element type ", tag);
 }
 
 // What a rank is doing, for messages: "calls all_gather<float>", "calls barrier".
