@@ -329,8 +329,8 @@ int run(long divisor) {
   thrust::device_vector<float> r(static_cast<std::size_t>(B * L), 0.1f), v(r.size(), 0.2f), m(r.size(), 1.f);
   const double gae_bytes = static_cast<double>(B * L) * 4 * 5;  // rewards, values, mask in; advantages, returns out
   const double gae_eager = divisor == 1 ? baseline(json, "gae", {{"B", 512}, {"L", 4096}}, "gae_verl_loop_us") : NAN;
-  for (const auto algorithm : {mrr::device::GaeAlgorithm::chunks, mrr::device::GaeAlgorithm::scan})
-    report(algorithm == mrr::device::GaeAlgorithm::chunks ? "GAE B=512 L=4096 (float), owning, chunks of time"
+  for (const auto algorithm : {mrr::device::GaeAlgorithm::blocks, mrr::device::GaeAlgorithm::scan})
+    report(algorithm == mrr::device::GaeAlgorithm::blocks ? "GAE B=512 L=4096 (float), owning, a block per row"
                                                           : "GAE B=512 L=4096 (float), owning, thrust scan",
            median_ms([&] { (void)mrr::device::compute_gae_advantage_return<float>(r, v, m, L, 0.99, 0.95, algorithm); },
                      11),
@@ -343,15 +343,20 @@ int run(long divisor) {
     const auto view = [&](const thrust::device_vector<float>& d) {
       return mrr::device::matrix_view<const float>(thrust::raw_pointer_cast(d.data()), B, L);
     };
-    const auto run_view = [&] {
-      mrr::device::compute_gae_advantage_return<float>(
-          view(r), view(v), view(m), 0.99, 0.95, mrr::device::matrix_view(thrust::raw_pointer_cast(adv.data()), B, L),
-          mrr::device::matrix_view(thrust::raw_pointer_cast(ret.data()), B, L),
-          mrr::device::Workspace{thrust::raw_pointer_cast(gws.data()), gws.size()},
-          thrust::raw_pointer_cast(gst.data()));
-    };
-    report("  view API, chunks of time (caller buffers)", median_ms(run_view, 11), gae_bytes, gae_eager);
-    mrr::device::check_gae(thrust::raw_pointer_cast(gst.data()));
+    for (const auto algorithm : {mrr::device::GaeAlgorithm::blocks, mrr::device::GaeAlgorithm::chunks}) {
+      const auto run_view = [&] {
+        mrr::device::compute_gae_advantage_return<float>(
+            view(r), view(v), view(m), 0.99, 0.95, mrr::device::matrix_view(thrust::raw_pointer_cast(adv.data()), B, L),
+            mrr::device::matrix_view(thrust::raw_pointer_cast(ret.data()), B, L),
+            mrr::device::Workspace{thrust::raw_pointer_cast(gws.data()), gws.size()},
+            thrust::raw_pointer_cast(gst.data()), {}, algorithm);
+      };
+      report(algorithm == mrr::device::GaeAlgorithm::blocks
+                 ? "  view API, a block per row (blocks, the default; caller buffers)"
+                 : "  view API, chunks of time in five launches (chunks)",
+             median_ms(run_view, 21), gae_bytes, gae_eager);
+      mrr::device::check_gae(thrust::raw_pointer_cast(gst.data()));
+    }
   }
   cuda_ok(cudaDeviceSynchronize(), "end");
   return 0;

@@ -76,6 +76,7 @@ std::string cuda_gae(const std::vector<double>& rewards, const std::vector<doubl
         algorithm == 1   ? device::GaeAlgorithm::scan
         : algorithm == 2 ? device::GaeAlgorithm::rows
         : algorithm == 3 ? device::GaeAlgorithm::chunks
+        : algorithm == 4 ? device::GaeAlgorithm::blocks
                          : device::GaeAlgorithm::automatic);
     advantages = to_host(r.advantages);
     returns = to_host(r.returns);
@@ -84,6 +85,45 @@ std::string cuda_gae(const std::vector<double>& rewards, const std::vector<doubl
   }
   return {};
 }
+
+template <class T>
+std::string cuda_gae_view(const std::vector<T>& rewards, const std::vector<T>& values, const std::vector<T>& mask,
+                          long rows, long cols, long stride, int algorithm, T fill, std::vector<T>& advantages,
+                          std::vector<T>& returns, int& code) {
+  try {
+    const auto a = algorithm == 4 ? device::GaeAlgorithm::blocks : device::GaeAlgorithm::chunks;
+    const thrust::device_vector<T> r(rewards.begin(), rewards.end()), v(values.begin(), values.end()),
+        m(mask.begin(), mask.end());
+    thrust::device_vector<T> adv(rewards.size(), fill), ret(rewards.size(), fill);
+    thrust::device_vector<unsigned char> workspace(device::gae_workspace_bytes<T>(rows, cols, a));
+    thrust::device_vector<device::DeviceStatus> status(1);
+    // A stale code: the view must reset it.
+    status[0] = device::DeviceStatus{99, 7};
+    const auto in = [&](const thrust::device_vector<T>& d) {
+      return device::MatrixView<const T>{thrust::raw_pointer_cast(d.data()), rows, cols, stride};
+    };
+    const auto out = [&](thrust::device_vector<T>& d) {
+      return device::MatrixView<T>{thrust::raw_pointer_cast(d.data()), rows, cols, stride};
+    };
+    device::compute_gae_advantage_return<T>(
+        in(r), in(v), in(m), 0.99, 0.95, out(adv), out(ret),
+        device::Workspace{thrust::raw_pointer_cast(workspace.data()), workspace.size()},
+        thrust::raw_pointer_cast(status.data()), {}, a);
+    code = device::read_status(thrust::raw_pointer_cast(status.data()), device::Execution{}).code;
+    advantages = to_host(adv);
+    returns = to_host(ret);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+template std::string cuda_gae_view<float>(const std::vector<float>&, const std::vector<float>&,
+                                          const std::vector<float>&, long, long, long, int, float, std::vector<float>&,
+                                          std::vector<float>&, int&);
+template std::string cuda_gae_view<double>(const std::vector<double>&, const std::vector<double>&,
+                                           const std::vector<double>&, long, long, long, int, double,
+                                           std::vector<double>&, std::vector<double>&, int&);
 
 std::string cuda_permute_combine(const std::vector<std::int32_t>& ids, long tokens, int k, int experts,
                                  const std::vector<float>& x, long hidden, const std::vector<float>& weights,

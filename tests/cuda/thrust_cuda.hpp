@@ -21,11 +21,20 @@ DeviceRoute cuda_route(const std::vector<float>& logits, int experts, int k, con
                        const std::vector<float>& bias, const std::vector<std::int32_t>& replay_ids,
                        const std::vector<std::uint8_t>& replay_mask, bool fused, bool normalize_topk = false);
 
-// GAE on the CUDA system: advantages then returns, [rows * cols] each. algorithm: 0 automatic (the
-// scan on CUDA), 1 the scan, 2 the per-row recurrence (the OpenMP system's choice).
+// GAE on the CUDA system: advantages then returns, [rows * cols] each. algorithm: 0 automatic
+// (blocks on CUDA), 1 the scan, 2 the per-row recurrence (the OpenMP system's choice), 3 chunks,
+// 4 blocks.
 std::string cuda_gae(const std::vector<double>& rewards, const std::vector<double>& values,
                      const std::vector<double>& mask, long cols, double gamma, double lam,
                      std::vector<double>& advantages, std::vector<double>& returns, int algorithm = 0);
+
+// The GAE view on the CUDA system: inputs [rows, cols] at row stride `stride` (the vectors hold
+// rows * stride); advantages and returns come back as the whole [rows * stride] buffers, which
+// start as `fill`. algorithm: 3 chunks, 4 blocks. `code`: the view's DeviceStatus code.
+template <class T>
+std::string cuda_gae_view(const std::vector<T>& rewards, const std::vector<T>& values, const std::vector<T>& mask,
+                          long rows, long cols, long stride, int algorithm, T fill, std::vector<T>& advantages,
+                          std::vector<T>& returns, int& code);
 
 // Routing of bf16 logits (the given floats rounded to bf16 on the host) on the CUDA system.
 DeviceRoute cuda_route_bf16(const std::vector<float>& logits, int experts, int k, const std::string& score,

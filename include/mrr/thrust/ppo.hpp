@@ -1,11 +1,13 @@
 // mrr-requires: mrr_thrust_omp
 // PPO / GRPO utilities on a Thrust system, same verl semantics as ppo/advantage.hpp, masked.hpp and
 // kl.hpp: an executor of the kernels in kernels/ppo/ (the math is written there once). GAE on a GPU
-// runs as two segmented reverse scans of the recurrence's affine maps x_t = a_t x_{t+1} + b_t (one
-// for the carried next value, one for the advantage), so time is parallel too (results equal the
-// sequential recurrence up to floating-point reassociation); on CPU threads (the OpenMP system) as
-// kernels::ppo::gae_row over blocks of rows. Tensors are row-major [rows, cols] Thrust vectors;
-// sums behind means run in double (Thrust's reductions combine the kernels' element terms).
+// runs by chunks of time: each chunk's effect on the carried values is an affine map, the maps are
+// chained along the row, then each chunk reruns its steps (GaeAlgorithm::blocks, a thread block per
+// row; chunks, the same in five launches; scan, two segmented reverse scans of the per-token maps),
+// so time is parallel too (results equal the sequential recurrence up to floating-point
+// reassociation); on CPU threads (the OpenMP system) as kernels::ppo::gae_row over blocks of rows. Tensors are
+// row-major [rows, cols] Thrust vectors; sums behind means run in double (Thrust's reductions combine the kernels'
+// element terms).
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -30,6 +32,7 @@
 #include <thrust/transform_reduce.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <type_traits>
 
 MRR_NAMESPACE_BEGIN
@@ -240,17 +243,31 @@ struct GaeRowsView {
 // tree for a given count of parts: the same bits on any executor and thread count.
 inline constexpr long kMomentsFan = 8;  // short serial merges, more work items
 
+// Item i of a level above the n parts `in`: parts [i fan, (i + 1) fan) merged in order.
+// The parts are read together before the first merge, so a GPU thread waits for memory once.
+MRR_HOST_DEVICE inline ppo_kernels::Moments merge_item(const ppo_kernels::Moments* in, long i, long n) {
+  const long begin = i * kMomentsFan;
+  const long count = begin + kMomentsFan < n ? kMomentsFan : n - begin;
+  ppo_kernels::Moments part[kMomentsFan];
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (long j = 0; j < kMomentsFan; ++j)
+    if (j < count) part[j] = in[begin + j];
+  ppo_kernels::Moments total;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (long j = 0; j < kMomentsFan; ++j)
+    if (j < count) ppo_kernels::merge(total, part[j]);
+  return total;
+}
+
 struct MergeMoments {
   const ppo_kernels::Moments* in;
   ppo_kernels::Moments* out;
   long n;
-  MRR_HOST_DEVICE void operator()(long i) const {
-    ppo_kernels::Moments total;
-    const long end = (i + 1) * kMomentsFan < n ? (i + 1) * kMomentsFan : n;
-    for (long j = i * kMomentsFan; j < end; ++j)
-      ppo_kernels::merge(total, in[j]);
-    out[i] = total;
-  }
+  MRR_HOST_DEVICE void operator()(long i) const { out[i] = merge_item(in, i, n); }
 };
 
 // verl's whitening statistics (unbiased variance) from the merged moments, or the status when the
@@ -288,6 +305,194 @@ struct WhitenView {
     v = ppo_kernels::whiten(v, stats[0], stats[1]);
   }
 };
+
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA && MRR_COMPILING_WITH_NVCC
+// GaeAlgorithm::blocks: the chunks algorithm above with one thread block per row, so the row, the
+// chunks' maps, their chains and the first levels of the moments' tree stay in shared memory and
+// the whole recurrence is one launch (the chunks algorithm takes five, with every map and carry
+// through global memory, and a thread's 16 consecutive tokens read and written 4 bytes at a time
+// with a 64-byte stride between lanes). Here the block reads and writes the row coalesced, staged
+// in shared memory; thread c is chunk c, and the same functions run in the same order on the same
+// values (gae_chunk_map, compose_maps, chain_maps, gae_chunk, merge_item), so the advantages,
+// returns and moments are those of `chunks`, bit for bit. Rows of at most kGaeBlockThreads chunks
+// whose stage fits the device's shared memory; longer rows take `chunks`.
+inline constexpr int kGaeBlockThreads = 512;
+inline constexpr int kGaeStagePitch = kGaeChunk + 1;  // a chunk's stage slots (+1: no bank conflicts)
+
+template <class T>
+struct GaeBlockShared {  // offsets in the block's dynamic shared memory
+  std::size_t values, mask, maps, carry, super_maps, super_carry, bytes;
+  static constexpr std::size_t align(std::size_t b) { return (b + 15) / 16 * 16; }
+  static constexpr std::size_t slot() {  // a chunk's map, later its moments
+    return sizeof(ppo_kernels::GaeChunkMap<T>) > sizeof(ppo_kernels::Moments) ? sizeof(ppo_kernels::GaeChunkMap<T>)
+                                                                              : sizeof(ppo_kernels::Moments);
+  }
+  GaeBlockShared(long chunks, long supers) {
+    const auto c = static_cast<std::size_t>(chunks), s = static_cast<std::size_t>(supers);
+    const std::size_t stage = align(c * kGaeStagePitch * sizeof(T));
+    values = stage;  // rewards at 0, then values, then the mask
+    mask = 2 * stage;
+    maps = 3 * stage;
+    carry = maps + align(c * slot());
+    super_maps = carry + align(2 * c * sizeof(T));
+    super_carry = super_maps + align(s * sizeof(ppo_kernels::GaeChunkMap<T>));
+    bytes = super_carry + align(2 * s * sizeof(T));
+  }
+};
+
+// Levels of the moments' tree a row's block can merge itself: while a level has a multiple of
+// kMomentsFan parts per row, every item of the next level lies inside one row.
+inline int gae_block_levels(long chunks) {
+  int levels = 0;
+  for (long per_row = chunks; per_row % kMomentsFan == 0; per_row /= kMomentsFan)
+    ++levels;
+  return levels;
+}
+
+// Token j of a row in the stage: chunk j / kGaeChunk, slot j % kGaeChunk.
+MRR_HOST_DEVICE inline long gae_stage_index(long j) {
+  return (j / kGaeChunk) * kGaeStagePitch + j % kGaeChunk;
+}
+
+// Blocks an SM keeps of rows up to 256 chunks (4,096 tokens): the register budget of a thread.
+#ifndef MRR_GAE_BLOCKS_PER_SM
+#define MRR_GAE_BLOCKS_PER_SM 2
+#endif
+
+template <class T, int MaxThreads, int MinBlocks>
+__global__ void __launch_bounds__(MaxThreads, MinBlocks)
+    gae_blocks(GaeViews<T> g, long chunks, long supers, int levels, GaeBlockShared<T> layout,
+               ppo_kernels::Moments* level_out, DeviceStatus* status) {
+  extern __shared__ __align__(16) unsigned char gae_shared[];
+  using Map = ppo_kernels::GaeChunkMap<T>;
+  // The row: rewards, values, mask; the recurrence overwrites a chunk's rewards with its advantages
+  // and its values with its returns (gae_chunk reads the chunk into registers before it writes).
+  auto* rewards = reinterpret_cast<T*>(gae_shared);
+  auto* values = reinterpret_cast<T*>(gae_shared + layout.values);
+  auto* mask = reinterpret_cast<T*>(gae_shared + layout.mask);
+  auto* maps = reinterpret_cast<Map*>(gae_shared + layout.maps);
+  auto* parts = reinterpret_cast<ppo_kernels::Moments*>(gae_shared + layout.maps);  // the maps' slots, once used
+  auto* carry = reinterpret_cast<T*>(gae_shared + layout.carry);
+  auto* super_maps = reinterpret_cast<Map*>(gae_shared + layout.super_maps);
+  auto* super_carry = reinterpret_cast<T*>(gae_shared + layout.super_carry);
+  const long row = blockIdx.x, c = threadIdx.x, cols = g.cols;
+  if (row == 0 && c == 0) *status = DeviceStatus{};  // the view's reset, ordered before the whitening's status
+  {
+    // blockDim.x >= chunks, so a thread stages at most kGaeChunk tokens: every load is issued
+    // before the first store to the stage, one wait for memory instead of one per token.
+    const T* r = g.rewards + row * g.rewards_stride;
+    const T* v = g.values + row * g.values_stride;
+    const T* m = g.mask + row * g.mask_stride;
+    T rr[kGaeChunk], vv[kGaeChunk], mm[kGaeChunk];
+#pragma unroll
+    for (int i = 0; i < kGaeChunk; ++i) {
+      const long j = c + i * static_cast<long>(blockDim.x);
+      rr[i] = j < cols ? r[j] : T(0);
+      vv[i] = j < cols ? v[j] : T(0);
+      mm[i] = j < cols ? m[j] : T(0);
+    }
+#pragma unroll
+    for (int i = 0; i < kGaeChunk; ++i) {
+      const long j = c + i * static_cast<long>(blockDim.x);
+      if (j < cols) {
+        const long at = gae_stage_index(j);
+        rewards[at] = rr[i];
+        values[at] = vv[i];
+        mask[at] = mm[i];
+      }
+    }
+  }
+  __syncthreads();
+  // Chunk c's tokens sit at stage offset c * kGaeStagePitch (its `lo` in the row is c * kGaeChunk).
+  const long at = c * kGaeStagePitch;
+  const int len = static_cast<int>(c * kGaeChunk + kGaeChunk < cols ? kGaeChunk : cols - c * kGaeChunk);
+  if (c < chunks)
+    maps[c] =
+        ppo_kernels::gae_chunk_map<kGaeChunk>(rewards + at, values + at, mask + at, 0, len, g.gamma, g.gamma_lambda);
+  __syncthreads();
+  const long s_lo = c * kGaeSuper, s_hi = s_lo + kGaeSuper < chunks ? s_lo + kGaeSuper : chunks;
+  if (c < supers) super_maps[c] = ppo_kernels::compose_maps<kGaeSuper>(maps, s_hi - 1, static_cast<int>(s_hi - s_lo));
+  __syncthreads();
+  if (c == 0) {
+    T next_value = 0, last_gae = 0;
+    ppo_kernels::chain_maps<kGaeSuper>(super_maps, super_carry, supers - 1, supers, next_value, last_gae);
+  }
+  __syncthreads();
+  if (c < supers) {
+    T next_value = super_carry[2 * c], last_gae = super_carry[2 * c + 1];
+    ppo_kernels::chain_maps<kGaeSuper>(maps, carry, s_hi - 1, s_hi - s_lo, next_value, last_gae);
+  }
+  __syncthreads();  // every map is read: their slots take the moments
+  if (c < chunks)
+    parts[c] = ppo_kernels::gae_chunk<kGaeChunk>(rewards + at, values + at, mask + at, rewards + at, values + at, 0,
+                                                 len, carry[2 * c], carry[2 * c + 1], g.gamma, g.gamma_lambda);
+  __syncthreads();
+  {
+    T* a = g.advantages + row * g.advantages_stride;
+    T* ret = g.returns + row * g.returns_stride;
+    for (long j = c; j < cols; j += blockDim.x) {
+      const long at_j = gae_stage_index(j);
+      a[j] = rewards[at_j];
+      ret[j] = values[at_j];
+    }
+  }
+  long per_row = chunks;
+  for (int level = 0; level < levels; ++level) {
+    const long items = per_row / kMomentsFan;
+    ppo_kernels::Moments total;
+    if (c < items) total = merge_item(parts, c, per_row);
+    __syncthreads();
+    if (c < items) parts[c] = total;
+    __syncthreads();
+    per_row = items;
+  }
+  if (c < per_row) level_out[row * per_row + c] = parts[c];
+}
+
+// The rest of the moments' tree above n <= kGaeFinishParts parts in one block: the first level
+// from global memory, the others in shared memory; then WhiteningStats. The same tree as the
+// launches of the chunks algorithm.
+inline constexpr long kGaeFinishParts = 1024 * kMomentsFan;
+
+template <class T>
+__global__ void __launch_bounds__(1024)
+    gae_finish_moments(const ppo_kernels::Moments* level, long n, T* stats, DeviceStatus* status) {
+  __shared__ __align__(16) unsigned char stage_bytes[sizeof(ppo_kernels::Moments) * (kGaeFinishParts / kMomentsFan)];
+  auto* stage = reinterpret_cast<ppo_kernels::Moments*>(stage_bytes);  // (Moments' initialisers: no __shared__ array)
+  const long t = threadIdx.x;
+  long m = n > 1 ? (n + kMomentsFan - 1) / kMomentsFan : 1;
+  if (t < m) stage[t] = n > 1 ? merge_item(level, t, n) : level[0];
+  __syncthreads();
+  for (n = m; n > 1; n = m) {
+    m = (n + kMomentsFan - 1) / kMomentsFan;
+    ppo_kernels::Moments total;
+    if (t < m) total = merge_item(stage, t, n);
+    __syncthreads();
+    if (t < m) stage[t] = total;
+    __syncthreads();
+  }
+  if (t == 0) WhiteningStats<T>{stage, stats, status}(0);
+}
+
+// WhitenView with a block per row (no division per element), kUnroll loads in flight a thread.
+template <class T>
+__global__ void gae_whiten_rows(T* values, long stride, long cols, const T* stats, const DeviceStatus* status) {
+  if (status->code != status_ok) return;
+  T* row = values + static_cast<long>(blockIdx.x) * stride;
+  const T mean = stats[0], scale = stats[1];
+  constexpr int kUnroll = 8;
+  const long step = blockDim.x;
+  for (long base = threadIdx.x; base < cols; base += kUnroll * step) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      v[u] = base + u * step < cols ? row[base + u * step] : T(0);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * step < cols) row[base + u * step] = ppo_kernels::whiten(v[u], mean, scale);
+  }
+}
+#endif
 
 template <class T>
 struct MaskedTerm {  // (m, v m) in double
@@ -485,15 +690,18 @@ void whiten_advantages(typename Backend::template vector<T>& advantages, const m
 // How GAE walks time: `chunks` (chunks of kGaeChunk tokens: their affine maps, chained along each
 // row, then each chunk's recurrence: rows x chunks work items, what a GPU needs), `scan` (two
 // segmented reverse scans of affine maps over every token) or `rows` (the sequential recurrence,
-// blocks of rows in parallel: what CPU threads need). `automatic` picks rows on the OpenMP and host
-// systems and chunks on CUDA. chunks and scan equal rows up to floating-point reassociation.
-enum class GaeAlgorithm { automatic, scan, rows, chunks };
+// blocks of rows in parallel: what CPU threads need). `blocks` is chunks with a CUDA thread block
+// per row (kernels::gae_blocks: one launch, maps and carries in shared memory), the same bits as
+// chunks; rows longer than kGaeBlockThreads chunks, and systems other than CUDA, run chunks.
+// `automatic` picks rows on the OpenMP and host systems and blocks on CUDA. chunks and scan equal
+// rows up to floating-point reassociation.
+enum class GaeAlgorithm { automatic, scan, rows, chunks, blocks };
 
 template <class Backend>
 constexpr GaeAlgorithm resolve_gae_algorithm(GaeAlgorithm a) {
   if (a != GaeAlgorithm::automatic) return a;
 #if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA
-  return std::is_same_v<Backend, ThrustBackend<ThrustHostSystem>> ? GaeAlgorithm::rows : GaeAlgorithm::chunks;
+  return std::is_same_v<Backend, ThrustBackend<ThrustHostSystem>> ? GaeAlgorithm::rows : GaeAlgorithm::blocks;
 #else
   return GaeAlgorithm::rows;
 #endif
@@ -565,10 +773,83 @@ inline long gae_supers_per_row(long cols) {
   return (chunks + kernels::kGaeSuper - 1) / kernels::kGaeSuper;
 }
 
-inline long gae_parts(long rows, long cols, GaeAlgorithm resolved) {
-  return resolved == GaeAlgorithm::chunks ? rows * ((cols + kernels::kGaeChunk - 1) / kernels::kGaeChunk)
-                                          : (rows + kernels::kGaeRows - 1) / kernels::kGaeRows;
+inline bool gae_by_chunks(GaeAlgorithm resolved) {
+  return resolved == GaeAlgorithm::chunks || resolved == GaeAlgorithm::blocks;
 }
+
+inline long gae_parts(long rows, long cols, GaeAlgorithm resolved) {
+  return gae_by_chunks(resolved) ? rows * ((cols + kernels::kGaeChunk - 1) / kernels::kGaeChunk)
+                                 : (rows + kernels::kGaeRows - 1) / kernels::kGaeRows;
+}
+
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA && MRR_COMPILING_WITH_NVCC
+inline void cuda_launched(const char* fn) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(mrr::detail::str("mrr::", fn, ": ", cudaGetErrorString(e)));
+}
+
+// Whether rows of `chunks` chunks fit kernels::gae_blocks on the current device: at most
+// kGaeBlockThreads chunks, the stage within the shared memory a block may opt in to, and a grid
+// of one block per row.
+template <class T>
+bool gae_blocks_fit(long rows, long chunks, long supers_per_row) {
+  if (chunks > kernels::kGaeBlockThreads || rows > 0x7fffffffL) return false;  // a grid of one block per row
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return kernels::GaeBlockShared<T>(chunks, supers_per_row).bytes <= static_cast<std::size_t>(optin);
+}
+
+// GaeAlgorithm::blocks (kernels::gae_blocks): the recurrence and the tree's in-row levels in one
+// launch, the tree's upper levels (one block once few parts are left) and the whitening. The
+// moments land where the chunks algorithm's launches put them, so the tree is the same.
+template <class T, class SpreadEach>
+void gae_blocks(const kernels::GaeViews<T>& g, long chunks, long supers_per_row, mrr::kernels::ppo::Moments* part,
+                long parts, mrr::kernels::ppo::Moments* tree, T* stats, DeviceStatus* status,
+                const SpreadEach& spread_each, const Execution& x, const char* fn) {
+  using Moments = mrr::kernels::ppo::Moments;
+  const int levels = kernels::gae_block_levels(chunks);
+  Moments* level = part;  // level 0: the chunks' moments
+  Moments* next = tree;   // where the level above it goes
+  long n = parts;
+  for (int l = 0; l < levels; ++l) {
+    n /= kernels::kMomentsFan;
+    level = next;
+    next += n;
+  }
+  const kernels::GaeBlockShared<T> layout(chunks, supers_per_row);
+  const auto threads = static_cast<unsigned>((chunks + 31) / 32 * 32);
+  const auto launch = [&](auto kernel) {
+    if (layout.bytes > 48 * 1024) {  // above the default, a launch must opt in (per device: set each time)
+      const cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(layout.bytes));
+      if (e != cudaSuccess) throw std::runtime_error(mrr::detail::str("mrr::", fn, ": ", cudaGetErrorString(e)));
+    }
+    kernel<<<static_cast<unsigned>(g.rows), threads, layout.bytes, x.stream>>>(g, chunks, supers_per_row, levels,
+                                                                               layout, level, status);
+  };
+  if (threads <= 256)
+    launch(kernels::gae_blocks<T, 256, MRR_GAE_BLOCKS_PER_SM>);
+  else
+    launch(kernels::gae_blocks<T, kernels::kGaeBlockThreads, 1>);
+  cuda_launched(fn);
+  for (; n > kernels::kGaeFinishParts;) {  // levels of the tree as launches, down to one block's
+    const long m = (n + kernels::kMomentsFan - 1) / kernels::kMomentsFan;
+    spread_each(m, 8, kernels::MergeMoments{level, next, n});
+    level = next;
+    next += m;
+    n = m;
+  }
+  kernels::gae_finish_moments<T><<<1, 1024, 0, x.stream>>>(level, n, stats, status);
+  cuda_launched(fn);
+  kernels::gae_whiten_rows<T>
+      <<<static_cast<unsigned>(g.rows), 256, 0, x.stream>>>(g.advantages, g.advantages_stride, g.cols, stats, status);
+  cuda_launched(fn);
+}
+#endif
 
 }  // namespace ppo_detail
 
@@ -582,7 +863,7 @@ std::size_t gae_workspace_bytes(long rows, long cols, GaeAlgorithm algorithm = G
                       detail::workspace_array_bytes<mrr::kernels::ppo::Moments>(
                           static_cast<std::size_t>(ppo_detail::moments_tree_size(static_cast<long>(parts))) + 1) +
                       detail::workspace_array_bytes<T>(2);
-  if (resolved == GaeAlgorithm::chunks) {
+  if (ppo_detail::gae_by_chunks(resolved)) {
     const auto supers = static_cast<std::size_t>(rows) * static_cast<std::size_t>(ppo_detail::gae_supers_per_row(cols));
     bytes += detail::workspace_array_bytes<mrr::kernels::ppo::GaeChunkMap<T>>(parts) +
              detail::workspace_array_bytes<T>(2 * parts) +
@@ -596,8 +877,9 @@ std::size_t gae_workspace_bytes(long rows, long cols, GaeAlgorithm algorithm = G
 // (whitened over the mask, verl's masked_whiten with the unbiased variance) and returns
 // (advantages + values before whitening) [rows, cols] written. Enqueued on x.stream; nothing
 // allocates or waits. A mask selecting no element or one leaves the advantages unwhitened and sets
-// *status (check_gae throws verl's error). `algorithm`: chunks (rows x chunks of 32 tokens, the
-// GPU's) or rows (sequential per row, CPU threads'); scan is the owning function's only.
+// *status (check_gae throws verl's error). `algorithm`: blocks (CUDA's: a thread block per row),
+// chunks (rows x chunks of kGaeChunk tokens, the same bits in more launches) or rows (sequential per
+// row, CPU threads'); scan is the owning function's only.
 template <class T>
 void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const T> values, MatrixView<const T> mask,
                                   double gamma, double lam, MatrixView<T> advantages, MatrixView<T> returns,
@@ -606,7 +888,8 @@ void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const 
   constexpr const char* fn = "device::compute_gae_advantage_return";
   const long rows = rewards.rows, cols = rewards.cols;
   const GaeAlgorithm resolved = resolve_gae_algorithm<ThrustDeviceBackend>(algorithm);
-  mrr::detail::require(resolved != GaeAlgorithm::scan, fn, "the view runs GaeAlgorithm::chunks or rows, not scan");
+  mrr::detail::require(resolved != GaeAlgorithm::scan, fn,
+                       "the view runs GaeAlgorithm::blocks, chunks or rows, not scan");
   mrr::detail::require(rows > 0 && cols > 0, fn, "needs at least one row and one column, got [", rows, ", ", cols, "]");
   detail::require_view(rewards, rows, cols, fn, "rewards");
   detail::require_view(values, rows, cols, fn, "values");
@@ -618,7 +901,6 @@ void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const 
   detail::WorkspaceArena arena(workspace, gae_workspace_bytes<T>(rows, cols, resolved), fn);
   auto alloc = arena.temporary_allocator();
   const auto policy = detail::execution_policy(x, alloc);
-  detail::reset_status(status, x);
   const kernels::GaeViews<T> g{rewards.data,
                                values.data,
                                mask.data,
@@ -646,9 +928,16 @@ void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const 
       thrust::for_each(policy, counting_iterator<long>(0), counting_iterator<long>(n * stride),
                        kernels::Spread<decltype(f)>{f, stride});
   };
-  if (resolved == GaeAlgorithm::chunks) {
+  if (ppo_detail::gae_by_chunks(resolved)) {
     const long chunks = (cols + kernels::kGaeChunk - 1) / kernels::kGaeChunk;
     const long supers_per_row = ppo_detail::gae_supers_per_row(cols), supers = rows * supers_per_row;
+#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA && MRR_COMPILING_WITH_NVCC
+    if (resolved == GaeAlgorithm::blocks && ppo_detail::gae_blocks_fit<T>(rows, chunks, supers_per_row)) {
+      ppo_detail::gae_blocks<T>(g, chunks, supers_per_row, part, parts, tree, stats, status, spread_each, x, fn);
+      return;
+    }
+#endif
+    detail::reset_status(status, x);
     auto* maps = arena.take<mrr::kernels::ppo::GaeChunkMap<T>>(static_cast<std::size_t>(parts));
     T* carry = arena.take<T>(2 * static_cast<std::size_t>(parts));
     auto* super_maps = arena.take<mrr::kernels::ppo::GaeChunkMap<T>>(static_cast<std::size_t>(supers));
@@ -659,6 +948,7 @@ void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const 
     spread_each(supers, 16, kernels::GaeChainChunks<T>{maps, super_carry, carry, chunks, supers_per_row});
     spread_each(parts, 4, kernels::GaeChunkSteps<T>{g, carry, part, chunks});
   } else {
+    detail::reset_status(status, x);
     thrust::for_each(policy, counting_iterator<long>(0), counting_iterator<long>(parts),
                      kernels::GaeRowsView<T>{g, part});
   }
@@ -690,8 +980,8 @@ inline void check_gae(const DeviceStatus* status, Execution x = {}) {
 }
 
 // verl "gae": advantages whitened over the mask (every element), returns = advantages + values
-// before whitening. Inputs [rows, cols]. GaeAlgorithm::chunks runs the view above (on a host
-// backend, which has no view, the rows).
+// before whitening. Inputs [rows, cols]. GaeAlgorithm::blocks and chunks run the view above (on a
+// host backend, which has no view, the rows).
 template <class T, class Backend = ThrustDeviceBackend>
 AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend::template vector<T>& rewards,
                                                          const typename Backend::template vector<T>& values,
@@ -706,7 +996,7 @@ AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend:
                                   typename Backend::template vector<T>(static_cast<std::size_t>(n))};
   const T g = static_cast<T>(gamma), gl = static_cast<T>(gamma * lam);
   const GaeAlgorithm resolved = resolve_gae_algorithm<Backend>(algorithm);
-  if (resolved == GaeAlgorithm::chunks && Backend::is_device && n > 0) {
+  if (ppo_detail::gae_by_chunks(resolved) && Backend::is_device && n > 0) {
     const auto raw = [](auto& v) { return thrust::raw_pointer_cast(v.data()); };
     const long rows = n / cols;
     const std::size_t bytes = gae_workspace_bytes<T>(rows, cols, resolved);
