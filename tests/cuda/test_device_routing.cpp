@@ -121,6 +121,7 @@ TEST_CASE("fused routing kernel: ids equal the CPU router's, weights within 1e-5
     for (int variant = 0; variant < 5; ++variant) {
       const SF score = variant < 3 ? SF::softmax : (variant == 3 ? SF::sigmoid : SF::sqrt_softplus);
       const bool pre = variant == 1 || variant == 2, bias = variant == 3, scaled = variant == 2 || variant == 4;
+      if (score == SF::softmax && !pre && shape.k == 1) continue;  // refused by validate(), as by Megatron
       auto cfg = config(shape.experts, shape.k, score, pre, bias, scaled);
       if (variant == 2) cfg.normalize_topk = true;
       CAPTURE(shape.experts);

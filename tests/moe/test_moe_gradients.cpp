@@ -344,3 +344,68 @@ TEST_CASE("MoELayer: a NaN or infinite padding row is a zero token: finite outpu
   bad(2, 3) = std::numeric_limits<double>::quiet_NaN();
   CHECK_THROWS_WITH(layer.forward(bad), doctest::Contains("nan"));
 }
+
+TEST_CASE("MoELayer applies the router's aux_loss_coeff and z_loss_coeff: values, gradients, padding rows left out") {
+  for (auto config : {mrr::presets::qwen3_moe(6, 2), mrr::presets::megatron_deepseek_v3(8, 2, 4, 2, 1.5)}) {
+    CAPTURE(mrr::to_string(config.score_function));
+    config.aux_loss_coeff = 0.3;
+    config.z_loss_coeff = 0.05;
+    MoEModel<double> model = model_with(config);
+    RowMatrix<double> x = mrr::test::random_normal<double>(kTokens, kHidden, 41);
+    const RowMatrix<double> gy = mrr::test::random_normal<double>(kTokens, kHidden, 42);
+    const mrr::SingleProcess comm;
+    auto run = [&] {
+      auto layer = model.layer(comm);
+      return std::pair{layer.forward(x), std::move(layer)};
+    };
+    auto [f, layer] = run();
+    // The values are Megatron's losses of the gate logits, coefficients included.
+    const RowMatrix<double> logits = f.router_logits();
+    const auto aux = mrr::switch_aux_loss<double>(logits, config.topk, config.score_function, 0.3);
+    const auto z = mrr::z_loss<double>(logits, 0.05);
+    CHECK(f.aux_loss == doctest::Approx(aux.loss).epsilon(1e-12));
+    CHECK(f.z_loss == doctest::Approx(z.loss).epsilon(1e-12));
+    CHECK(f.aux_loss > 0);
+    CHECK((f.aux_grad_logits - aux.grad_logits - z.grad_logits).cwiseAbs().maxCoeff() < 1e-14);
+    // Backward differentiates sum(output * gy) + aux_loss + z_loss.
+    const auto g = layer.backward(f, gy);
+    const auto eval = [&] {
+      const auto r = run();
+      return loss(r.first.output, gy) + r.first.aux_loss + r.first.z_loss;
+    };
+    check_fd(x, g.input, eval, "input");
+    check_fd(model.gate, g.gate_weight, eval, "gate weight");
+  }
+  // Padding rows (the replay controller's layout) are not tokens of the losses.
+  auto config = mrr::presets::qwen3_moe(6, 2);
+  config.aux_loss_coeff = 0.3;
+  config.z_loss_coeff = 0.05;
+  const auto model = model_with(config);
+  mrr::MemoryRouteStore store({.num_experts = 6, .num_layers = 1, .topk = 2});
+  mrr::RoutingReplay replay(mrr::ReplayMode::R2, store);
+  auto layer = model.layer(mrr::SingleProcess{}, &replay, 0);
+  std::vector<mrr::TokenKey> keys;
+  for (int p = 0; p < kTokens; ++p)
+    keys.push_back(p < 10 ? mrr::TokenKey{static_cast<mrr::SequenceId>(7), p} : mrr::TokenKey{});
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  replay.set_micro_batch(mrr::TokenLayout(keys));
+  const auto f = layer.forward(mrr::test::random_normal<double>(kTokens, kHidden, 43));
+  const RowMatrix<double> counted = f.router_logits().topRows(10);
+  CHECK(f.aux_loss ==
+        doctest::Approx(mrr::switch_aux_loss<double>(counted, 2, config.score_function, 0.3).loss).epsilon(1e-12));
+  CHECK(f.z_loss == doctest::Approx(mrr::z_loss<double>(counted, 0.05).loss).epsilon(1e-12));
+  CHECK(f.aux_grad_logits.bottomRows(kTokens - 10).cwiseAbs().maxCoeff() == 0.0);
+  CHECK(f.aux_grad_logits.topRows(10).cwiseAbs().maxCoeff() > 0.0);
+
+  // Without coefficients: no losses, nothing added.
+  const auto plain = model_with(mrr::presets::qwen3_moe(6, 2))
+                         .layer(mrr::SingleProcess{})
+                         .forward(mrr::test::random_normal<double>(kTokens, kHidden, 44));
+  CHECK(plain.aux_grad_logits.size() == 0);
+  CHECK(plain.aux_loss == 0.0);
+
+  // The sequence loss needs the sequences' rows: the layer refuses its coefficient.
+  auto seq = mrr::presets::qwen3_moe(6, 2);
+  seq.seq_aux_loss_coeff = 0.1;
+  CHECK_THROWS_WITH(model_with(seq).layer(mrr::SingleProcess{}), doctest::Contains("seq_aux_loss_coeff"));
+}

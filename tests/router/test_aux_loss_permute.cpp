@@ -5,7 +5,9 @@
 #include <doctest/doctest.h>
 #include <support/random.hpp>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -50,6 +52,29 @@ TEST_CASE("switch aux loss: gradient w.r.t. logits matches finite differences") 
     CHECK((analytic - numeric).cwiseAbs().maxCoeff() < 1e-9);
     CHECK(analytic.cwiseAbs().maxCoeff() > 1e-6);
   }
+}
+
+TEST_CASE("aux losses: a NaN anywhere in a row, a row with no finite logit and no experts are errors, never NaN") {
+  mrr::RowMatrix<double> z = random_matrix(3, 4, 8);
+  z(1, 1) = std::numeric_limits<double>::quiet_NaN();  // not the row's first or largest: maxCoeff missed it
+  CHECK_THROWS_WITH_AS(mrr::z_loss<double>(z, 1e-3), doctest::Contains("logits row 1 has nan at expert 1"),
+                       mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(mrr::switch_aux_loss<double>(z, 2, mrr::ScoreFunction::softmax, 0.01),
+                       doctest::Contains("logits row 1 has nan"), mrr::InvalidArgument);
+  z.row(1).setConstant(-std::numeric_limits<double>::infinity());
+  CHECK_THROWS_WITH_AS(mrr::z_loss<double>(z, 1e-3), doctest::Contains("no finite value"), mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(mrr::switch_aux_loss<double>(z, 2, mrr::ScoreFunction::softmax, 0.01),
+                       doctest::Contains("logits row 1 has no finite value"), mrr::InvalidArgument);
+  CHECK_THROWS_WITH_AS(mrr::z_loss<double>(mrr::RowMatrix<double>(3, 0), 1e-3), doctest::Contains("no experts"),
+                       mrr::InvalidArgument);
+  // sqrt-softplus where softplus underflows: the gradient's limit exp(x / 2) / 2, not 0 / 0.
+  mrr::RowMatrix<float> low = mrr::RowMatrix<float>::Zero(2, 4);
+  low(0, 3) = -std::numeric_limits<float>::infinity();
+  low(1, 2) = -120.f;
+  const auto aux = mrr::switch_aux_loss<float>(low, 2, mrr::ScoreFunction::sqrt_softplus, 0.01);
+  CHECK(std::isfinite(aux.loss));
+  CHECK(aux.grad_logits.allFinite());
+  CHECK(mrr::kernels::sqrt_softplus_grad(-120.0, 0.0) == doctest::Approx(std::exp(-60.0) / 2));
 }
 
 TEST_CASE("z-loss: gradient matches finite differences") {

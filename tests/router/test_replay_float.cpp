@@ -91,6 +91,7 @@ TEST_CASE("float replay equals softmax over the replayed logits for every k, par
       CAPTURE(experts);
       CAPTURE(k);
       for (bool pre : {false, true}) {
+        if (!pre && k == 1) continue;  // post-softmax top-1 is refused (every weight 1), as Megatron refuses it
         auto config = mrr::presets::qwen3_moe(experts, k);  // pre-softmax + renormalised = softmax over the k
         config.pre_softmax = pre;
         config.scaling_factor = pre ? std::optional<double>(2.5) : std::nullopt;

@@ -327,6 +327,55 @@ TEST_CASE("bad input is a clear error naming the problem") {
   CHECK_THROWS_AS(mrr::parse_score_function("softermax"), mrr::InvalidArgument);
 }
 
+TEST_CASE("RouterConfig and TopKRouter refuse what Megatron refuses or a [tokens, k] routing cannot hold") {
+  // Softmax after a top-1 selection: every weight 1, no gradient to the gate.
+  CHECK_THROWS_WITH_AS(mrr::presets::megatron(8, 1), doctest::Contains("use pre_softmax with topk = 1"),
+                       mrr::InvalidArgument);
+  auto post = mrr::presets::megatron(8, 2);
+  post.topk = 1;
+  CHECK_THROWS_WITH_AS(post.validate(), doctest::Contains("use pre_softmax with topk = 1"), mrr::InvalidArgument);
+  post.pre_softmax = true;
+  CHECK_NOTHROW(post.validate());
+  // A negative group_score_topk was replaced by the default.
+  auto grouped = mrr::presets::megatron_deepseek_v3(16, 4, 4, 2, 1.0);
+  grouped.group_score_topk = -3;
+  CHECK_THROWS_WITH_AS(grouped.validate(), doctest::Contains("group_score_topk must be >= 0"), mrr::InvalidArgument);
+  // Padding to capacity is the dense apply_token_dropping's.
+  auto padded = mrr::presets::qwen3_moe(8, 2);
+  padded.capacity_factor = 1.0;
+  padded.pad_to_capacity = true;
+  CHECK_NOTHROW(padded.validate());
+  CHECK_THROWS_WITH_AS(mrr::TopKRouter<float>{padded}, doctest::Contains("pad_to_capacity is for the dense"),
+                       mrr::InvalidArgument);
+}
+
+TEST_CASE("drop_over_capacity refuses weights of another shape and a token listing an expert twice") {
+  mrr::Routing<float> r;
+  r.ids = mrr::ExpertIds(4, 2);
+  r.ids << 0, 1, 1, 2, 2, 3, 3, 0;
+  r.weights = mrr::RowMatrix<float>::Constant(2, 2, 0.5f);  // 2 rows for 4 tokens: was a heap overflow
+  CHECK_THROWS_WITH_AS(mrr::drop_over_capacity(r, 4, 1.0, mrr::DropPolicy::probs),
+                       doctest::Contains("routing weights have shape"), mrr::InvalidArgument);
+  r.weights = mrr::RowMatrix<float>::Constant(4, 2, 0.5f);
+  r.ids(1, 1) = 1;  // token 1: expert 1 twice would take two of its places
+  CHECK_THROWS_WITH_AS(mrr::drop_over_capacity(r, 4, 1.0, mrr::DropPolicy::probs),
+                       doctest::Contains("row 1 repeats expert id 1"), mrr::InvalidArgument);
+  r.ids(1, 1) = 2;
+  mrr::drop_over_capacity(r, 4, 1.0, mrr::DropPolicy::probs);
+  CHECK(r.kept.rows() == 4);
+}
+
+TEST_CASE("update_expert_bias refuses NaN and negative counts (a NaN mean froze every bias)") {
+  mrr::TopKRouter<double> router(mrr::presets::megatron_deepseek_v3(4, 2, 2, 1, 1.0));
+  const std::vector<double> nan_count{100, std::numeric_limits<double>::quiet_NaN(), 0, 0};
+  CHECK_THROWS_WITH_AS(router.update_expert_bias(std::span<const double>(nan_count)),
+                       doctest::Contains("'tokens_per_expert' has nan for expert 1"), mrr::InvalidArgument);
+  const std::vector<double> negative{-5, 3, 3, 3};
+  CHECK_THROWS_WITH_AS(router.update_expert_bias(std::span<const double>(negative)), doctest::Contains("for expert 0"),
+                       mrr::InvalidArgument);
+  CHECK(router.expert_bias().cwiseAbs().maxCoeff() == 0.0);
+}
+
 TEST_CASE("expert bias steers selection only, and the sign rule moves it toward balance") {
   auto cfg = mrr::presets::megatron_deepseek_v3(8, 2, 2, 1, 1.0);
   cfg.expert_bias_update_rate = 0.5;

@@ -37,9 +37,13 @@ MRR_HOST_DEVICE MRR_FORCEINLINE T sigmoid_grad_from_value(T s) {
 }
 
 // d sqrt(softplus(x))/dx = softplus'(x) / (2 sqrt(softplus(x))); softplus' = sigmoid below the
-// threshold and 1 above it, as torch differentiates its thresholded softplus.
+// threshold and 1 above it, as torch differentiates its thresholded softplus. Where softplus
+// underflows to 0 (x = -inf, or below about -104 in float) torch's 0 / 0 is NaN; the limit there
+// is exp(x / 2) / 2 (softplus and sigmoid both tend to exp(x)), which this returns.
 template <class T>
 MRR_HOST_DEVICE MRR_FORCEINLINE T sqrt_softplus_grad(T x, T value) {
+  using std::exp;
+  if (value == T(0)) return exp(x / T(2)) / T(2);
   const T dsp = x > T(20) ? T(1) : sigmoid(x);
   return dsp / (T(2) * value);
 }

@@ -32,6 +32,8 @@
 #include <mrr/moe/token_exchange.hpp>
 #include <mrr/replay/none_store.hpp>
 #include <mrr/replay/routing_replay.hpp>
+#include <mrr/router/aux_loss.hpp>
+#include <mrr/router/config.hpp>
 #include <mrr/router/permute.hpp>
 #include <mrr/router/routing.hpp>
 #include <mrr/tensor.hpp>
@@ -73,6 +75,15 @@ struct MoEForward : DispatchPlan {
   // [plan.local_rows(), activation size] when the experts save their activations (rows as in
   // expert_inputs); empty otherwise, or when the layer recomputes them (save_activations(false)).
   RowMatrix<Scalar> expert_activations;
+
+  // The router's auxiliary losses on this rank's tokens (its config's aux_loss_coeff and
+  // z_loss_coeff, Megatron's switch load balancing and z-loss, coefficients included; 0 when off),
+  // padding rows left out, and their gradient w.r.t. router_logits() [tokens, num_experts], which
+  // backward adds to the router's (as Megatron's MoEAuxLossAutoScaler does). Empty when both are
+  // off. A caller may add a loss of its own here before backward (e.g. sequence_aux_loss, which
+  // needs each sequence's rows).
+  Scalar aux_loss = 0, z_loss = 0;
+  RowMatrix<Scalar> aux_grad_logits;
 
   auto expert_input(int local_expert) const {
     const auto e = static_cast<std::size_t>(local_expert);
@@ -170,6 +181,7 @@ class MoELayer {
         gate_.logits_into(f.logits, f.input);
         f.routing = router_.forward(f.router_logits());
         routed = true;
+        auxiliary_losses(f);
         static_cast<DispatchPlan&>(f) = make_dispatch_plan(f.routing, placement_, hidden_size());
       });
       dispatch(f);
@@ -248,6 +260,12 @@ class MoELayer {
     agree_on_step(comm_, fn, [&] {
       run_experts_backward(f, *grad_rows, grad_in, g.experts, fn);
       grad_logits_ = router_.backward(f.router_logits(), f.routing, grad_weights_);
+      if (f.aux_grad_logits.size() != 0) {
+        detail::require(f.aux_grad_logits.rows() == grad_logits_.rows() && f.aux_grad_logits.cols() == num_experts(),
+                        fn, "'aux_grad_logits' has shape ", detail::shape_of(f.aux_grad_logits), ", expected [",
+                        grad_logits_.rows(), ", ", num_experts(), "]");
+        grad_logits_ += f.aux_grad_logits;
+      }
     });
     if (!single_rank()) exchange_.from_experts(comm_, expert_rows_, f, grad_expert_in_);
     input_gradient(f, grad_expert_in_, grad_logits_, g.input);
@@ -272,6 +290,11 @@ class MoELayer {
                       num_experts(), " experts over ", p, " ranks gives it [", placement_.first_expert(r), ", ",
                       placement_.first_expert(r) + placement_.experts_per_rank(), ")");
       router_.check_layer(fn);
+      if (const RouterConfig* c = router_config())
+        detail::require(c->seq_aux_loss_coeff == 0, fn,
+                        "seq_aux_loss_coeff needs each sequence's rows, which the layer does not see: add "
+                        "sequence_aux_loss(forward.router_logits(), lengths, ...).grad_logits to "
+                        "forward.aux_grad_logits before backward, and leave the coefficient at 0");
     } catch (const std::exception& e) {
       local_error = e.what();
     }
@@ -287,6 +310,45 @@ class MoELayer {
   }
 
   bool single_rank() const { return comm_.size() == 1; }
+
+  // The router's configuration when it has one (TopKRouter and the device routers do).
+  const RouterConfig* router_config() const {
+    if constexpr (requires(const R& r) {
+                    { r.config() } -> std::convertible_to<const RouterConfig&>;
+                  })
+      return &router().config();
+    else
+      return nullptr;
+  }
+
+  // Forward::aux_loss, z_loss and aux_grad_logits from the router's coefficients, on the rows
+  // that are not padding (the replay controller's layout says which), as Megatron leaves padding
+  // tokens out of its losses: total tokens are those rows.
+  void auxiliary_losses(Forward& f) const {
+    f.aux_loss = f.z_loss = Scalar(0);
+    f.aux_grad_logits.resize(0, 0);
+    const RouterConfig* c = router_config();
+    if (c == nullptr || (c->aux_loss_coeff == 0 && c->z_loss_coeff == 0)) return;
+    const auto logits = f.router_logits();
+    const auto padding = router_.padding_rows(static_cast<long>(logits.rows()));
+    std::vector<Eigen::Index> rows;
+    rows.reserve(static_cast<std::size_t>(logits.rows()));
+    for (Eigen::Index t = 0; t < logits.rows(); ++t)
+      if (padding.empty() || padding[static_cast<std::size_t>(t)] == 0) rows.push_back(t);
+    f.aux_grad_logits.setZero(logits.rows(), num_experts());
+    if (rows.empty()) return;
+    RowMatrix<Scalar> counted(static_cast<Eigen::Index>(rows.size()), num_experts());
+    for (std::size_t i = 0; i < rows.size(); ++i)
+      counted.row(static_cast<Eigen::Index>(i)) = logits.row(rows[i]);
+    const auto add = [&](const AuxLoss<Scalar>& loss, Scalar& value) {
+      value = loss.loss;
+      for (std::size_t i = 0; i < rows.size(); ++i)
+        f.aux_grad_logits.row(rows[i]) += loss.grad_logits.row(static_cast<Eigen::Index>(i));
+    };
+    if (c->aux_loss_coeff > 0)
+      add(switch_aux_loss<Scalar>(counted, c->topk, c->score_function, c->aux_loss_coeff), f.aux_loss);
+    if (c->z_loss_coeff > 0) add(mrr::z_loss<Scalar>(counted, c->z_loss_coeff), f.z_loss);
+  }
 
   // Padding rows (the replay controller's micro-batch layout says which) may hold anything, and
   // the router already routes a non-finite one as zeros; the layer goes one step further and

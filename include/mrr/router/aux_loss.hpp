@@ -46,9 +46,13 @@ AuxLossScores<T> routing_scores_for_aux_loss(MatrixRef<T> logits, int topk, Scor
   std::vector<T> val(static_cast<std::size_t>(topk));
   for (Eigen::Index t = 0; t < tokens; ++t) {
     auto s = out.scores.row(t);
-    for (int e = 0; e < experts; ++e)
+    bool any_finite = false;
+    for (int e = 0; e < experts; ++e) {
       detail::require(!std::isnan(logits(t, e)) && logits(t, e) != std::numeric_limits<T>::infinity(), fn,
                       "logits row ", t, " has ", logits(t, e), " at expert ", e);
+      any_finite = any_finite || std::isfinite(logits(t, e));
+    }
+    detail::require(any_finite, fn, "logits row ", t, " has no finite value (every score would be NaN)");
     if (score_function == ScoreFunction::softmax) {
       s = (logits.row(t).array() - logits.row(t).maxCoeff()).exp().matrix();
       s /= s.sum();
@@ -163,13 +167,20 @@ AuxLoss<T> sequence_aux_loss(MatrixRef<T> logits, std::span<const std::int64_t> 
 template <class T>
 AuxLoss<T> z_loss(MatrixRef<T> logits, double coeff) {
   constexpr const char* fn = "z_loss";
-  detail::require(logits.rows() > 0, fn, "logits have no rows");
+  detail::require(logits.rows() > 0 && logits.cols() > 0, fn, "logits have shape ", detail::shape_of(logits),
+                  ": no rows or no experts");
   AuxLoss<T> out{T(0), RowMatrix<T>(logits.rows(), logits.cols())};
   const T c = static_cast<T>(coeff);
   const T inv_t = T(1) / static_cast<T>(logits.rows());
   for (Eigen::Index t = 0; t < logits.rows(); ++t) {
-    const T mx = logits.row(t).maxCoeff();
-    detail::require(std::isfinite(mx), fn, "logits row ", t, " has NaN or +inf, or no finite value");
+    T mx = -std::numeric_limits<T>::infinity();
+    for (Eigen::Index e = 0; e < logits.cols(); ++e) {  // element by element: Eigen's maxCoeff may skip a NaN
+      const T z = logits(t, e);
+      detail::require(!std::isnan(z) && z != std::numeric_limits<T>::infinity(), fn, "logits row ", t, " has ", z,
+                      " at expert ", e);
+      mx = z > mx ? z : mx;
+    }
+    detail::require(std::isfinite(mx), fn, "logits row ", t, " has no finite value");
     const auto ex = (logits.row(t).array() - mx).exp();
     const T sum = ex.sum();
     const T lse = mx + std::log(sum);

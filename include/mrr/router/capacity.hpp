@@ -14,6 +14,7 @@
 #include <mrr/router/config.hpp>
 #include <mrr/router/permute.hpp>
 #include <mrr/router/routing.hpp>
+#include <mrr/router/row_error.hpp>
 #include <mrr/tensor.hpp>
 
 #include <algorithm>
@@ -46,7 +47,8 @@ struct NthElementSelect {
 }  // namespace detail
 
 // Dense token dropping with Megatron's semantics: every token competes for each expert's
-// `capacity` places (non-routed ones rank last), pad_to_capacity keeps the full capacity mask
+// `capacity` places (under the position policy non-routed ones rank last; under the probs policy
+// by probability, so a routed weight of exactly 0 ties with them), pad_to_capacity keeps the full capacity mask
 // (non-routed tokens included, with probability 0), and a capacity above the token count keeps all.
 template <class T>
 DenseRouting<T> apply_token_dropping(MatrixRef<T> probs, MaskRef map, int topk, double capacity_factor,
@@ -67,12 +69,23 @@ DenseRouting<T> apply_token_dropping(MatrixRef<T> probs, MaskRef map, int topk, 
 }
 
 // Drops the slots of a top-k Routing over capacity: fills routing.kept and zeroes their weights.
-// Equivalent to apply_token_dropping without padding (routed slots only compete): each expert's
-// slots, in token order from the expert-major permutation, form its segment.
+// apply_token_dropping without padding, except that only routed slots compete here (a routed
+// weight of exactly 0 can tie with non-routed tokens there): each expert's slots, in token order
+// from the expert-major permutation, form its segment. Ids must be in range and distinct within
+// a row (a token holds one place of an expert at most).
 template <class T>
 void drop_over_capacity(Routing<T>& routing, int num_experts, double capacity_factor, DropPolicy policy) {
+  constexpr const char* fn = "drop_over_capacity";
   const auto tokens = routing.tokens();
   const int k = routing.topk();
+  detail::require(routing.weights.rows() == tokens && routing.weights.cols() == k, fn, "routing weights have shape ",
+                  detail::shape_of(routing.weights), " for ids of shape ", detail::shape_of(routing.ids));
+  for (Eigen::Index t = 0; t < tokens; ++t) {
+    const std::int32_t* row = routing.ids.data() + t * k;
+    for (int j = 0; j < k; ++j)
+      for (int i = 0; i < j; ++i)
+        if (row[i] == row[j]) detail::reject_invalid_ids(row, k, num_experts, t, fn);
+  }
   const std::int64_t capacity = expert_capacity(tokens, k, num_experts, capacity_factor);
   // Every slot competes, a dropped one of an earlier call included.
   const ExpertPermutation p =

@@ -82,6 +82,10 @@ struct RouterConfig {
   bool pad_to_capacity = false;
 
   // Auxiliary losses (0 = off): switch load balancing, sequence-level load balancing, z-loss.
+  // MoELayer applies aux_loss_coeff and z_loss_coeff (MoEForward::aux_loss, z_loss and their
+  // gradient); seq_aux_loss_coeff needs sequence lengths, so MoELayer refuses it (add
+  // sequence_aux_loss's gradient to MoEForward::aux_grad_logits). A router alone applies none:
+  // its backward is the weights' gradient; call switch_aux_loss / z_loss (router/aux_loss.hpp).
   double aux_loss_coeff = 0.0;
   double seq_aux_loss_coeff = 0.0;
   double z_loss_coeff = 0.0;
@@ -104,7 +108,11 @@ struct RouterConfig {
                     topk);
     detail::require(score_function == ScoreFunction::softmax || !pre_softmax, fn,
                     "pre_softmax applies to the softmax score function only, not ", to_string(score_function));
-    detail::require(num_groups >= 0 && group_topk >= 0, fn, "num_groups and group_topk must be >= 0");
+    detail::require(score_function != ScoreFunction::softmax || pre_softmax || topk > 1, fn,
+                    "softmax after a top-1 selection gives every token weight 1 and the gate no gradient: use "
+                    "pre_softmax with topk = 1 (Megatron-Core refuses it too)");
+    detail::require(num_groups >= 0 && group_topk >= 0 && group_score_topk >= 0, fn,
+                    "num_groups, group_topk and group_score_topk must be >= 0");
     detail::require((num_groups > 0) == (group_topk > 0), fn, "num_groups (", num_groups, ") and group_topk (",
                     group_topk, ") must be set together");
     if (grouped()) {

@@ -48,6 +48,10 @@ class TopKRouter {
 
   explicit TopKRouter(RouterConfig config) : config_(std::move(config)) {
     config_.validate();
+    detail::require(!config_.pad_to_capacity, "TopKRouter",
+                    "pad_to_capacity is for the dense apply_token_dropping: a padded "
+                    "expert takes tokens not routed to it, which [tokens, k] ids cannot hold; this router drops "
+                    "over-capacity slots without padding");
     params_ = resolve_router_params(config_);
     if (config_.use_expert_bias) expert_bias_ = Vector<Scalar>::Zero(config_.num_experts);
   }
@@ -152,7 +156,11 @@ class TopKRouter {
     detail::require(static_cast<int>(tokens_per_expert.size()) == num_experts(), fn, "'tokens_per_expert' has ",
                     tokens_per_expert.size(), " entries for ", num_experts(), " experts");
     Vector<Scalar> counts(num_experts());
-    for (int e = 0; e < num_experts(); ++e) counts[e] = static_cast<Scalar>(tokens_per_expert[e]);
+    for (int e = 0; e < num_experts(); ++e) {
+      counts[e] = static_cast<Scalar>(tokens_per_expert[e]);
+      detail::require(std::isfinite(counts[e]) && counts[e] >= 0, fn, "'tokens_per_expert' has ", counts[e],
+                      " for expert ", e, " (a count must be finite and >= 0)");
+    }
     expert_bias_ = updated_expert_bias<Scalar>(counts, expert_bias_, config_.expert_bias_update_rate);
   }
 

@@ -260,6 +260,10 @@ class ThrustTopKRouter {
   explicit ThrustTopKRouter(RouterConfig config) : config_(std::move(config)) {
     constexpr const char* fn = "device::TopKRouter";
     config_.validate();
+    mrr::detail::require(!config_.pad_to_capacity, fn,
+                         "pad_to_capacity is for the dense apply_token_dropping: a padded "
+                         "expert takes tokens not routed to it, which [tokens, k] ids cannot hold; this router drops "
+                         "over-capacity slots without padding");
     mrr::detail::require(config_.num_experts <= kMaxExperts, fn, "num_experts=", config_.num_experts,
                          " exceeds the device limit ", kMaxExperts);
     mrr::detail::require(config_.topk <= kMaxTopK, fn, "topk=", config_.topk, " exceeds the device limit ", kMaxTopK);
