@@ -118,6 +118,16 @@ std::string cuda_gae_view(const std::vector<T>& rewards, const std::vector<T>& v
   return {};
 }
 
+template <class T>
+GaeBlocksFit cuda_gae_blocks_fit(long rows, long cols) {
+  const long chunks = (cols + device::kernels::kGaeChunk - 1) / device::kernels::kGaeChunk;
+  const long supers = device::ppo_detail::gae_supers_per_row(cols);
+  return {device::ppo_detail::gae_blocks_fit<T>(rows, chunks, supers),
+          device::kernels::GaeBlockShared<T>(chunks, supers).bytes, device::ppo_detail::gae_shared_optin()};
+}
+template GaeBlocksFit cuda_gae_blocks_fit<float>(long, long);
+template GaeBlocksFit cuda_gae_blocks_fit<double>(long, long);
+
 template std::string cuda_gae_view<float>(const std::vector<float>&, const std::vector<float>&,
                                           const std::vector<float>&, long, long, long, int, float, std::vector<float>&,
                                           std::vector<float>&, int&);

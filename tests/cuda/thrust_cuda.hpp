@@ -2,6 +2,7 @@
 // fused routing + replay kernel (plain functions: no Eigen, no doctest across nvcc).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -31,6 +32,16 @@ std::string cuda_gae(const std::vector<double>& rewards, const std::vector<doubl
 // The GAE view on the CUDA system: inputs [rows, cols] at row stride `stride` (the vectors hold
 // rows * stride); advantages and returns come back as the whole [rows * stride] buffers, which
 // start as `fill`. algorithm: 3 chunks, 4 blocks. `code`: the view's DeviceStatus code.
+// Whether GaeAlgorithm::blocks runs its block kernel for [rows, cols] of T on this device (else
+// chunks), the block's shared memory and the device's opt-in limit.
+struct GaeBlocksFit {
+  bool fit = false;
+  std::size_t bytes = 0;
+  int optin = 0;
+};
+template <class T>
+GaeBlocksFit cuda_gae_blocks_fit(long rows, long cols);
+
 template <class T>
 std::string cuda_gae_view(const std::vector<T>& rewards, const std::vector<T>& values, const std::vector<T>& mask,
                           long rows, long cols, long stride, int algorithm, T fill, std::vector<T>& advantages,

@@ -791,16 +791,21 @@ inline void cuda_launched(const char* fn) {
 // Whether rows of `chunks` chunks fit kernels::gae_blocks on the current device: at most
 // kGaeBlockThreads chunks, the stage within the shared memory a block may opt in to, and a grid
 // of one block per row.
-template <class T>
-bool gae_blocks_fit(long rows, long chunks, long supers_per_row) {
-  if (chunks > kernels::kGaeBlockThreads || rows > 0x7fffffffL) return false;  // a grid of one block per row
+// The shared memory a block of the current device may opt in to (0 when it cannot be read).
+inline int gae_shared_optin() {
   int device = 0, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
+    (void)cudaGetLastError();  // the query's own error: the view falls back to chunks
+    return 0;
   }
-  return kernels::GaeBlockShared<T>(chunks, supers_per_row).bytes <= static_cast<std::size_t>(optin);
+  return optin;
+}
+
+template <class T>
+bool gae_blocks_fit(long rows, long chunks, long supers_per_row) {
+  if (chunks > kernels::kGaeBlockThreads || rows > 0x7fffffffL) return false;  // a grid of one block per row
+  return kernels::GaeBlockShared<T>(chunks, supers_per_row).bytes <= static_cast<std::size_t>(gae_shared_optin());
 }
 
 // GaeAlgorithm::blocks (kernels::gae_blocks): the recurrence and the tree's in-row levels in one
@@ -823,9 +828,12 @@ void gae_blocks(const kernels::GaeViews<T>& g, long chunks, long supers_per_row,
   const kernels::GaeBlockShared<T> layout(chunks, supers_per_row);
   const auto threads = static_cast<unsigned>((chunks + 31) / 32 * 32);
   const auto launch = [&](auto kernel) {
-    if (layout.bytes > 48 * 1024) {  // above the default, a launch must opt in (per device: set each time)
+    // Above the default a launch must opt in. The limit is the function's, for every host thread:
+    // set it to the device's maximum, never lower, so a launch of another thread's shorter rows
+    // cannot undo it between this thread's setting and its launch.
+    if (layout.bytes > 48 * 1024) {
       const cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(layout.bytes));
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, gae_shared_optin());
       if (e != cudaSuccess) throw std::runtime_error(mrr::detail::str("mrr::", fn, ": ", cudaGetErrorString(e)));
     }
     kernel<<<static_cast<unsigned>(g.rows), threads, layout.bytes, x.stream>>>(g, chunks, supers_per_row, levels,
@@ -853,8 +861,9 @@ void gae_blocks(const kernels::GaeViews<T>& g, long chunks, long supers_per_row,
 
 }  // namespace ppo_detail
 
-// Workspace of the GAE view for [rows, cols] (algorithm: chunks or rows; automatic picks chunks
-// on CUDA, rows elsewhere).
+// Workspace of the GAE view for [rows, cols] (algorithm: blocks, chunks or rows; automatic picks
+// blocks on CUDA, rows elsewhere; blocks takes chunks' size, since a row too long for a block runs
+// chunks).
 template <class T>
 std::size_t gae_workspace_bytes(long rows, long cols, GaeAlgorithm algorithm = GaeAlgorithm::automatic) {
   const GaeAlgorithm resolved = resolve_gae_algorithm<ThrustDeviceBackend>(algorithm);
