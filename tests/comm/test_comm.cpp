@@ -190,3 +190,59 @@ TEST_CASE("InProcessGroup rejects a size below one and runs a group of one") {
   });
   CHECK(calls == 1);
 }
+
+TEST_CASE("all_to_all_v counts whose sum wraps (a negative count cast to unsigned) throw on every rank") {
+  // size_t(-1) + 1 wrapped to 0, passed the buffer checks and copied from far outside the buffer.
+  std::vector<std::string> errors(2);
+  CHECK_THROWS(mrr::InProcessGroup(2).run([&](const mrr::InProcessComm& c) {
+    const std::size_t wrapped = static_cast<std::size_t>(-1);
+    std::vector<float> send(c.rank() == 0 ? 0 : 1, 7.f), recv(send.size(), 0.f);
+    const std::vector<std::size_t> counts =
+        c.rank() == 0 ? std::vector<std::size_t>{wrapped, 1} : std::vector<std::size_t>{1, 0};
+    try {
+      c.all_to_all_v(std::span<const float>(send), std::span<const std::size_t>(counts), std::span<float>(recv),
+                     std::span<const std::size_t>(counts));
+    } catch (const std::exception& e) {
+      errors[static_cast<std::size_t>(c.rank())] = e.what();
+      throw;
+    }
+  }));
+  for (const auto& e : errors)
+    CHECK(e.find("overflow a 64-bit sum") != std::string::npos);
+}
+
+TEST_CASE("InProcessGroup runs one function at a time: a nested or concurrent run is an error") {
+  mrr::InProcessGroup g(2);
+  std::string nested;
+  CHECK_THROWS(g.run([&](const mrr::InProcessComm& c) {
+    if (c.rank() != 0) return;
+    try {
+      g.run([](const mrr::InProcessComm&) {});
+    } catch (const std::exception& e) {
+      nested = e.what();
+      throw;
+    }
+  }));
+  CHECK(nested.find("already running") != std::string::npos);
+  // The group is usable again afterwards.
+  std::atomic<int> sum{0};
+  g.run([&](const mrr::InProcessComm& c) {
+    float x = 1.f + static_cast<float>(c.rank());
+    c.all_reduce_sum(std::span<float>(&x, 1));
+    sum += static_cast<int>(x);
+  });
+  CHECK(sum.load() == 6);
+}
+
+TEST_CASE("row blocks whose first peer does not start at block 0 are malformed") {
+  const mrr::SingleProcess comm;
+  std::vector<float> send{10.f, 20.f, 30.f}, recv(1, 0.f);
+  mrr::RowBlocks from, to;
+  from.first = {0, 2};
+  from.rows = {1, 1};
+  from.peer_begin = {1, 2};  // block 0 belongs to no peer: SingleProcess moved it, the others did not
+  to.first = {0};
+  to.rows = {1};
+  to.peer_begin = {0, 1};
+  CHECK_THROWS_WITH(comm.all_to_all_rows(send.data(), 3, from, recv.data(), 1, to, 1), doctest::Contains("malformed"));
+}

@@ -382,47 +382,52 @@ TEST_CASE("MoELayer: a forward that fails on one rank leaves every rank's recomp
 
 TEST_CASE("TokenExchange: strided inputs (a wider matrix's leftCols) move the rows a packed copy moves") {
   // Every path read its input as packed rows: a strided view came back with its rows shifted.
-  const int n = 6, h = 3;
-  for (const bool staging : {false, true}) {
-    CAPTURE(staging);
-    mrr::InProcessGroup(2).run([&](const mrr::InProcessComm& comm) {
-      mrr::Routing<float> routing;
-      routing.ids.resize(n, 1);
-      routing.weights = RowMatrix<float>::Ones(n, 1);
-      for (int t = 0; t < n; ++t)
-        routing.ids(t, 0) = (t + comm.rank()) % 4;
-      auto plan = mrr::make_dispatch_plan(routing, mrr::ExpertPlacement::contiguous(4, 2), h);
-      mrr::TokenExchange<float>::exchange_counts(comm, plan);
-      const auto fill = [&](Eigen::Index rows) {
-        RowMatrix<float> wide(rows, h + 2);
-        for (Eigen::Index r = 0; r < rows; ++r)
-          for (int c = 0; c < h + 2; ++c)
-            wide(r, c) = c < h ? 100.f * comm.rank() + 10.f * r + c : -1.f;
-        return wide;
-      };
-      const RowMatrix<float> tokens = fill(n), permuted = fill(plan.permutation.rows());
-      mrr::TokenExchange<float> ex;
-      RowMatrix<float> want, got;
-      const auto run = [&](const auto& c) {
-        ex.to_experts(c, RowMatrix<float>(permuted.leftCols(h)), plan, want);
-        ex.to_experts(c, permuted.leftCols(h), plan, got);
-        CHECK(bitwise_equal(got, want));
-        RowMatrix<float> back_want, back_got;
-        const RowMatrix<float> grouped_wide = fill(plan.local_rows());
-        ex.from_experts(c, RowMatrix<float>(grouped_wide.leftCols(h)), plan, back_want);
-        ex.from_experts(c, grouped_wide.leftCols(h), plan, back_got);
-        CHECK(bitwise_equal(back_got, back_want));
-        CHECK_THROWS_WITH_AS(ex.to_experts(c, permuted, plan, got), doctest::Contains("'permuted' has shape"),
-                             mrr::InvalidArgument);
-      };
-      if (staging) {
-        run(StagingComm{comm});
-      } else {
-        run(comm);
-        ex.gather_to_experts(comm, RowMatrix<float>(tokens.leftCols(h)), plan, want);
-        ex.gather_to_experts(comm, tokens.leftCols(h), plan, got);
-        CHECK(bitwise_equal(got, want));
-      }
-    });
-  }
+  // Rank 0 with 1 or 0 rows: a zero-row view keeps its wide stride, and the ranks once chose
+  // different collectives by it (staging against all_to_all_rows).
+  const int h = 3;
+  for (const int rows0 : {6, 1, 0})
+    for (const bool staging : {false, true}) {
+      CAPTURE(staging);
+      CAPTURE(rows0);
+      mrr::InProcessGroup(2).run([&](const mrr::InProcessComm& comm) {
+        const int n = comm.rank() == 0 ? rows0 : 6;
+        mrr::Routing<float> routing;
+        routing.ids.resize(n, 1);
+        routing.weights = RowMatrix<float>::Ones(n, 1);
+        for (int t = 0; t < n; ++t)
+          routing.ids(t, 0) = (t + comm.rank()) % 4;
+        auto plan = mrr::make_dispatch_plan(routing, mrr::ExpertPlacement::contiguous(4, 2), h);
+        mrr::TokenExchange<float>::exchange_counts(comm, plan);
+        const auto fill = [&](Eigen::Index rows) {
+          RowMatrix<float> wide(rows, h + 2);
+          for (Eigen::Index r = 0; r < rows; ++r)
+            for (int c = 0; c < h + 2; ++c)
+              wide(r, c) = c < h ? 100.f * comm.rank() + 10.f * r + c : -1.f;
+          return wide;
+        };
+        const RowMatrix<float> tokens = fill(n), permuted = fill(plan.permutation.rows());
+        mrr::TokenExchange<float> ex;
+        RowMatrix<float> want, got;
+        const auto run = [&](const auto& c) {
+          ex.to_experts(c, RowMatrix<float>(permuted.leftCols(h)), plan, want);
+          ex.to_experts(c, permuted.leftCols(h), plan, got);
+          CHECK(bitwise_equal(got, want));
+          RowMatrix<float> back_want, back_got;
+          const RowMatrix<float> grouped_wide = fill(plan.local_rows());
+          ex.from_experts(c, RowMatrix<float>(grouped_wide.leftCols(h)), plan, back_want);
+          ex.from_experts(c, grouped_wide.leftCols(h), plan, back_got);
+          CHECK(bitwise_equal(back_got, back_want));
+          CHECK_THROWS_WITH_AS(ex.to_experts(c, permuted, plan, got), doctest::Contains("'permuted' has shape"),
+                               mrr::InvalidArgument);
+        };
+        if (staging) {
+          run(StagingComm{comm});
+        } else {
+          run(comm);
+          ex.gather_to_experts(comm, RowMatrix<float>(tokens.leftCols(h)), plan, want);
+          ex.gather_to_experts(comm, tokens.leftCols(h), plan, got);
+          CHECK(bitwise_equal(got, want));
+        }
+      });
+    }
 }

@@ -10,6 +10,7 @@
 #include <mrr/error.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -262,7 +263,10 @@ class InProcessComm {
 
 // N ranks on threads of this process. run(f) calls f(const InProcessComm&) once per rank, rank 0
 // on the calling thread, and returns when every rank has returned; it rethrows the first
-// exception a rank threw (its original type). A group runs one function at a time.
+// exception a rank threw (its original type). A group runs one function at a time: a second run
+// while one is in progress (from another thread, or nested inside f) is an error, since the two
+// would pair their ranks' collectives. The group has no stall timeout: a rank blocked outside
+// the library holds its peers in run() until it returns.
 class InProcessGroup {
  public:
   explicit InProcessGroup(int size) : state_(checked_size(size)) {}
@@ -272,6 +276,13 @@ class InProcessGroup {
   template <class F>
   requires std::invocable<F&, const InProcessComm&>
   void run(F&& f) {
+    detail::require(!running_.exchange(true), "InProcessGroup::run",
+                    "the group is already running a function (another thread's run, or a run nested in f); "
+                    "use a group per concurrent job");
+    struct Done {
+      std::atomic<bool>& running;
+      ~Done() { running.store(false); }
+    } done{running_};
     state_.reset();
     auto rank_main = [&](int rank) {
       try {
@@ -303,6 +314,7 @@ class InProcessGroup {
   }
 
   detail::InProcessState state_;
+  std::atomic<bool> running_{false};
 };
 
 MRR_NAMESPACE_END

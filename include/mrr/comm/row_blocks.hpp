@@ -56,7 +56,9 @@ namespace detail {
 // Whether `b` is well formed for a buffer of `buffer_rows` rows and `ranks` peers: blocks inside
 // the buffer, and (for receive blocks) no row written twice.
 inline bool row_blocks_valid(const RowBlocks& b, std::uint64_t buffer_rows, int ranks, bool receive) {
-  if (b.peers() != ranks || b.first.size() != b.rows.size() || b.peer_begin.back() != b.first.size()) return false;
+  if (b.peers() != ranks || b.first.size() != b.rows.size() || b.peer_begin.front() != 0 ||
+      b.peer_begin.back() != b.first.size())
+    return false;
   for (std::size_t p = 0; p < static_cast<std::size_t>(ranks); ++p)
     if (b.peer_begin[p] > b.peer_begin[p + 1]) return false;
   for (std::size_t i = 0; i < b.first.size(); ++i)

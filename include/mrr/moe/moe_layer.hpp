@@ -235,7 +235,11 @@ class MoELayer {
   // The same into gradients the caller keeps: g.input and g.gate_weight are overwritten (their
   // storage reused), the expert gradients are *added* to g.experts (start from
   // experts().zero_gradients(); accumulating over micro-batches, as trainers do, adds each
-  // micro-batch's in call order). Collective.
+  // micro-batch's in call order). Collective. When it throws (here or, through the agreement, on
+  // another rank), g.experts is unspecified on every rank: ranks whose experts finished have added
+  // this micro-batch, the failing one may hold part of it. A trainer that goes on must restart the
+  // accumulation (zero_gradients, and the micro-batches again) on every rank, not skip the one
+  // that failed.
   void backward_accumulate(const Forward& f, MatrixRef<Scalar> grad_output, Gradients& g) {
     constexpr const char* fn = "MoELayer::backward";
     agree_on_step(comm_, fn, [&] {

@@ -143,7 +143,10 @@ class TokenExchange {
   static bool move_rows(const C& comm, MatrixRef<Scalar> src, const RowBlocks& src_blocks, RowMatrix<Scalar>& dst,
                         const RowBlocks& dst_blocks, int hidden) {
     if constexpr (RowCommunicator<C, Scalar>) {
-      if (src.outerStride() != hidden) return false;
+      // At most one row is contiguous whatever its stride (Eigen keeps a zero-row view's wide
+      // stride): the choice must not depend on a rank's row count, or ranks call different
+      // collectives.
+      if (src.rows() > 1 && src.outerStride() != hidden) return false;
       comm.all_to_all_rows(src.data(), static_cast<std::size_t>(src.rows()), src_blocks, dst.data(),
                            static_cast<std::size_t>(dst.rows()), dst_blocks, static_cast<std::size_t>(hidden));
       return true;

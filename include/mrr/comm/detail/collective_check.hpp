@@ -192,6 +192,11 @@ inline void check_collective(std::string_view function, int ranks, std::span<con
         for (std::size_t p = 0; p < P; ++p) {
           within_limit(count(r, p), "send count", r);
           within_limit(count(r, P + p), "recv count", r);
+          // A sum that wraps (a count of SIZE_MAX from an unsigned n - m with m > n, say) would pass
+          // the buffer checks below and copy from far outside the buffer.
+          require(count(r, p) <= UINT64_MAX - sent && count(r, P + p) <= UINT64_MAX - received, function, "rank ", r,
+                  "'s counts overflow a 64-bit sum (send count ", count(r, p), ", recv count ", count(r, P + p),
+                  " to/from rank ", p, "): a negative count cast to unsigned?");
           sent += count(r, p);
           received += count(r, P + p);
         }
@@ -234,8 +239,8 @@ inline void check_collective(std::string_view function, int ranks, std::span<con
       for (std::size_t r = 0; r < P; ++r) {
         require(at(r, a_field) == at(0, a_field), function, "rank ", r, " sends ", at(r, a_field),
                 " elements but rank 0 sends ", at(0, a_field), " (all_gather needs equal sizes on every rank)");
-        require(at(r, b_field) == P * at(r, a_field), function, "rank ", r, "'s recv buffer has ", at(r, b_field),
-                " elements for ", P, " ranks x ", at(r, a_field));
+        require(at(r, a_field) <= UINT64_MAX / P && at(r, b_field) == P * at(r, a_field), function, "rank ", r,
+                "'s recv buffer has ", at(r, b_field), " elements for ", P, " ranks x ", at(r, a_field));
       }
       within_limit(at(0, b_field), "recv buffer", 0);
       return;
