@@ -80,8 +80,8 @@ struct MoEForward : DispatchPlan {
   // z_loss_coeff, Megatron's switch load balancing and z-loss, coefficients included; 0 when off),
   // padding rows left out, and their gradient w.r.t. router_logits() [tokens, num_experts], which
   // backward adds to the router's (as Megatron's MoEAuxLossAutoScaler does). Empty when both are
-  // off. A caller may add a loss of its own here before backward (e.g. sequence_aux_loss, which
-  // needs each sequence's rows).
+  // off. A caller may add a loss's gradient of its own here between forward and backward (assign
+  // it when the matrix is empty), e.g. sequence_aux_loss's, which needs each sequence's rows.
   Scalar aux_loss = 0, z_loss = 0;
   RowMatrix<Scalar> aux_grad_logits;
 
