@@ -341,17 +341,27 @@ class MoELayer {
       if (padding.empty() || padding[static_cast<std::size_t>(t)] == 0) rows.push_back(t);
     f.aux_grad_logits.setZero(logits.rows(), num_experts());
     if (rows.empty()) return;
-    RowMatrix<Scalar> counted(static_cast<Eigen::Index>(rows.size()), num_experts());
-    for (std::size_t i = 0; i < rows.size(); ++i)
-      counted.row(static_cast<Eigen::Index>(i)) = logits.row(rows[i]);
+    // Every row counts (no padding): the losses read the logits in place and add whole gradients.
+    const bool all = rows.size() == static_cast<std::size_t>(logits.rows());
+    RowMatrix<Scalar> counted;
+    if (!all) {
+      counted.resize(static_cast<Eigen::Index>(rows.size()), num_experts());
+      for (std::size_t i = 0; i < rows.size(); ++i)
+        counted.row(static_cast<Eigen::Index>(i)) = logits.row(rows[i]);
+    }
+    const MatrixRef<Scalar> in = all ? MatrixRef<Scalar>(logits) : MatrixRef<Scalar>(counted);
     const auto add = [&](const AuxLoss<Scalar>& loss, Scalar& value) {
       value = loss.loss;
+      if (all) {
+        f.aux_grad_logits += loss.grad_logits;
+        return;
+      }
       for (std::size_t i = 0; i < rows.size(); ++i)
         f.aux_grad_logits.row(rows[i]) += loss.grad_logits.row(static_cast<Eigen::Index>(i));
     };
     if (c->aux_loss_coeff > 0)
-      add(switch_aux_loss<Scalar>(counted, c->topk, c->score_function, c->aux_loss_coeff), f.aux_loss);
-    if (c->z_loss_coeff > 0) add(mrr::z_loss<Scalar>(counted, c->z_loss_coeff), f.z_loss);
+      add(switch_aux_loss<Scalar>(in, c->topk, c->score_function, c->aux_loss_coeff), f.aux_loss);
+    if (c->z_loss_coeff > 0) add(mrr::z_loss<Scalar>(in, c->z_loss_coeff), f.z_loss);
   }
 
   // Padding rows (the replay controller's micro-batch layout says which) may hold anything, and

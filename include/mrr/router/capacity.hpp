@@ -68,6 +68,29 @@ DenseRouting<T> apply_token_dropping(MatrixRef<T> probs, MaskRef map, int topk, 
   return out;
 }
 
+namespace detail {
+
+// drop_over_capacity on ids known to be valid (the router's own output): no checks.
+template <class T>
+void drop_over_capacity_unchecked(Routing<T>& routing, int num_experts, double capacity_factor, DropPolicy policy) {
+  const auto tokens = routing.tokens();
+  const int k = routing.topk();
+  const std::int64_t capacity = expert_capacity(tokens, k, num_experts, capacity_factor);
+  // Every slot competes, a dropped one of an earlier call included.
+  const ExpertPermutation p =
+      detail::expert_permutation(routing.ids.data(), nullptr, tokens, k, num_experts, "drop_over_capacity");
+  std::vector<std::int64_t> slot_of_row(static_cast<std::size_t>(p.rows()));
+  for (Eigen::Index s = 0; s < p.row_of_slot.size(); ++s)
+    slot_of_row[static_cast<std::size_t>(p.row_of_slot.data()[s])] = s;
+  routing.kept = Mask::Ones(tokens, k);
+  std::vector<std::uint64_t> scratch(static_cast<std::size_t>(2 * p.rows()));
+  for (int e = 0; e < num_experts; ++e)
+    kernels::drop_segment(slot_of_row.data(), p.first_row(e), p.first_row(e + 1), capacity, policy == DropPolicy::probs,
+                          routing.weights.data(), routing.kept.data(), scratch.data(), detail::NthElementSelect{});
+}
+
+}  // namespace detail
+
 // Drops the slots of a top-k Routing over capacity: fills routing.kept and zeroes their weights.
 // apply_token_dropping without padding, except that only routed slots compete here (a routed
 // weight of exactly 0 can tie with non-routed tokens there): each expert's slots, in token order
@@ -86,19 +109,7 @@ void drop_over_capacity(Routing<T>& routing, int num_experts, double capacity_fa
       for (int i = 0; i < j; ++i)
         if (row[i] == row[j]) detail::reject_invalid_ids(row, k, num_experts, t, fn);
   }
-  const std::int64_t capacity = expert_capacity(tokens, k, num_experts, capacity_factor);
-  // Every slot competes, a dropped one of an earlier call included.
-  const ExpertPermutation p =
-      detail::expert_permutation(routing.ids.data(), nullptr, tokens, k, num_experts, "drop_over_capacity");
-  std::vector<std::int64_t> slot_of_row(static_cast<std::size_t>(p.rows()));
-  for (Eigen::Index s = 0; s < p.row_of_slot.size(); ++s)
-    slot_of_row[static_cast<std::size_t>(p.row_of_slot.data()[s])] = s;
-  routing.kept = Mask::Ones(tokens, k);
-  std::vector<std::uint64_t> scratch(static_cast<std::size_t>(2 * p.rows()));
-  for (int e = 0; e < num_experts; ++e)
-    kernels::drop_segment(slot_of_row.data(), p.first_row(e), p.first_row(e + 1), capacity,
-                          policy == DropPolicy::probs, routing.weights.data(), routing.kept.data(), scratch.data(),
-                          detail::NthElementSelect{});
+  detail::drop_over_capacity_unchecked(routing, num_experts, capacity_factor, policy);
 }
 
 MRR_NAMESPACE_END

@@ -321,7 +321,7 @@ class TopKRouter {
       }
     });
     if (config_.capacity_factor)
-      drop_over_capacity(out, num_e, *config_.capacity_factor, config_.drop_policy);
+      detail::drop_over_capacity_unchecked(out, num_e, *config_.capacity_factor, config_.drop_policy);  // own ids
   }
 
   // The same for the rows [first, end) of a replay without a mask, into the slot-major tile of
