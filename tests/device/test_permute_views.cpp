@@ -264,6 +264,62 @@ TEST_CASE_TEMPLATE("device views: capacity dropping equals the CPU router's, wit
   }
 }
 
+TEST_CASE_TEMPLATE("device capacity dropping refuses a token listing an expert twice, as the CPU does", Id,
+                   std::int32_t, std::int64_t) {
+  // Two places of one expert for one token would let it take two of the expert's capacity slots.
+  const Problem p = make_problem();
+  const long slots = p.tokens * p.k;
+  std::vector<Id> ids(p.routing.ids.data(), p.routing.ids.data() + slots);
+  const auto first = static_cast<std::size_t>(300 * p.k), second = static_cast<std::size_t>(600 * p.k);
+  ids[first + 3] = ids[first + 1];    // token 300: slot 3 repeats slot 1
+  ids[second + 2] = ids[second + 0];  // token 600 too: the lowest repeat is reported
+  std::vector<std::uint8_t> workspace(dev::drop_over_capacity_workspace_bytes(p.tokens, p.k, p.experts));
+  const auto run = [&](const std::vector<Id>& in, std::vector<float>& weights, std::vector<std::uint8_t>& kept) {
+    dev::DeviceStatus status;
+    dev::drop_over_capacity(dev::matrix_view<const Id>(in.data(), p.tokens, p.k),
+                            dev::matrix_view(weights.data(), p.tokens, p.k), kept.data(), p.experts, 0.6,
+                            mrr::DropPolicy::probs, dev::Workspace{workspace.data(), workspace.size()}, &status);
+    return status;
+  };
+  const std::vector<float> given(p.routing.weights.data(), p.routing.weights.data() + slots);
+  std::vector<float> weights = given;
+  std::vector<std::uint8_t> kept(static_cast<std::size_t>(slots), 7);
+  dev::DeviceStatus status = run(ids, weights, kept);
+  CHECK(status.code == dev::status_repeated_expert);
+  CHECK(status.index == 300 * p.k + 3);
+  CHECK(weights == given);  // nothing written
+  CHECK(std::all_of(kept.begin(), kept.end(), [](std::uint8_t v) { return v == 7; }));
+  const dev::PermutationView shape{nullptr, nullptr, nullptr, p.tokens, p.k, p.experts};
+  CHECK_THROWS_WITH_AS(dev::check_permutation(&status, shape),
+                       doctest::Contains("token 300 slot 3 repeats an expert id"), std::invalid_argument);
+  // An id out of range is reported before a repeat, whatever their slots.
+  std::vector<Id> both = ids;
+  both[static_cast<std::size_t>(700 * p.k)] = static_cast<Id>(p.experts);
+  status = run(both, weights, kept);
+  CHECK(status.code == dev::status_expert_out_of_range);
+  CHECK(status.index == 700 * p.k);
+  // The owning layer throws with its own name; k = 1 has nothing to repeat.
+  using Omp = mrr::ThrustDeviceBackend;
+  const std::vector<std::int32_t> ids32(ids.begin(), ids.end());
+  Omp::vector<std::int32_t> dids(ids32.begin(), ids32.end());
+  Omp::vector<float> dweights(given.begin(), given.end());
+  Omp::vector<std::uint8_t> dkept;
+  const auto owning = [&] {
+    dev::drop_over_capacity<float, Omp>(dids, dweights, dkept, p.tokens, p.k, p.experts, 0.6, mrr::DropPolicy::probs);
+  };
+  CHECK_THROWS_WITH_AS(owning(), doctest::Contains("device::drop_over_capacity: token 300 slot 3 repeats"),
+                       std::invalid_argument);
+  CHECK(std::equal(dweights.begin(), dweights.end(), given.begin()));
+  // The repaired ids are accepted and match the CPU.
+  std::vector<Id> fixed(p.routing.ids.data(), p.routing.ids.data() + slots);
+  weights = given;
+  status = run(fixed, weights, kept);
+  CHECK(status.code == dev::status_ok);
+  mrr::Routing<float> cpu = p.routing;
+  mrr::drop_over_capacity(cpu, p.experts, 0.6, mrr::DropPolicy::probs);
+  CHECK(std::equal(kept.begin(), kept.end(), cpu.kept.data()));
+}
+
 TEST_CASE_TEMPLATE("device views: the radix-sort permutation (CUDA's) equals the counting sort's, bit for bit", Id,
                    std::int32_t, std::int64_t) {
   // The GPU's algorithm runs here through thrust::stable_sort_by_key (CUB's radix sort on CUDA):

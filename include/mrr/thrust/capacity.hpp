@@ -191,6 +191,43 @@ struct SlotOfRow {
   }
 };
 
+// Token t's row listing an expert a second time: the repeat's slot, the lowest over all rows
+// whatever order the work items run in, into *bad (which starts at the slot count).
+template <class Id>
+struct FindRepeatedExpert {
+  const Id* ids;
+  long* bad;
+  int topk;
+  MRR_HOST_DEVICE void operator()(long t) const {
+    const Id* row = ids + t * topk;
+    for (int j = 1; j < topk; ++j)
+      for (int i = 0; i < j; ++i)
+        if (row[i] == row[j]) {
+          atomic_lower(bad, t * topk + j);
+          return;
+        }
+  }
+};
+
+// One work item: a repeat into the status, unless an id out of range was reported first.
+struct ReportRepeatedExpert {
+  const long* bad;
+  DeviceStatus* status;
+  long slots;
+  MRR_HOST_DEVICE void operator()(int) const {
+    if (status->code == status_ok && *bad < slots) {
+      status->code = status_repeated_expert;
+      status->index = *bad;
+    }
+  }
+};
+
+struct SetLong {
+  long* slot;
+  long value;
+  MRR_HOST_DEVICE void operator()(int) const { *slot = value; }
+};
+
 template <class T>
 struct DropSegment {
   const std::int32_t* offsets;
@@ -315,24 +352,37 @@ inline std::size_t drop_over_capacity_workspace_bytes(long tokens, int topk, int
   return 3 * detail::workspace_array_bytes<std::int32_t>(slots) +
          detail::workspace_array_bytes<std::int32_t>(static_cast<std::size_t>(num_experts) + 1) +
          permutation_workspace_bytes(tokens, topk, num_experts, PermutationAlgorithm::automatic, host_system) +
-         detail::workspace_array_bytes<std::uint64_t>(2 * slots);
+         detail::workspace_array_bytes<std::uint64_t>(2 * slots) + detail::workspace_array_bytes<long>(1);
 }
 
 namespace detail {
 
 // Megatron's top-k token dropping on any Thrust policy, in the order of kernels/capacity.hpp.
+// `check_repeats`: a row listing an expert twice sets status_repeated_expert (off for a router's
+// own ids, which never repeat).
 template <class Policy, class Id, class T>
 void drop_over_capacity(const Policy& policy, const Id* ids, T* weights, std::uint8_t* kept, long tokens, int topk,
                         int num_experts, long capacity, DropPolicy drop, WorkspaceArena& arena, DeviceStatus* status,
-                        stream_t stream, bool on_host) {
+                        stream_t stream, bool on_host, bool check_repeats = true) {
   const auto slots = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk);
   const PermutationView p{arena.take<std::int32_t>(slots), arena.take<std::int32_t>(slots),
                           arena.take<std::int32_t>(static_cast<std::size_t>(num_experts) + 1), tokens, topk,
                           num_experts};
   auto* slot_of_row = arena.take<std::int32_t>(slots);
   auto* scratch = arena.take<std::uint64_t>(2 * slots);
+  auto* repeat = arena.take<long>(1);
   expert_permutation(policy, ids, static_cast<const std::uint8_t*>(nullptr), p, arena, status, stream,
                      PermutationAlgorithm::automatic, on_host);
+  if (check_repeats && topk > 1) {
+    // A token listing an expert twice would take two of its places: an error, as on the CPU.
+    const long n = static_cast<long>(slots);
+    thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(1),
+                     kernels::SetLong{repeat, n});
+    thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(tokens),
+                     kernels::FindRepeatedExpert<Id>{ids, repeat, topk});
+    thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(1),
+                     kernels::ReportRepeatedExpert{repeat, status, n});
+  }
   thrust::for_each(policy, thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(static_cast<long>(slots)),
                    kernels::SlotOfRow{p.row_of_slot, slot_of_row, kept, status});
   thrust::for_each(policy, thrust::counting_iterator<int>(0), thrust::counting_iterator<int>(num_experts),
@@ -348,8 +398,10 @@ void drop_over_capacity(const Policy& policy, const Id* ids, T* weights, std::ui
 // memory) becomes 1 for a dispatched slot, 0 for a dropped one, whose weight is zeroed in place.
 // Which slots an expert keeps follows the strict order of kernels/capacity.hpp (probs: highest
 // weight, then lower token; position: earliest tokens), as the CPU's drop_over_capacity. An id
-// outside [0, num_experts) sets *status (check_permutation reads it) and leaves weights and kept
-// unwritten. Given its workspace (drop_over_capacity_workspace_bytes), nothing allocates.
+// outside [0, num_experts) (status_expert_out_of_range), or a row listing an expert twice
+// (status_repeated_expert: it would take two of the expert's places), sets *status, the lowest
+// such slot in its index (check_permutation reads it), and leaves weights and kept unwritten.
+// Given its workspace (drop_over_capacity_workspace_bytes), nothing allocates.
 template <class Id, class T>
 void drop_over_capacity(MatrixView<const Id> ids, MatrixView<T> weights, std::uint8_t* kept, int num_experts,
                         double capacity_factor, DropPolicy policy, Workspace workspace, DeviceStatus* status,
@@ -379,13 +431,14 @@ void drop_over_capacity(MatrixView<const Id> ids, MatrixView<T> weights, std::ui
                              num_experts, capacity, policy, arena, status, x.stream, false);
 }
 
-// The owning layer: ids and weights [tokens, k] in Thrust vectors of the backend's system (ids
-// from a router, or checked here on the device); kept is resized to [tokens, k].
-template <class T, class Backend = ThrustDeviceBackend>
-void drop_over_capacity(const typename Backend::template vector<std::int32_t>& ids,
-                        typename Backend::template vector<T>& weights,
-                        typename Backend::template vector<std::uint8_t>& kept, long tokens, int topk, int num_experts,
-                        double capacity_factor, DropPolicy policy) {
+namespace detail {
+
+// The owning layer's work; `check_repeats` off for a router's own ids (distinct by construction).
+template <class T, class Backend>
+void drop_over_capacity_owned(const typename Backend::template vector<std::int32_t>& ids,
+                              typename Backend::template vector<T>& weights,
+                              typename Backend::template vector<std::uint8_t>& kept, long tokens, int topk,
+                              int num_experts, double capacity_factor, DropPolicy policy, bool check_repeats) {
   constexpr const char* fn = "device::drop_over_capacity";
   const auto slots = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(topk);
   mrr::detail::require(ids.size() == slots && weights.size() == slots, fn, "'ids' and 'weights' have ", ids.size(),
@@ -395,12 +448,26 @@ void drop_over_capacity(const typename Backend::template vector<std::int32_t>& i
   const long capacity = static_cast<long>(expert_capacity(tokens, topk, num_experts, capacity_factor));
   kept.resize(slots);
   const std::size_t bytes = drop_over_capacity_workspace_bytes(tokens, topk, num_experts, !Backend::is_device);
-  const detail::OwnedWorkspace<decltype(Backend::policy())> workspace(Backend::policy(), bytes);
+  const OwnedWorkspace<decltype(Backend::policy())> workspace(Backend::policy(), bytes);
   typename Backend::template vector<DeviceStatus> status(1);
-  detail::WorkspaceArena arena(workspace.get(), bytes, fn);
-  detail::drop_over_capacity(Backend::policy(), raw(ids), raw(weights), raw(kept), tokens, topk, num_experts, capacity,
-                             policy, arena, raw(status), nullptr, !Backend::is_device);
-  detail::throw_on_status(status[0], PermutationView{nullptr, nullptr, nullptr, tokens, topk, num_experts});
+  WorkspaceArena arena(workspace.get(), bytes, fn);
+  drop_over_capacity(Backend::policy(), raw(ids), raw(weights), raw(kept), tokens, topk, num_experts, capacity, policy,
+                     arena, raw(status), nullptr, !Backend::is_device, check_repeats);
+  throw_on_status(status[0], PermutationView{nullptr, nullptr, nullptr, tokens, topk, num_experts}, fn);
+}
+
+}  // namespace detail
+
+// The owning layer: ids and weights [tokens, k] in Thrust vectors of the backend's system (ids
+// from a router, or checked here on the device: in range and distinct within a row); kept is
+// resized to [tokens, k]. A bad id throws, and leaves weights as they were.
+template <class T, class Backend = ThrustDeviceBackend>
+void drop_over_capacity(const typename Backend::template vector<std::int32_t>& ids,
+                        typename Backend::template vector<T>& weights,
+                        typename Backend::template vector<std::uint8_t>& kept, long tokens, int topk, int num_experts,
+                        double capacity_factor, DropPolicy policy) {
+  detail::drop_over_capacity_owned<T, Backend>(ids, weights, kept, tokens, topk, num_experts, capacity_factor, policy,
+                                               true);
 }
 
 }  // namespace device

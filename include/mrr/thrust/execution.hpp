@@ -103,6 +103,8 @@ struct DeviceStatus {
 };
 inline constexpr std::int32_t status_ok = 0;
 inline constexpr std::int32_t status_expert_out_of_range = 1;  // index: the slot t * k + j
+inline constexpr std::int32_t status_repeated_expert = 4;      // index: the slot t * k + j of the repeat
+// (Codes are unique across the device API: ppo.hpp's masks take 2 and 3.)
 
 inline constexpr std::size_t kWorkspaceAlignment = 256;  // cudaMalloc's, enough for every type
 

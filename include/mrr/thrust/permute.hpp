@@ -554,16 +554,22 @@ void make_expert_permutation(MatrixView<const Id> ids, const std::uint8_t* kept,
 
 namespace detail {
 
-inline void throw_on_status(const DeviceStatus& s, const PermutationView& p) {
+inline void throw_on_status(const DeviceStatus& s, const PermutationView& p,
+                            const char* fn = "device::make_expert_permutation") {
   if (s.code == status_expert_out_of_range)
-    mrr::detail::throw_invalid_argument("device::make_expert_permutation", "token ", s.index / p.topk, " slot ",
-                                        s.index % p.topk, " has an expert id outside [0, ", p.num_experts, ")");
-  mrr::detail::require(s.code == status_ok, "device::make_expert_permutation", "unknown device status ", s.code);
+    mrr::detail::throw_invalid_argument(fn, "token ", s.index / p.topk, " slot ", s.index % p.topk,
+                                        " has an expert id outside [0, ", p.num_experts, ")");
+  if (s.code == status_repeated_expert)
+    mrr::detail::throw_invalid_argument(fn, "token ", s.index / p.topk, " slot ", s.index % p.topk,
+                                        " repeats an expert id of its row (a token holds one place of an expert "
+                                        "at most)");
+  mrr::detail::require(s.code == status_ok, fn, "unknown device status ", s.code);
 }
 
 }  // namespace detail
 
-// Synchronises x.stream and throws if the permutation met a bad id (the checking convenience).
+// Synchronises x.stream and throws if the permutation met a bad id (the checking convenience;
+// also reads drop_over_capacity's status, whose ids may repeat an expert within a row).
 inline void check_permutation(const DeviceStatus* status, const PermutationView& p, Execution x = {}) {
   detail::throw_on_status(read_status(status, x), p);
 }

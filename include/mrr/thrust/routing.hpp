@@ -621,8 +621,9 @@ class ThrustTopKRouter {
   // exactly; probs decisions compare weights that may differ from the CPU's in the last bits, so a
   // near-tie at the capacity edge can differ.
   void drop_over_capacity(Routing<T, Backend>& r) const {
-    device::drop_over_capacity<T, Backend>(r.ids, r.weights, r.kept, r.tokens, r.topk, num_experts(),
-                                           *config_.capacity_factor, config_.drop_policy);
+    device::detail::drop_over_capacity_owned<T, Backend>(r.ids, r.weights, r.kept, r.tokens, r.topk, num_experts(),
+                                                         *config_.capacity_factor, config_.drop_policy,
+                                                         false);  // own ids: distinct
   }
 
   RouterConfig config_;
