@@ -149,7 +149,7 @@ class BasicHttpProxy {
     DispatchResult result = dispatcher_.dispatch(transport_, request);
     request.body = std::string();  // the request's memory goes before the response is written
     if (result.outcome == Outcome::answered) {
-      detail::write_response(std::move(result.response), out);
+      detail::write_response(std::move(result.response), out, request.method == "HEAD");
     } else {
       nlohmann::json body{
           {"error", to_string(result.outcome)}, {"detail", result.error}, {"attempts", result.attempts}};

@@ -86,11 +86,14 @@ struct ServerOptions {
 
 namespace detail {
 
-// Moves the worker's answer into cpp-httplib's response: the body is not copied.
-inline void write_response(Response&& in, httplib::Response& out) {
+// Moves the worker's answer into cpp-httplib's response: the body is not copied. The answer to a
+// HEAD request keeps the Content-Length its GET would carry (cpp-httplib would write 0).
+inline void write_response(Response&& in, httplib::Response& out, bool head_request = false) {
   out.status = in.status;
   for (auto& [name, value] : in.headers)
-    if (!is_unforwardable_header(name)) out.set_header(name, value);
+    if (!is_unforwardable_header(name) ||
+        (head_request && in.body.empty() && iequals(name, "Content-Length") && parse_content_length(value)))
+      out.set_header(name, value);
   out.body = std::move(in.body);
 }
 

@@ -1,190 +1,40 @@
-// HTTP transport for the reward dispatcher (cpp-httplib): sends one attempt to one worker URL over a
-// pooled keep-alive connection within a time budget, and probes a worker's health endpoint.
+// HTTP transport for the reward dispatcher: sends one attempt to one worker URL over a pooled
+// keep-alive connection within a time budget (the whole exchange, not each socket call), and
+// probes a worker's health endpoint. The HTTP/1.1 client is mrr's own (http_client.hpp).
 // mrr-requires: mrr_reward_http
 #pragma once
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
-#include <mrr/reward/http_server.hpp>
+#include <mrr/reward/detail/tls_transport.hpp>
+#include <mrr/reward/http_client.hpp>
 #include <mrr/reward/request_checks.hpp>
 #include <mrr/reward/transport.hpp>
 
-#include <httplib.h>
-
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <unordered_map>
 #include <utility>
+#include <variant>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
 namespace reward {
 
-struct HttpTransportOptions {
-  Duration connect_timeout = std::chrono::seconds(2);  // capped by the attempt's budget
-  std::string health_path = "/health";                 // GET; any 2xx is healthy
-  std::size_t max_idle_connections = 256;              // kept open per worker for reuse
-  // A worker's response body over this many bytes is abandoned as it arrives (at once when its
-  // Content-Length says so): the attempt fails with Failure::io, and the proxy answers 502.
-  std::uint64_t max_response_bytes = 64ull << 20;
-};
-
 namespace detail {
 
-// Idle keep-alive clients of one worker. A cpp-httplib client serialises its requests, so each
-// attempt takes one client for itself and returns it afterwards.
+// Idle keep-alive connections of one worker; an attempt takes one for itself and returns it.
 struct Endpoint {
   explicit Endpoint(WorkerUrl u) : url(std::move(u)) {}
   WorkerUrl url;
   std::mutex mutex;
-  std::vector<std::unique_ptr<httplib::Client>> idle;
-};
-
-inline std::unique_ptr<httplib::Client> make_client(const WorkerUrl& url) {
-  auto client = url.scheme == "http" ? std::make_unique<httplib::Client>(url.host, url.port)
-                                     : std::make_unique<httplib::Client>(url.origin());
-  client->set_keep_alive(true);
-  client->set_url_encode(false);  // the target is forwarded exactly as the client sent it
-  client->set_decompress(false);  // the body is relayed with its Content-Encoding untouched
-  client->set_follow_location(false);
-  client->set_tcp_nodelay(true);
-  return client;
-}
-
-// cpp-httplib timeouts have microsecond resolution; a zero would mean "no wait at all".
-inline std::chrono::microseconds at_least_1ms(Duration d) {
-  return std::max<std::chrono::microseconds>(std::chrono::duration_cast<std::chrono::microseconds>(d),
-                                             std::chrono::milliseconds(1));
-}
-
-// cpp-httplib's timeouts bound each socket call, not an exchange: a worker that trickles its
-// response head (or a /health answer) a byte at a time would hold an attempt, or the health
-// monitor's one thread, for ever. The watchdog stops a client whose exchange outlives its
-// deadline: Client::stop() from another thread shuts the socket down (the one thing cpp-httplib
-// makes safe while a request is in flight) and the blocked call returns. Until the exchange
-// ends, it stops the client again every few milliseconds, in case the first stop came while
-// the client was still connecting (no socket yet to shut down). One thread per transport,
-// started with the first exchange; it sleeps until the earliest deadline.
-class ExchangeWatchdog {
- public:
-  using Clock = std::chrono::steady_clock;
-
-  ExchangeWatchdog() = default;
-  ExchangeWatchdog(const ExchangeWatchdog&) = delete;
-  ExchangeWatchdog& operator=(const ExchangeWatchdog&) = delete;
-  ~ExchangeWatchdog() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
-
-  // Watches `client` until end() (or destruction), which says whether its deadline passed.
-  class Watch {
-   public:
-    Watch(ExchangeWatchdog& dog, httplib::Client& client, Clock::time_point deadline)
-        : dog_(&dog), id_(dog.add(client, deadline)) {}
-    Watch(const Watch&) = delete;
-    Watch& operator=(const Watch&) = delete;
-    ~Watch() { end(); }
-    // Stops watching (the client is no longer touched after this returns); true when the deadline
-    // passed and the client was stopped.
-    bool end() {
-      if (dog_ != nullptr) {
-        fired_ = dog_->remove(id_);
-        dog_ = nullptr;
-      }
-      return fired_;
-    }
-
-   private:
-    ExchangeWatchdog* dog_;
-    std::uint64_t id_;
-    bool fired_ = false;
-  };
-
- private:
-  static constexpr auto restop_every = std::chrono::milliseconds(5);
-
-  struct Entry {
-    httplib::Client* client;
-    Clock::time_point deadline;
-    bool fired = false;     // the deadline passed: the client was stopped
-    bool stopping = false;  // the watchdog is calling client->stop() now
-  };
-
-  std::uint64_t add(httplib::Client& client, Clock::time_point deadline) {
-    std::unique_lock lock(mutex_);
-    const std::uint64_t id = next_id_++;
-    entries_.emplace(id, Entry{&client, deadline});
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
-    if (deadline < next_wake_) {
-      next_wake_ = deadline;
-      lock.unlock();
-      wake_.notify_one();
-    }
-    return id;
-  }
-
-  // Waits while the watchdog is stopping the client, so the caller may free it once this returns.
-  bool remove(std::uint64_t id) {
-    std::unique_lock lock(mutex_);
-    const auto it = entries_.find(id);  // std::map: stays valid while others come and go
-    stopped_.wait(lock, [&] { return !it->second.stopping; });
-    const bool fired = it->second.fired;
-    entries_.erase(it);
-    return fired;
-  }
-
-  void run() {
-    std::unique_lock lock(mutex_);
-    std::vector<httplib::Client*> due;
-    while (!stopping_) {
-      const auto now = Clock::now();
-      next_wake_ = Clock::time_point::max();
-      for (auto& [id, e] : entries_) {
-        if (e.deadline <= now) {
-          e.fired = e.stopping = true;
-          e.deadline = now + restop_every;
-          due.push_back(e.client);
-        }
-        next_wake_ = std::min(next_wake_, e.deadline);
-      }
-      if (!due.empty()) {
-        // Outside the lock (stop() may wait for a connect in progress, and other exchanges must
-        // still come and go); remove() waits for `stopping` to clear before the client is freed.
-        lock.unlock();
-        for (httplib::Client* client : due)
-          client->stop();
-        lock.lock();
-        due.clear();
-        for (auto& [id, e] : entries_)
-          e.stopping = false;
-        stopped_.notify_all();
-        continue;
-      }
-      wake_.wait_until(lock, next_wake_ == Clock::time_point::max() ? now + std::chrono::hours(1) : next_wake_);
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable wake_, stopped_;
-  std::map<std::uint64_t, Entry> entries_;
-  std::uint64_t next_id_ = 0;
-  Clock::time_point next_wake_ = Clock::time_point::max();
-  bool stopping_ = false;
-  std::thread thread_;  // last: started once the members it uses exist
+  std::vector<Socket> idle;
 };
 
 }  // namespace detail
@@ -201,74 +51,38 @@ class HttpTransport {
     } catch (const InvalidArgument& e) {
       return Reply::failed(Failure::connect, e.what());
     }
-    std::unique_ptr<httplib::Client> client = take_client(*ep);
-    if (!client->is_valid()) return Reply::failed(Failure::connect, "cannot create a client for this URL");
-
+#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
+    if (ep->url.scheme == "https") return tls_.send(worker, request, timeout);
+#endif
+    auto head = detail::request_head(ep->url, request, request.target);
+    if (auto* e = std::get_if<detail::ClientError>(&head)) return Reply::failed(e->failure, std::move(e->message));
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = detail::saturating_add(start, timeout);
-    client->set_connection_timeout(detail::at_least_1ms(std::min(timeout, options_.connect_timeout)));
-    client->set_read_timeout(detail::at_least_1ms(timeout));
-    client->set_write_timeout(detail::at_least_1ms(timeout));
-
-    httplib::Request out;
-    out.method = request.method;
-    out.path = ep->url.base_path + (request.target.empty() ? std::string("/") : request.target);
-    for (const auto& [name, value] : request.headers)
-      if (!is_unforwardable_header(name)) out.headers.emplace(name, value);
-    // The body is streamed from the caller's string: no copy per attempt, however large.
-    if (!request.body.empty()) {
-      const std::string& body = request.body;
-      out.content_length_ = body.size();
-      out.content_provider_ = [&body](std::size_t offset, std::size_t length, httplib::DataSink& sink) {
-        return sink.write(body.data() + offset, std::min(length, body.size() - offset));
-      };
-    }
-    // The socket timeouts bound each read; this bounds the whole body of a worker that trickles.
-    out.progress = [deadline](std::uint64_t, std::uint64_t) { return std::chrono::steady_clock::now() < deadline; };
-    // The answer is read into a string sized from its Content-Length at once, not grown by doubling,
-    // and abandoned once it passes max_response_bytes (at once when its length says it will). The
-    // bytes are counted here: cpp-httplib passes a chunked body chunk by chunk, each from offset 0
-    // with the chunk's length as `total`, so neither says where in the body a piece goes.
-    std::string body;
-    bool too_large = false, first_piece = true;
-    const std::uint64_t limit = options_.max_response_bytes;
-    out.content_receiver = [&](const char* data, std::size_t n, std::uint64_t offset, std::uint64_t total) {
-      if (first_piece) {
-        first_piece = false;
-        too_large = offset == 0 && total > limit;
-        if (too_large) return false;  // cpp-httplib stops reading: Error::Canceled
-        if (offset == 0 && total > body.capacity()) body.reserve(static_cast<std::size_t>(total));
+    // A pooled connection the worker closed while it sat idle fails before any answer: the
+    // request goes once more, on a fresh connection.
+    for (int round = 0;; ++round) {
+      detail::Socket connection = round == 0 ? take_idle(*ep) : detail::Socket{};
+      const bool reused = static_cast<bool>(connection);
+      if (!reused) {
+        auto made =
+            detail::connect_to(ep->url, std::min(deadline, detail::saturating_add(start, options_.connect_timeout)));
+        if (auto* e = std::get_if<detail::ClientError>(&made)) return Reply::failed(e->failure, std::move(e->message));
+        connection = std::move(std::get<detail::Socket>(made));
       }
-      too_large = n > limit - body.size();
-      if (too_large) return false;
-      body.append(data, n);
-      return true;
-    };
-
-    httplib::Response in;
-    httplib::Error error = httplib::Error::Success;
-    detail::ExchangeWatchdog::Watch watch(watchdog_, *client, deadline);
-    const bool sent = client->send(out, in, error);
-    const bool stopped = watch.end();  // the exchange outlived its budget (e.g. a trickled response head)
-    if (!sent) {
-      if (too_large)
-        return Reply::failed(Failure::io, mrr::detail::str("the worker's response is over max_response_bytes (",
-                                                           limit, " bytes)"));
-      if (stopped)
-        return Reply::failed(Failure::timeout,
-                             mrr::detail::str("no whole answer within the attempt's ",
-                                              std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
-                                              " ms (", httplib::to_string(error), ")"));
-      const auto elapsed = std::chrono::steady_clock::now() - start;
-      return Reply::failed(classify(error, elapsed, timeout), httplib::to_string(error));
+      detail::HttpExchange exchange(connection.get(), deadline, options_.max_response_bytes);
+      auto got = exchange.run(std::get<std::string>(head), request.body, request.method == "HEAD", timeout);
+      if (auto* e = std::get_if<detail::ClientError>(&got)) {
+        if (reused && e->stale) continue;
+        return Reply::failed(e->failure, std::move(e->message));
+      }
+      auto& in = std::get<detail::ClientResponse>(got);
+      if (in.reusable) give_back(*ep, std::move(connection));
+      Response response;
+      response.status = in.status;
+      response.headers = std::move(in.headers);
+      response.body = std::move(in.body);
+      return Reply::from(std::move(response));
     }
-    Response response;
-    response.status = in.status;
-    for (const auto& [name, value] : in.headers)
-      if (!is_unforwardable_header(name)) response.headers.emplace_back(name, value);
-    response.body = std::move(body);
-    if (!stopped) give_back(*ep, std::move(client));  // a stopped one has no connection left
-    return Reply::from(std::move(response));
   }
 
   // GET <base>/<health_path> on a fresh connection (a pooled one may be stale); 2xx is healthy.
@@ -280,22 +94,34 @@ class HttpTransport {
     } catch (const InvalidArgument&) {
       return false;
     }
-    auto client = detail::make_client(ep->url);
-    client->set_keep_alive(false);
-    client->set_connection_timeout(detail::at_least_1ms(std::min(timeout, options_.connect_timeout)));
-    client->set_read_timeout(detail::at_least_1ms(timeout));
-    client->set_write_timeout(detail::at_least_1ms(timeout));
-    detail::ExchangeWatchdog::Watch watch(watchdog_, *client,
-                                          detail::saturating_add(std::chrono::steady_clock::now(), timeout));
-    const auto result = client->Get(ep->url.base_path + options_.health_path);
-    const bool late = watch.end();
-    return !late && result && result->status >= 200 && result->status < 300;
+#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
+    if (ep->url.scheme == "https") return tls_.check_health(worker, timeout);
+#endif
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = detail::saturating_add(start, timeout);
+    Request probe;  // the connection is closed after the answer, whatever the worker says
+    probe.method = "GET";
+    auto head = detail::request_head(ep->url, probe, options_.health_path);
+    if (!std::holds_alternative<std::string>(head)) return false;
+    auto made =
+        detail::connect_to(ep->url, std::min(deadline, detail::saturating_add(start, options_.connect_timeout)));
+    if (!std::holds_alternative<detail::Socket>(made)) return false;
+    const auto& connection = std::get<detail::Socket>(made);
+    detail::HttpExchange exchange(connection.get(), deadline, options_.max_response_bytes);
+    const auto got = exchange.run(std::get<std::string>(head), {}, false, timeout);
+    const auto* in = std::get_if<detail::ClientResponse>(&got);
+    return in != nullptr && in->status >= 200 && in->status < 300;
   }
 
   // Closes the idle connections to a worker (e.g. once it is removed from the dispatcher).
   void forget(std::string_view worker) {
-    std::lock_guard lock(mutex_);
-    endpoints_.erase(std::string(worker));
+    {
+      std::lock_guard lock(mutex_);
+      endpoints_.erase(std::string(worker));
+    }
+#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
+    tls_.forget(worker);
+#endif
   }
 
   [[nodiscard]] const HttpTransportOptions& options() const noexcept { return options_; }
@@ -306,23 +132,6 @@ class HttpTransport {
     return o;
   }
 
-  static Failure classify(httplib::Error error, Duration elapsed, Duration budget) {
-    switch (error) {
-      case httplib::Error::Connection:
-        return Failure::connect;
-      case httplib::Error::ConnectionTimeout:
-        return Failure::timeout;
-      case httplib::Error::Canceled:
-        return Failure::timeout;  // our progress callback: past the deadline
-      case httplib::Error::Read:
-      case httplib::Error::Write:
-        // A socket timeout and a broken connection look alike; the clock tells them apart.
-        return elapsed >= budget - std::chrono::milliseconds(5) ? Failure::timeout : Failure::io;
-      default:
-        return Failure::io;
-    }
-  }
-
   std::shared_ptr<detail::Endpoint> endpoint(std::string_view worker) {
     std::lock_guard lock(mutex_);
     auto it = endpoints_.find(std::string(worker));
@@ -331,27 +140,28 @@ class HttpTransport {
     return it->second;
   }
 
-  static std::unique_ptr<httplib::Client> take_client(detail::Endpoint& ep) {
-    {
-      std::lock_guard lock(ep.mutex);
-      if (!ep.idle.empty()) {
-        auto client = std::move(ep.idle.back());
-        ep.idle.pop_back();
-        return client;
-      }
+  // An idle connection still open, or none.
+  static detail::Socket take_idle(detail::Endpoint& ep) {
+    std::lock_guard lock(ep.mutex);
+    while (!ep.idle.empty()) {
+      detail::Socket s = std::move(ep.idle.back());
+      ep.idle.pop_back();
+      if (detail::idle_connection_open(s.get())) return s;
     }
-    return detail::make_client(ep.url);
+    return {};
   }
 
-  void give_back(detail::Endpoint& ep, std::unique_ptr<httplib::Client> client) {
+  void give_back(detail::Endpoint& ep, detail::Socket connection) {
     std::lock_guard lock(ep.mutex);
-    if (ep.idle.size() < options_.max_idle_connections) ep.idle.push_back(std::move(client));
+    if (ep.idle.size() < options_.max_idle_connections) ep.idle.push_back(std::move(connection));
   }
 
   const HttpTransportOptions options_;
   std::mutex mutex_;
   std::unordered_map<std::string, std::shared_ptr<detail::Endpoint>> endpoints_;
-  detail::ExchangeWatchdog watchdog_;  // last: stopped before the endpoints' clients go
+#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
+  detail::TlsTransport tls_{options_};  // https:// workers
+#endif
 };
 
 }  // namespace reward

@@ -1,0 +1,437 @@
+// The reward transport's HTTP/1.1 client (POSIX sockets, no library): one exchange on one
+// connection, every socket call bounded by the exchange's deadline (so a worker that trickles
+// its answer cannot hold an attempt past its budget), the request sent as the proxy received it
+// (no field added but Host and the body's Content-Length), and a worker that answers before it
+// has read the whole body (an early 413) heard: the client stops sending and reads the answer.
+// Plain http; https:// workers go through cpp-httplib's TLS client (detail/tls_transport.hpp).
+// mrr-requires: mrr_reward_http
+#pragma once
+
+#include <mrr/detail/config.hpp>
+#include <mrr/detail/str.hpp>
+#include <mrr/reward/request_checks.hpp>
+#include <mrr/reward/transport.hpp>
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+
+MRR_NAMESPACE_BEGIN
+namespace reward {
+
+struct HttpTransportOptions {
+  Duration connect_timeout = std::chrono::seconds(2);  // capped by the attempt's budget
+  std::string health_path = "/health";                 // GET; any 2xx is healthy
+  std::size_t max_idle_connections = 256;              // kept open per worker for reuse
+  // A worker's response body over this many bytes is abandoned as it arrives (at once when its
+  // Content-Length says so): the attempt fails with Failure::io, and the proxy answers 502.
+  std::uint64_t max_response_bytes = 64ull << 20;
+};
+
+namespace detail {
+
+// An owned socket descriptor.
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) noexcept : fd_(fd) {}
+  Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Socket& operator=(Socket&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  ~Socket() { reset(); }
+
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// Why an exchange gave no answer: the dispatcher's failure class and a message. `stale`: a reused
+// keep-alive connection was closed by the worker before any byte of an answer came (the worker
+// timed the idle connection out), so the request may be sent again on a fresh one.
+struct ClientError {
+  Failure failure = Failure::io;
+  std::string message;
+  bool stale = false;
+};
+
+// Waits for `events` until `deadline`: the revents, 0 once the deadline passed, -1 on error.
+inline int poll_until(int fd, short events, TimePoint deadline) {
+  for (;;) {
+    const auto now = std::chrono::steady_clock::now();
+    const long long left = deadline > now ? std::chrono::ceil<std::chrono::milliseconds>(deadline - now).count() : 0;
+    pollfd p{fd, events, 0};
+    const int r = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1 << 30)));
+    if (r > 0) return p.revents;
+    if (r == 0) {
+      if (std::chrono::steady_clock::now() >= deadline) return 0;
+      continue;
+    }
+    if (errno != EINTR) return -1;
+  }
+}
+
+// Whether an idle keep-alive connection is still open: nothing to read (the worker neither closed
+// it nor sent anything unasked).
+inline bool idle_connection_open(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, 0) == 0;
+}
+
+// A connection to host:port, the connect bounded by `deadline` (every address tried in turn).
+inline std::variant<Socket, ClientError> connect_to(const WorkerUrl& url, TimePoint deadline) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(url.port);
+  const int rc = ::getaddrinfo(url.host.c_str(), port.c_str(), &hints, &found);
+  if (rc != 0)
+    return ClientError{Failure::connect, mrr::detail::str("cannot resolve '", url.host, "': ", ::gai_strerror(rc))};
+  std::string last = "no address";
+  Failure failure = Failure::connect;
+  Socket out;
+  for (addrinfo* ai = found; ai != nullptr && !out; ai = ai->ai_next) {
+    Socket s(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (!s) {
+      last = std::strerror(errno);
+      continue;
+    }
+    int error = ::connect(s.get(), ai->ai_addr, ai->ai_addrlen) == 0 ? 0 : errno;
+    if (error == EINPROGRESS) {
+      const int r = poll_until(s.get(), POLLOUT, deadline);
+      if (r == 0) {
+        failure = Failure::timeout;
+        last = "the connect timed out";
+        break;  // the budget is spent: no time for another address
+      }
+      socklen_t len = sizeof error;
+      if (r < 0 || ::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &error, &len) != 0) error = errno;
+    }
+    if (error != 0) {
+      last = std::strerror(error);
+      continue;
+    }
+    const int one = 1;
+    ::setsockopt(s.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    out = std::move(s);
+  }
+  ::freeaddrinfo(found);
+  if (!out) return ClientError{failure, mrr::detail::str("cannot connect to ", url.origin(), ": ", last)};
+  return out;
+}
+
+// The request's head as sent to the worker: the request line (the worker's base path, then the
+// target as the client sent it), Host, the request's end-to-end fields in their order, and the
+// body's Content-Length (also 0 for the methods whose requests carry a body). Refuses what would
+// let a caller's bytes end the head early (a field name that is no token, a value with CR or LF).
+inline std::variant<std::string, ClientError> request_head(const WorkerUrl& url, const Request& r,
+                                                           std::string_view target) {
+  const auto refuse = [](std::string why) { return ClientError{Failure::exception, std::move(why)}; };
+  if (r.method.empty() || !std::all_of(r.method.begin(), r.method.end(), is_tchar))
+    return refuse("the request method is not a token");
+  for (const char c : target)
+    if (static_cast<unsigned char>(c) <= 0x20 || static_cast<unsigned char>(c) >= 0x7f)
+      return refuse("the request target has a control, space or non-ASCII byte");
+  const bool ipv6 = url.host.find(':') != std::string::npos;
+  std::string head = mrr::detail::str(r.method, " ", url.base_path, target.empty() ? "/" : target, " HTTP/1.1\r\n",
+                                      "Host: ", ipv6 ? "[" : "", url.host, ipv6 ? "]" : "");
+  if (url.port != 80) head += mrr::detail::str(":", url.port);
+  head += "\r\n";
+  for (const auto& [name, value] : r.headers) {
+    if (name.empty() || !std::all_of(name.begin(), name.end(), is_tchar))
+      return refuse(mrr::detail::str("header field name '", quoted_name(name), "' is not a token"));
+    if (!std::all_of(value.begin(), value.end(), is_field_value_byte))
+      return refuse(mrr::detail::str("the value of header field '", quoted_name(name), "' holds a control byte"));
+    if (is_unforwardable_header(name) || named_in_connection(r.headers, name)) continue;
+    head += name;
+    head += ": ";
+    head += value;
+    head += "\r\n";
+  }
+  if (!r.body.empty() || r.method == "POST" || r.method == "PUT" || r.method == "PATCH")
+    head += mrr::detail::str("Content-Length: ", r.body.size(), "\r\n");
+  head += "\r\n";
+  return head;
+}
+
+// A worker's answer as read off the connection.
+struct ClientResponse {
+  int status = 0;
+  Headers headers;  // end-to-end fields (a HEAD answer keeps its Content-Length)
+  std::string body;
+  bool reusable = false;  // the connection may carry another request
+};
+
+// One exchange on `fd`: sends head and body, and reads the answer, all before `deadline`. A
+// worker that answers before the body is all sent (or closes its reading side) is read at once;
+// the connection is then not reused. A body over `limit` bytes is abandoned as it arrives.
+class HttpExchange {
+ public:
+  HttpExchange(int fd, TimePoint deadline, std::uint64_t limit) : fd_(fd), deadline_(deadline), limit_(limit) {}
+
+  std::variant<ClientResponse, ClientError> run(std::string_view head, std::string_view body, bool head_request,
+                                                Duration budget) {
+    budget_ = budget;
+    const SendResult sent = send_request(head, body);
+    if (sent == SendResult::timeout) return late();
+    const bool whole = sent == SendResult::sent;
+    auto got = read_response(head_request);
+    if (auto* r = std::get_if<ClientResponse>(&got)) {
+      r->reusable = r->reusable && whole;
+    } else if (sent == SendResult::broken) {
+      auto& e = std::get<ClientError>(got);
+      if (received_ == 0) e.message = "the connection broke while the request was sent (" + send_error_ + ")";
+    }
+    return got;
+  }
+
+ private:
+  enum class SendResult { sent, answered_early, broken, timeout };
+  static constexpr std::size_t kMaxHead = 64 << 10;
+
+  ClientError late() const {
+    return ClientError{Failure::timeout,
+                       mrr::detail::str("no whole answer within the attempt's ",
+                                        std::chrono::duration_cast<std::chrono::milliseconds>(budget_).count(), " ms")};
+  }
+
+  // Sends head then body; stops as soon as the worker has something to say.
+  SendResult send_request(std::string_view head, std::string_view body) {
+    std::size_t done = 0;
+    const std::size_t total = head.size() + body.size();
+    while (done < total) {
+      const int ev = poll_until(fd_, POLLOUT | POLLIN, deadline_);
+      if (ev == 0) return SendResult::timeout;
+      if (ev < 0) return broken(errno);
+      if ((ev & POLLIN) != 0) return SendResult::answered_early;  // an answer, or the worker closed
+      if ((ev & (POLLERR | POLLHUP)) != 0 && (ev & POLLOUT) == 0) return broken(ECONNRESET);
+      iovec iov[2];
+      int parts = 0;
+      if (done < head.size()) iov[parts++] = {const_cast<char*>(head.data() + done), head.size() - done};
+      const std::size_t body_done = done > head.size() ? done - head.size() : 0;
+      if (body_done < body.size()) iov[parts++] = {const_cast<char*>(body.data() + body_done), body.size() - body_done};
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = static_cast<decltype(msg.msg_iovlen)>(parts);
+      const ssize_t n = ::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+        return broken(errno);
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    return SendResult::sent;
+  }
+
+  SendResult broken(int error) {
+    send_error_ = std::strerror(error);
+    return SendResult::broken;
+  }
+
+  // Appends what the socket has to in_: > 0 bytes, 0 at the end of the stream, -1 on an error
+  // (errno kept in error_), -2 at the deadline.
+  long receive() {
+    for (;;) {
+      const int ev = poll_until(fd_, POLLIN, deadline_);
+      if (ev == 0) return -2;
+      if (ev < 0) {
+        error_ = std::strerror(errno);
+        return -1;
+      }
+      char buf[64 << 10];
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n > 0) {
+        in_.append(buf, static_cast<std::size_t>(n));
+        received_ += static_cast<std::uint64_t>(n);
+        return static_cast<long>(n);
+      }
+      if (n == 0) return 0;
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      error_ = std::strerror(errno);
+      return -1;
+    }
+  }
+
+  ClientError io(std::string message) const { return ClientError{Failure::io, std::move(message)}; }
+
+  // More bytes or the reason there are none: nullopt when some came.
+  std::optional<ClientError> more(std::string_view while_doing) {
+    const long r = receive();
+    if (r > 0) return std::nullopt;
+    if (r == -2) return late();
+    ClientError e = io(r == 0 ? mrr::detail::str("the worker closed the connection ", while_doing)
+                              : mrr::detail::str("the connection broke ", while_doing, " (", error_, ")"));
+    e.stale = received_ == 0;
+    return e;
+  }
+
+  // "HTTP/1.x SP 3DIGIT [SP reason]".
+  static bool parse_status_line(std::string_view line, int& status, bool& http11) {
+    if (line.size() < 12 || !line.starts_with("HTTP/1.") || !is_digit(line[7]) || line[8] != ' ') return false;
+    if (!is_digit(line[9]) || !is_digit(line[10]) || !is_digit(line[11])) return false;
+    if (line.size() > 12 && line[12] != ' ') return false;
+    status = (line[9] - '0') * 100 + (line[10] - '0') * 10 + (line[11] - '0');
+    http11 = line[7] != '0';
+    return status >= 100;
+  }
+
+  std::variant<ClientResponse, ClientError> read_response(bool head_request) {
+    ClientResponse out;
+    Headers fields;
+    bool http11 = false;
+    for (;;) {  // heads, 1xx interim answers skipped
+      std::size_t end;
+      while ((end = find_head_end(in_)) == std::string::npos) {
+        if (in_.size() > kMaxHead) return io("the worker's response head is over 64 KiB");
+        if (auto e = more("before a whole response head")) return *e;
+      }
+      if (end > kMaxHead) return io("the worker's response head is over 64 KiB");
+      std::string_view head(in_.data(), end - 2);  // each line ends in CRLF
+      fields.clear();
+      std::size_t number = 0;
+      while (!head.empty()) {
+        const auto crlf = head.find("\r\n");
+        const std::string_view line = head.substr(0, crlf);
+        head.remove_prefix(crlf + 2);
+        ++number;
+        if (line.find_first_of("\r\n") != std::string_view::npos)
+          return io("the worker's response head holds a bare CR or LF");
+        if (number == 1) {
+          if (!parse_status_line(line, out.status, http11))
+            return io(mrr::detail::str("the worker's status line is not 'HTTP/1.1 <status> <reason>'"));
+        } else if (auto bad = parse_field_line(line, number, fields)) {
+          return io("bad response head from the worker: " + bad->detail);
+        }
+      }
+      in_.erase(0, end);
+      if (out.status >= 200) break;
+      if (out.status == 101) return io("the worker switched protocols (101), which a reward exchange does not do");
+    }
+    // Framing (RFC 9112 §6.3).
+    std::optional<std::uint64_t> length;
+    bool chunked = false, transfer_coded = false, close = !http11;
+    for (const auto& [name, value] : fields) {
+      if (iequals(name, "Content-Length")) {
+        std::string_view rest = value;
+        do {
+          const auto comma = rest.find(',');
+          std::string_view item = rest.substr(0, comma);
+          while (!item.empty() && (item.front() == ' ' || item.front() == '\t'))
+            item.remove_prefix(1);
+          while (!item.empty() && (item.back() == ' ' || item.back() == '\t'))
+            item.remove_suffix(1);
+          const auto parsed = parse_content_length(item);
+          if (!parsed || (length && *length != *parsed)) return io("the worker's Content-Length is not one number");
+          length = parsed;
+          rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+        } while (!rest.empty());
+      } else if (iequals(name, "Transfer-Encoding")) {
+        transfer_coded = true;
+        std::string_view v = value;
+        while (!v.empty() && (v.back() == ' ' || v.back() == '\t'))
+          v.remove_suffix(1);
+        const auto comma = v.rfind(',');
+        std::string_view last = comma == std::string_view::npos ? v : v.substr(comma + 1);
+        while (!last.empty() && (last.front() == ' ' || last.front() == '\t'))
+          last.remove_prefix(1);
+        chunked = iequals(last, "chunked");
+      } else if (iequals(name, "Connection")) {
+        close = close || named_in_connection({{name, value}}, "close");
+        if (!http11 && named_in_connection({{name, value}}, "keep-alive")) close = false;
+      }
+    }
+    const bool no_body = head_request || out.status == 204 || out.status == 304;
+    for (auto& [name, value] : fields) {
+      const bool keep = no_body && head_request && iequals(name, "Content-Length");  // what GET would send
+      if (keep || (!is_unforwardable_header(name) && !named_in_connection(fields, name)))
+        out.headers.emplace_back(std::move(name), std::move(value));
+    }
+    if (no_body) {
+      out.reusable = !close && in_.empty();
+      return out;
+    }
+    const auto too_large = [&] {
+      return io(mrr::detail::str("the worker's response is over max_response_bytes (", limit_, " bytes)"));
+    };
+    if (transfer_coded && chunked) {
+      ChunkedDecoder decoder(limit_);
+      for (;;) {
+        const std::size_t used = decoder.feed(in_, out.body);
+        in_.erase(0, used);
+        if (decoder.done()) break;
+        if (decoder.failed())
+          return decoder.too_large() ? too_large() : io("the worker's chunked body is malformed: " + decoder.error());
+        if (auto e = more("in the middle of a chunked body")) return *e;
+      }
+      close = close || length.has_value();  // both framings given: this one read, the connection not trusted
+    } else if (!transfer_coded && length) {
+      if (*length > limit_) return too_large();
+      const auto n = static_cast<std::size_t>(*length);
+      in_.reserve(n);  // sized once from the length, not grown by doubling
+      while (in_.size() < n)
+        if (auto e = more("in the middle of the body")) return *e;
+      if (in_.size() == n) {
+        out.body = std::move(in_);  // no copy
+        in_.clear();
+      } else {
+        out.body.assign(in_, 0, n);
+        in_.erase(0, n);
+      }
+    } else {  // delimited by the end of the connection
+      close = true;
+      for (;;) {
+        if (in_.size() > limit_) return too_large();
+        const long r = receive();
+        if (r == 0) break;
+        if (r == -2) return late();
+        if (r < 0) return io(mrr::detail::str("the connection broke in the middle of the body (", error_, ")"));
+      }
+      out.body = std::move(in_);
+      in_.clear();
+    }
+    out.reusable = !close && in_.empty();  // bytes nobody asked for: the connection is not trusted
+    return out;
+  }
+
+  int fd_;
+  TimePoint deadline_;
+  std::uint64_t limit_;
+  Duration budget_{};
+  std::string in_;
+  std::uint64_t received_ = 0;
+  std::string error_, send_error_;
+};
+
+}  // namespace detail
+}  // namespace reward
+MRR_NAMESPACE_END

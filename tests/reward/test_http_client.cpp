@@ -1,0 +1,253 @@
+// The reward transport's own HTTP/1.1 client against raw workers on 127.0.0.1 that record the
+// bytes they receive and answer with scripted bytes: the request goes out as the proxy received
+// it, a HEAD answer keeps its Content-Length, a worker answering before it reads a large body is
+// heard at once (not timed out, not evicted), pooled connections a worker closed are not used,
+// and every framing of an answer (length, chunked, end of connection, 1xx first) is read whole.
+#include "raw_client.hpp"
+#include "scripted_worker.hpp"
+
+#include <mrr/reward/http_proxy.hpp>
+#include <mrr/reward/http_transport.hpp>
+
+#include <doctest/doctest.h>
+#include <httplib.h>
+
+#include <chrono>
+#include <string>
+
+using namespace std::chrono_literals;
+using mrr::reward::Failure;
+using mrr::reward::HttpTransport;
+using mrr_test::ScriptedWorker;
+
+namespace {
+
+std::string ok_answer(const std::string& body, const std::string& extra = "") {
+  return "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) + "\r\n" + extra + "\r\n" + body;
+}
+
+std::string header_value(const mrr::reward::Headers& headers, const std::string& name) {
+  for (const auto& [n, v] : headers)
+    if (mrr::reward::detail::iequals(n, name)) return v;
+  return "<none>";
+}
+
+}  // namespace
+
+TEST_SUITE("reward") {
+  TEST_CASE("http client: the request goes to the worker as received, nothing added but Host and Content-Length") {
+    ScriptedWorker worker([](const std::string&, const std::string&) { return ok_answer("done"); });
+    HttpTransport transport;
+    mrr::reward::Request r;
+    r.method = "POST";
+    r.target = "/score?x=%41&y";  // verbatim, nothing decoded
+    r.headers = {{"X-A", "1"},         {"Content-Type", "application/json"}, {"X-A", "3"}, {"Connection", "X-Hop"},
+                 {"X-Hop", "dropped"}, {"Keep-Alive", "timeout=5"}};
+    r.body = "{\"n\": 1}";
+    const auto reply = transport.send(worker.url(), r, 5s);
+    REQUIRE(reply.answered());
+    CHECK(reply.response.status == 200);
+    CHECK(reply.response.body == "done");
+    REQUIRE(worker.heads().size() == 1);
+    CHECK(worker.heads()[0] ==
+          "POST /score?x=%41&y HTTP/1.1\r\nHost: 127.0.0.1:" + std::to_string(worker.port()) +
+              "\r\nX-A: 1\r\nContent-Type: application/json\r\nX-A: 3\r\nContent-Length: 8\r\n\r\n");
+    CHECK(worker.bodies()[0] == r.body);
+
+    // A GET without a body sends no Content-Length; a POST without one sends 0.
+    r.method = "GET";
+    r.headers.clear();
+    r.body.clear();
+    REQUIRE(transport.send(worker.url(), r, 5s).answered());
+    r.method = "POST";
+    REQUIRE(transport.send(worker.url(), r, 5s).answered());
+    const auto heads = worker.heads();
+    REQUIRE(heads.size() == 3);
+    CHECK(heads[1].find("Content-Length") == std::string::npos);
+    CHECK(heads[2].find("\r\nContent-Length: 0\r\n") != std::string::npos);
+    CHECK(worker.connections() == 1);  // one keep-alive connection carried all three
+
+    // Bytes that would end the head early are refused before anything is sent.
+    r.headers = {{"X-Evil", "a\r\nX-Injected: 1"}};
+    auto bad = transport.send(worker.url(), r, 5s);
+    CHECK(bad.failure == Failure::exception);
+    CHECK(bad.error.find("'X-Evil' holds a control byte") != std::string::npos);
+    r.headers = {{"Bad Name", "x"}};
+    bad = transport.send(worker.url(), r, 5s);
+    CHECK(bad.error.find("'Bad Name' is not a token") != std::string::npos);
+    r.headers.clear();
+    r.target = "/a b";
+    CHECK(transport.send(worker.url(), r, 5s).failure == Failure::exception);
+    CHECK(worker.heads().size() == 3);
+  }
+
+  TEST_CASE("http client: a HEAD answer keeps its Content-Length; 204, 304 and 1xx are framed right") {
+    ScriptedWorker worker([](const std::string& head, const std::string&) -> std::string {
+      if (head.starts_with("HEAD ")) return "HTTP/1.1 200 OK\r\nContent-Length: 1234\r\nETag: \"v1\"\r\n\r\n";
+      if (head.starts_with("DELETE ")) return "HTTP/1.1 204 No Content\r\nX-Done: 1\r\n\r\n";
+      if (head.starts_with("PUT ")) return "HTTP/1.1 304 Not Modified\r\nContent-Length: 99\r\n\r\n";
+      return "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + ok_answer("after 1xx");
+    });
+    HttpTransport transport;
+    mrr::reward::Request r;
+    r.method = "HEAD";
+    auto reply = transport.send(worker.url(), r, 5s);
+    REQUIRE(reply.answered());
+    CHECK(reply.response.body.empty());
+    CHECK(header_value(reply.response.headers, "Content-Length") == "1234");  // what a GET would carry
+    CHECK(header_value(reply.response.headers, "ETag") == "\"v1\"");
+    r.method = "DELETE";
+    reply = transport.send(worker.url(), r, 5s);
+    REQUIRE(reply.answered());
+    CHECK(reply.response.status == 204);
+    CHECK(header_value(reply.response.headers, "X-Done") == "1");
+    r.method = "PUT";
+    reply = transport.send(worker.url(), r, 5s);
+    REQUIRE(reply.answered());
+    CHECK(reply.response.status == 304);
+    CHECK(reply.response.body.empty());                                         // no body despite the length
+    CHECK(header_value(reply.response.headers, "Content-Length") == "<none>");  // framing, not relayed
+    r.method = "POST";
+    reply = transport.send(worker.url(), r, 5s);
+    REQUIRE(reply.answered());
+    CHECK(reply.response.status == 200);
+    CHECK(reply.response.body == "after 1xx");
+    CHECK(header_value(reply.response.headers, "Link") == "<none>");  // the interim answer's fields go
+    CHECK(worker.connections() == 1);  // every answer was framed right: the connection stayed in step
+
+    // Through the router, the client's HEAD gets the worker's length (cpp-httplib's server wrote 0).
+    mrr::reward::RouterOptions options;
+    options.health = std::nullopt;
+    mrr::reward::HttpRouter router({worker.url()}, options);
+    mrr_test::RawClient client(router.port());
+    REQUIRE(client.send("HEAD /doc HTTP/1.1\r\nHost: x\r\n\r\n"));
+    const std::string answer = client.read_response(1000ms);  // no body follows: read what came
+    CHECK(answer.starts_with("HTTP/1.1 200 "));
+    CHECK(answer.find("\r\nContent-Length: 1234\r\n") != std::string::npos);
+    CHECK(answer.find("Content-Length: 0") == std::string::npos);
+    CHECK(answer.find("\r\nETag: \"v1\"\r\n") != std::string::npos);
+    CHECK(answer.ends_with("\r\n\r\n"));
+  }
+
+  TEST_CASE("http client: a worker answering before it reads a large body is heard, not timed out") {
+    // The worker refuses at the head (as a server with a body limit does) and never reads the
+    // 32 MiB body; cpp-httplib's client sent the whole body first and timed the attempt out.
+    ScriptedWorker worker(
+        [](const std::string&, const std::string&) {
+          return std::string(
+              "HTTP/1.1 413 Payload Too Large\r\nContent-Length: 9\r\nContent-Type: text/plain\r\n"
+              "Connection: close\r\n\r\ntoo large");
+        },
+        {.read_body = false});
+    HttpTransport transport;
+    mrr::reward::Request r;
+    r.target = "/score";
+    r.body.assign(32u << 20, 'x');
+    const auto start = std::chrono::steady_clock::now();
+    const auto reply = transport.send(worker.url(), r, 10s);
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    REQUIRE(reply.answered());
+    CHECK(reply.response.status == 413);
+    CHECK(reply.response.body == "too large");
+    CHECK(elapsed < 5s);  // generous: it is answered at once, the budget is 10 s
+
+    // Through the router the client gets the 413, and the worker stays healthy (no eviction).
+    mrr::reward::RouterOptions options;
+    options.health = std::nullopt;
+    options.dispatch.attempt_timeout = 10s;
+    options.dispatch.failures_to_evict = 1;
+    mrr::reward::HttpRouter router({worker.url()}, options);
+    httplib::Client client(router.url());
+    client.set_read_timeout(30s);
+    client.set_write_timeout(30s);
+    for (int i = 0; i < 3; ++i) {
+      const auto res = client.Post("/score", std::string(8u << 20, 'y'), "application/octet-stream");
+      REQUIRE(res);
+      CHECK(res->status == 413);
+      CHECK(res->body == "too large");
+      CHECK(res->get_header_value("X-Mrr-Attempts") == "1");
+    }
+    CHECK(router.dispatcher().stats(worker.url())->failures == 0);
+    CHECK(router.dispatcher().stats(worker.url())->healthy);
+  }
+
+  TEST_CASE("http client: a pooled connection the worker closed is not used; framings read whole") {
+    // The worker closes after each answer without saying so: the next request must not go out on
+    // the closed connection (or, caught mid-send, is sent again on a fresh one).
+    ScriptedWorker closing([](const std::string&, const std::string& body) { return ok_answer("got " + body); },
+                           {.close_after = true});
+    HttpTransport transport;
+    mrr::reward::Request r;
+    r.target = "/score";
+    for (int i = 0; i < 5; ++i) {
+      r.body = std::to_string(i);
+      const auto reply = transport.send(closing.url(), r, 5s);
+      REQUIRE(reply.answered());
+      CHECK(reply.response.body == "got " + std::to_string(i));
+    }
+    CHECK(closing.connections() == 5);
+    CHECK(closing.heads().size() == 5);  // each request reached the worker once
+
+    // Chunked (extensions and trailers), end of connection, and a body split across reads.
+    const std::string big(300000, 'z');
+    ScriptedWorker framing([&](const std::string& head, const std::string&) -> std::string {
+      if (head.starts_with("GET /chunked"))
+        return "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\n"
+               "X-Trailer: t\r\n\r\n";
+      if (head.starts_with("GET /close")) return "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end";
+      if (head.starts_with("GET /http10")) return "HTTP/1.0 200 OK\r\n\r\nold style";
+      if (head.starts_with("GET /bad")) return "HTTP/1.1 2x0 What\r\n\r\n";
+      return ok_answer(big);
+    });
+    mrr::reward::Request get;
+    get.method = "GET";
+    get.target = "/chunked";
+    auto reply = transport.send(framing.url(), get, 5s);
+    REQUIRE(reply.answered());
+    CHECK(reply.response.body == "hello world");
+    get.target = "/close";
+    reply = transport.send(framing.url(), get, 5s);
+    REQUIRE(reply.answered());
+    CHECK(reply.response.body == "until the end");
+    get.target = "/http10";
+    reply = transport.send(framing.url(), get, 5s);
+    REQUIRE(reply.answered());
+    CHECK(reply.response.body == "old style");
+    get.target = "/big";
+    reply = transport.send(framing.url(), get, 5s);
+    REQUIRE(reply.answered());
+    CHECK(reply.response.body == big);
+    get.target = "/bad";
+    reply = transport.send(framing.url(), get, 5s);
+    CHECK(reply.failure == Failure::io);
+    CHECK(reply.error.find("status line") != std::string::npos);
+    // Over max_response_bytes: by its length at once, and by a body delimited by the close.
+    mrr::reward::HttpTransportOptions small;
+    small.max_response_bytes = 1000;
+    HttpTransport limited(small);
+    get.target = "/big";
+    reply = limited.send(framing.url(), get, 5s);
+    CHECK(reply.failure == Failure::io);
+    CHECK(reply.error.find("max_response_bytes (1000 bytes)") != std::string::npos);
+    // /chunked and /close shared one connection (closed by /close), /http10 had one, /big and /bad
+    // shared one (dropped after the bad answer), and the limited transport opened its own.
+    CHECK(framing.connections() == 4);
+  }
+
+  TEST_CASE("http client: connection refused and an unresolvable host are connect failures") {
+    int port = 0;
+    {
+      ScriptedWorker gone([](const std::string&, const std::string&) { return ok_answer(""); });
+      port = gone.port();
+    }
+    HttpTransport transport;
+    mrr::reward::Request r;
+    auto reply = transport.send("http://127.0.0.1:" + std::to_string(port), r, 2s);
+    CHECK(reply.failure == Failure::connect);
+    CHECK(reply.error.find("cannot connect to http://127.0.0.1:") != std::string::npos);
+    reply = transport.send("http://no-such-host.invalid:80", r, 2s);
+    CHECK(reply.failure == Failure::connect);
+    CHECK(reply.error.find("cannot resolve 'no-such-host.invalid'") != std::string::npos);
+    CHECK_FALSE(transport.check_health("http://127.0.0.1:" + std::to_string(port), 1s));
+  }
+}
