@@ -124,6 +124,19 @@ void run_rank(const mrr::NcclCommunicator& comm, std::vector<std::string>& failu
     if (std::string(e.what()).find("send and recv buffers overlap") == std::string::npos)
       fail(std::string("overlap: unexpected message: ") + e.what());
   }
+  // a host buffer on the last rank: every rank throws before NCCL reads it
+  std::vector<float> host_block(static_cast<std::size_t>(P), 1.f);
+  try {
+    const std::span<const float> from =
+        me == P - 1 ? std::span<const float>(host_block) : std::span<const float>(d_p.cspan().first(P));
+    comm.all_to_all_v(from, std::span<const std::size_t>(ones), d_q.span().first(P),
+                      std::span<const std::size_t>(ones));
+    fail("a host buffer did not throw");
+  } catch (const mrr::InvalidArgument& e) {
+    if (std::string(e.what()).find("rank " + std::to_string(P - 1) + " passed a buffer that is not device memory") ==
+        std::string::npos)
+      fail(std::string("host buffer: unexpected message: ") + e.what());
+  }
   comm.barrier();
 }
 
@@ -134,15 +147,57 @@ int nccl_device_count() {
   return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
 }
 
-std::vector<std::string> nccl_collectives_self_test() {
+std::vector<std::string> nccl_collectives_self_test(bool blocking) {
   const int P = nccl_device_count();
   std::vector<std::string> failures;
+  // A timeout that is not positive, or so large that now() + timeout would wrap, is refused
+  // before the communicator is touched.
+  for (const auto bad :
+       {std::chrono::milliseconds(0), std::chrono::milliseconds(-5), std::chrono::milliseconds::max()}) {
+    try {
+      mrr::NcclCommunicator unused(nullptr, nullptr, bad);
+      failures.push_back("a timeout of " + std::to_string(bad.count()) + " ms was accepted");
+    } catch (const mrr::InvalidArgument& e) {
+      if (std::string(e.what()).find("the collective timeout must be in (0 ms, 10 years]") == std::string::npos)
+        failures.push_back(std::string("timeout: unexpected message: ") + e.what());
+    }
+  }
   std::vector<ncclComm_t> comms(P);
   std::vector<int> devices(P);
   for (int d = 0; d < P; ++d)
     devices[d] = d;
-  if (const ncclResult_t r = ncclCommInitAll(comms.data(), P, devices.data()); r != ncclSuccess)
-    return {std::string("ncclCommInitAll failed: ") + ncclGetErrorString(r)};
+  if (blocking) {
+    if (const ncclResult_t r = ncclCommInitAll(comms.data(), P, devices.data()); r != ncclSuccess)
+      return {std::string("ncclCommInitAll failed: ") + ncclGetErrorString(r)};
+  } else {
+    // Non-blocking communicators (ncclConfig_t::blocking = 0): NCCL calls return ncclInProgress
+    // and the communicator waits for them itself.
+    ncclUniqueId id;
+    if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
+      return {std::string("ncclGetUniqueId failed: ") + ncclGetErrorString(r)};
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclGroupStart();
+    for (int d = 0; d < P; ++d) {
+      check(cudaSetDevice(d), "cudaSetDevice");
+      const ncclResult_t r = ncclCommInitRankConfig(&comms[d], P, id, d, &config);
+      if (r != ncclSuccess && r != ncclInProgress)
+        failures.push_back(std::string("ncclCommInitRankConfig failed: ") + ncclGetErrorString(r));
+    }
+    const ncclResult_t g = ncclGroupEnd();
+    if (g != ncclSuccess && g != ncclInProgress)
+      failures.push_back(std::string("ncclGroupEnd failed: ") + ncclGetErrorString(g));
+    for (int d = 0; d < P && failures.empty(); ++d) {
+      ncclResult_t state = ncclInProgress;
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+      while (state == ncclInProgress && std::chrono::steady_clock::now() < give_up)
+        ncclCommGetAsyncError(comms[d], &state);
+      if (state != ncclSuccess)
+        failures.push_back(std::string("non-blocking init of rank ") + std::to_string(d) + ": " +
+                           ncclGetErrorString(state));
+    }
+    if (!failures.empty()) return failures;
+  }
   std::mutex mutex;
   std::vector<std::thread> threads;
   for (int d = 0; d < P; ++d) {

@@ -10,9 +10,11 @@ namespace mrr::test {
 int nccl_device_count();
 
 // Runs NcclCommunicator's collectives on every visible GPU (one rank per GPU, one thread each,
-// communicators from ncclCommInitAll) against host references: all_to_all_v with unequal and
-// zero counts, all_gather, broadcast, all_reduce_sum bitwise equal to the rank-order sum, and
-// mismatched counts throwing InvalidArgument on every rank. Returns one line per failed check.
-std::vector<std::string> nccl_collectives_self_test();
+// communicators from ncclCommInitAll, or non-blocking ones from ncclCommInitRankConfig) against
+// host references: all_to_all_v with unequal and zero counts, all_gather, broadcast,
+// all_reduce_sum bitwise equal to the rank-order sum, and mismatched counts, overlapping buffers
+// and a host buffer throwing InvalidArgument on every rank; bad timeouts refused. Returns one
+// line per failed check.
+std::vector<std::string> nccl_collectives_self_test(bool blocking);
 
 }  // namespace mrr::test

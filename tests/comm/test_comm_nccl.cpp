@@ -9,7 +9,14 @@
 
 TEST_CASE("NcclCommunicator: collectives match host references; the sum is bitwise the rank-order sum") {
   MESSAGE("ranks (GPUs): " << mrr::test::nccl_device_count());
-  const auto failures = mrr::test::nccl_collectives_self_test();
+  const auto failures = mrr::test::nccl_collectives_self_test(true);
+  for (const auto& failure : failures)
+    FAIL_CHECK(failure);
+  CHECK(failures.empty());
+}
+
+TEST_CASE("NcclCommunicator on non-blocking communicators: the same results (ncclInProgress waited for)") {
+  const auto failures = mrr::test::nccl_collectives_self_test(false);
   for (const auto& failure : failures)
     FAIL_CHECK(failure);
   CHECK(failures.empty());

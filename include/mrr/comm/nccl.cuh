@@ -6,6 +6,10 @@
 // bitwise identical on every rank. Collectives are synchronous: on return the results are in
 // place. A collective that does not finish within the timeout, or an NCCL asynchronous error,
 // throws CommunicatorError; the ncclComm_t is then unusable (abort it with ncclCommAbort).
+// Blocking and non-blocking communicators (ncclConfig_t::blocking = 0) both work: a call that
+// returns ncclInProgress is waited for (under the same timeout) before anything depends on it.
+// Buffers must be device (or managed) memory: a host buffer on any rank is an InvalidArgument on
+// every rank, found in the argument check before NCCL touches it.
 #pragma once
 
 #include <mrr/comm/detail/collective_check.hpp>
@@ -20,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <thread>
 #include <type_traits>
@@ -126,6 +131,17 @@ class NcclGroup {
   bool open_ = true;
 };
 
+// Whether NCCL can read and write p: device or managed memory (null, for an empty buffer, too).
+inline bool nccl_addressable(const void* p) {
+  if (p == nullptr) return true;
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // an address CUDA does not know: clear the sticky-free error
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
 }  // namespace detail
 
 // Models Communicator over an ncclComm_t (not owned) on one CUDA stream; call it from the thread
@@ -135,6 +151,11 @@ class NcclCommunicator {
   explicit NcclCommunicator(ncclComm_t comm, cudaStream_t stream = nullptr,
                             std::chrono::milliseconds timeout = std::chrono::minutes(10))
       : comm_(comm), stream_(stream), timeout_(timeout) {
+    // Bounded so that now() + timeout cannot overflow (a huge value meant as "never" would wrap
+    // into the past and time every collective out at once).
+    detail::require(timeout > std::chrono::milliseconds(0) && timeout <= std::chrono::hours(24 * 365 * 10),
+                    "NcclCommunicator", "the collective timeout must be in (0 ms, 10 years], got ", timeout.count(),
+                    " ms");
     detail::nccl_check(ncclCommUserRank(comm_, &rank_), comm_, "NcclCommunicator", "ncclCommUserRank");
     detail::nccl_check(ncclCommCount(comm_, &size_), comm_, "NcclCommunicator", "ncclCommCount");
   }
@@ -159,6 +180,7 @@ class NcclCommunicator {
     constexpr const char* fn = "NcclCommunicator::all_to_all_v";
     auto mine = blank_record();
     detail::describe_all_to_all_v<T>(mine, send, send_counts, recv, recv_counts);
+    flag_host_memory(mine, send.data(), recv.data());
     agree(fn, mine);
     const ncclDataType_t type = detail::nccl_datatype<T>();
     std::size_t s = 0, r = 0;
@@ -182,6 +204,7 @@ class NcclCommunicator {
     constexpr const char* fn = "NcclCommunicator::all_gather";
     auto mine = blank_record();
     detail::describe_all_gather<T>(mine, send, recv);
+    flag_host_memory(mine, send.data(), recv.data());
     agree(fn, mine);
     if (send.empty()) return;
     detail::nccl_check(
@@ -197,6 +220,7 @@ class NcclCommunicator {
     auto mine = blank_record();
     detail::describe_collective<T>(mine, detail::CollectiveOp::broadcast, data.size(),
                                    static_cast<std::uint64_t>(static_cast<std::int64_t>(root)));
+    flag_host_memory(mine, data.data(), nullptr);
     agree(fn, mine);
     if (data.empty()) return;
     detail::nccl_check(ncclBroadcast(data.data(), data.data(), data.size() * scale<T>, detail::nccl_datatype<T>(), root,
@@ -212,18 +236,30 @@ class NcclCommunicator {
     static_assert(detail::summable<T> && detail::nccl_named_type<T>,
                   "NcclCommunicator::all_reduce_sum needs float, double or a 1-, 4- or 8-byte integer");
     constexpr const char* fn = "NcclCommunicator::all_reduce_sum";
-    auto record = blank_record();
-    detail::describe_collective<T>(record, detail::CollectiveOp::all_reduce_sum, data.size());
-    agree(fn, record);
     const std::size_t n = data.size(), P = static_cast<std::size_t>(size_);
-    if (n == 0) return;
     const std::size_t chunk = (n + P - 1) / P;
+    // Scratch first: a rank that cannot allocate it must fail in the argument check below, on
+    // every rank, not after its peers have entered the exchange.
+    bool allocated = true;
+    std::optional<detail::DeviceScratch<T>> gathered, reduced, result;
+    try {
+      gathered.emplace(P * chunk, stream_, fn);
+      reduced.emplace(chunk, stream_, fn);
+      result.emplace(P * chunk, stream_, fn);
+    } catch (const CommunicatorError&) {
+      allocated = false;
+      (void)cudaGetLastError();  // the failed allocation's error is reported by the check instead
+    }
+    auto record = blank_record();
+    detail::describe_collective<T>(record, detail::CollectiveOp::all_reduce_sum, n);
+    flag_host_memory(record, data.data(), nullptr);
+    record[detail::flags_field] |= allocated ? 0 : detail::scratch_failed_flag;
+    agree(fn, record);
+    if (n == 0) return;
     auto begin = [&](std::size_t p) { return std::min(p * chunk, n); };
     auto length = [&](std::size_t p) { return begin(p + 1) - begin(p); };
     const std::size_t mine = length(static_cast<std::size_t>(rank_));
     const ncclDataType_t type = detail::nccl_datatype<T>();
-    detail::DeviceScratch<T> gathered(P * chunk, stream_, fn), reduced(chunk, stream_, fn),
-        result(P * chunk, stream_, fn);
     detail::NcclGroup group(comm_, fn);
     for (std::size_t p = 0; p < P; ++p) {
       const int peer = static_cast<int>(p);
@@ -231,20 +267,23 @@ class NcclCommunicator {
         detail::nccl_check(ncclSend(data.data() + begin(p), length(p), type, peer, comm_, stream_), comm_, fn,
                            "ncclSend");
       if (mine)
-        detail::nccl_check(ncclRecv(gathered.get() + p * chunk, mine, type, peer, comm_, stream_), comm_, fn,
+        detail::nccl_check(ncclRecv(gathered->get() + p * chunk, mine, type, peer, comm_, stream_), comm_, fn,
                            "ncclRecv");
     }
     group.end();
+    settle(fn);  // a non-blocking communicator: the receives are on the stream before the kernel
     if (mine) {
       const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((mine + 255) / 256, 4096));
-      detail::sum_rows_in_rank_order<T><<<blocks, 256, 0, stream_>>>(gathered.get(), chunk, size_, mine, reduced.get());
+      detail::sum_rows_in_rank_order<T>
+          <<<blocks, 256, 0, stream_>>>(gathered->get(), chunk, size_, mine, reduced->get());
       detail::cuda_check(cudaGetLastError(), fn, "sum_rows_in_rank_order");
     }
     // Chunk p lands at result + p * chunk = begin(p): result[0, n) is the sum.
-    detail::nccl_check(ncclAllGather(reduced.get(), result.get(), chunk, type, comm_, stream_), comm_, fn,
+    detail::nccl_check(ncclAllGather(reduced->get(), result->get(), chunk, type, comm_, stream_), comm_, fn,
                        "ncclAllGather");
-    detail::cuda_check(cudaMemcpyAsync(data.data(), result.get(), n * sizeof(T), cudaMemcpyDeviceToDevice, stream_), fn,
-                       "cudaMemcpyAsync");
+    settle(fn);
+    detail::cuda_check(cudaMemcpyAsync(data.data(), result->get(), n * sizeof(T), cudaMemcpyDeviceToDevice, stream_),
+                       fn, "cudaMemcpyAsync");
     wait(fn);
   }
 
@@ -252,23 +291,52 @@ class NcclCommunicator {
   template <class T>
   static constexpr std::size_t scale = detail::nccl_named_type<T> ? 1 : sizeof(T);
 
+  [[noreturn]] void timed_out(const char* function) const {
+    throw CommunicatorError(detail::str("mrr::", function, ": not finished after ", timeout_.count(),
+                                        " ms (a peer died or skipped the collective?); abort the communicator with "
+                                        "ncclCommAbort"));
+  }
+
+  // The NCCL state: false while a non-blocking communicator's last call is still in progress
+  // (ncclInProgress); an asynchronous error throws.
+  bool nccl_ready(const char* function) const {
+    ncclResult_t async = ncclSuccess;
+    detail::nccl_check(ncclCommGetAsyncError(comm_, &async), comm_, function, "ncclCommGetAsyncError");
+    if (async == ncclInProgress) return false;
+    detail::nccl_check(async, comm_, function, "a pending NCCL operation");
+    return true;
+  }
+
+  // Waits until the last NCCL call has put its work on the stream: at once for a blocking
+  // communicator; a non-blocking one's ncclInProgress is polled, under the timeout.
+  void settle(const char* function) const {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (!nccl_ready(function)) {
+      if (std::chrono::steady_clock::now() > deadline) timed_out(function);
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
   // Waits for the stream, watching NCCL's asynchronous error and the timeout, so a dead peer
-  // ends in an exception instead of a hang.
+  // ends in an exception instead of a hang. A non-blocking communicator's call still in progress
+  // has not reached the stream yet, so an idle stream alone does not mean done.
   void wait(const char* function) const {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     for (;;) {
-      const cudaError_t state = cudaStreamQuery(stream_);
-      if (state == cudaSuccess) return;
-      if (state != cudaErrorNotReady) detail::cuda_check(state, function, "the stream");
-      ncclResult_t async = ncclSuccess;
-      detail::nccl_check(ncclCommGetAsyncError(comm_, &async), comm_, function, "ncclCommGetAsyncError");
-      detail::nccl_check(async, comm_, function, "a pending NCCL operation");
-      if (std::chrono::steady_clock::now() > deadline)
-        throw CommunicatorError(detail::str("mrr::", function, ": not finished after ", timeout_.count(),
-                                            " ms (a peer died or skipped the collective?); abort the communicator with "
-                                            "ncclCommAbort"));
+      if (nccl_ready(function)) {
+        const cudaError_t state = cudaStreamQuery(stream_);
+        if (state == cudaSuccess) return;
+        if (state != cudaErrorNotReady) detail::cuda_check(state, function, "the stream");
+      }
+      if (std::chrono::steady_clock::now() > deadline) timed_out(function);
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
+  }
+
+  // Marks the record when a buffer is host memory, so the check fails on every rank.
+  static void flag_host_memory(std::span<std::uint64_t> record, const void* a, const void* b) {
+    if (!detail::nccl_addressable(a) || !detail::nccl_addressable(b))
+      record[detail::flags_field] |= detail::host_memory_flag;
   }
 
   std::vector<std::uint64_t> blank_record() const {

@@ -100,6 +100,8 @@ inline std::string describe_call(std::uint64_t op, std::uint64_t tag) {
 enum RecordField : std::size_t { op_field, type_field, a_field, b_field, c_field, d_field, flags_field, counts_field };
 inline constexpr std::uint64_t buffers_overlap_flag = 1;
 inline constexpr std::uint64_t malformed_row_blocks_flag = 2;  // all_to_all_rows (comm/row_blocks.hpp)
+inline constexpr std::uint64_t host_memory_flag = 4;           // NcclCommunicator: a buffer NCCL cannot read
+inline constexpr std::uint64_t scratch_failed_flag = 8;        // NcclCommunicator: its scratch memory could not be had
 
 inline std::size_t collective_record_width(int ranks) {
   return counts_field + 2 * static_cast<std::size_t>(ranks);
@@ -176,6 +178,14 @@ inline void check_collective(std::string_view function, int ranks, std::span<con
     require((at(r, flags_field) & buffers_overlap_flag) == 0, function, "rank ", r,
             "'s send and recv buffers overlap (in-place ", collective_name(at(r, op_field)),
             " is not supported: the transport reads one while it writes the other; use separate buffers)");
+  }
+  for (std::size_t r = 0; r < P; ++r) {
+    require((at(r, flags_field) & host_memory_flag) == 0, function, "rank ", r, " passed a buffer that is not device ",
+            "memory (NCCL reads and writes device or managed memory only; host data goes through another ",
+            "communicator or is copied to the device first)");
+    if ((at(r, flags_field) & scratch_failed_flag) != 0)
+      throw CommunicatorError(
+          str("mrr::", function, ": rank ", r, " could not allocate its scratch device memory for the collective"));
   }
   auto within_limit = [&](std::uint64_t n, const char* what, std::size_t rank) {
     require(n <= count_limit, function, "rank ", rank, "'s ", what, " (", n,
