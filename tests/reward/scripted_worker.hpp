@@ -6,6 +6,8 @@
 // so in the answer); it also closes after an answer that says Connection: close or is HTTP/1.0.
 #pragma once
 
+#include "loopback_listener.hpp"
+
 #include <arpa/inet.h>
 #include <doctest/doctest.h>
 #include <netinet/in.h>
@@ -33,34 +35,13 @@ class ScriptedWorker {
   using Script = std::function<std::string(const std::string& head, const std::string& body)>;
 
   explicit ScriptedWorker(Script script, Options options) : script_(std::move(script)), options_(options) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    REQUIRE(listen_fd_ >= 0);
-    const int one = 1;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-    REQUIRE(::listen(listen_fd_, 64) == 0);
-    socklen_t len = sizeof addr;
-    REQUIRE(::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-    port_ = ntohs(addr.sin_port);
-    acceptor_ = std::thread([this] { accept_loop(); });
+    listener_.start([this](int fd) { serve(fd); });
   }
   explicit ScriptedWorker(Script script) : ScriptedWorker(std::move(script), Options{}) {}
-  ScriptedWorker(const ScriptedWorker&) = delete;
-  ScriptedWorker& operator=(const ScriptedWorker&) = delete;
-  ~ScriptedWorker() {
-    stop_ = true;
-    acceptor_.join();
-    for (auto& t : connections_)
-      t.join();
-    ::close(listen_fd_);
-  }
 
-  [[nodiscard]] std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
-  [[nodiscard]] int port() const { return port_; }
-  [[nodiscard]] int connections() const { return accepted_.load(); }
+  [[nodiscard]] std::string url() const { return listener_.url(); }
+  [[nodiscard]] int port() const { return listener_.port(); }
+  [[nodiscard]] int connections() const { return listener_.connections(); }
   [[nodiscard]] std::vector<std::string> heads() const {
     std::lock_guard lock(mutex_);
     return heads_;
@@ -71,20 +52,9 @@ class ScriptedWorker {
   }
 
  private:
-  void accept_loop() {
-    while (!stop_) {
-      pollfd p{listen_fd_, POLLIN, 0};
-      if (::poll(&p, 1, 20) <= 0) continue;
-      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) continue;
-      ++accepted_;
-      connections_.emplace_back([this, fd] { serve(fd); });
-    }
-  }
-
   // Appends what arrives within 20 ms; false once the client closed or the worker stops.
   bool receive(int fd, std::string& in) {
-    while (!stop_) {
+    while (!listener_.stopping()) {
       pollfd p{fd, POLLIN, 0};
       if (::poll(&p, 1, 20) <= 0) continue;
       char buf[65536];
@@ -126,13 +96,11 @@ class ScriptedWorker {
         if (n <= 0) return finish(fd);
         sent += static_cast<std::size_t>(n);
       }
-      if (options_.close_after || answer.starts_with("HTTP/1.0") ||
-          answer.find("\r\nConnection: close\r\n") < answer.find("\r\n\r\n")) {
-        if (options_.read_body) return finish(fd);
-      }
-      if (options_.close_after) return finish(fd);
+      const bool says_close =
+          answer.starts_with("HTTP/1.0") || answer.find("\r\nConnection: close\r\n") < answer.find("\r\n\r\n");
+      if (options_.close_after || (says_close && options_.read_body)) return finish(fd);
       if (!options_.read_body) {  // never reads what follows: waits for the client to go
-        while (!stop_) {
+        while (!listener_.stopping()) {
           pollfd p{fd, POLLRDHUP, 0};
           if (::poll(&p, 1, 20) > 0) break;
         }
@@ -145,14 +113,9 @@ class ScriptedWorker {
 
   Script script_;
   Options options_;
-  int listen_fd_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::atomic<int> accepted_{0};
   mutable std::mutex mutex_;
   std::vector<std::string> heads_, bodies_;
-  std::vector<std::thread> connections_;  // touched by the acceptor thread only, joined after it
-  std::thread acceptor_;
+  LoopbackListener listener_;  // last: its threads are joined first
 };
 
 }  // namespace mrr_test

@@ -345,26 +345,16 @@ class HttpExchange {
         std::string_view rest = value;
         do {
           const auto comma = rest.find(',');
-          std::string_view item = rest.substr(0, comma);
-          while (!item.empty() && (item.front() == ' ' || item.front() == '\t'))
-            item.remove_prefix(1);
-          while (!item.empty() && (item.back() == ' ' || item.back() == '\t'))
-            item.remove_suffix(1);
-          const auto parsed = parse_content_length(item);
+          const auto parsed = parse_content_length(rest.substr(0, comma));  // trims the item
           if (!parsed || (length && *length != *parsed)) return io("the worker's Content-Length is not one number");
           length = parsed;
           rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
         } while (!rest.empty());
       } else if (iequals(name, "Transfer-Encoding")) {
         transfer_coded = true;
-        std::string_view v = value;
-        while (!v.empty() && (v.back() == ' ' || v.back() == '\t'))
-          v.remove_suffix(1);
-        const auto comma = v.rfind(',');
-        std::string_view last = comma == std::string_view::npos ? v : v.substr(comma + 1);
-        while (!last.empty() && (last.front() == ' ' || last.front() == '\t'))
-          last.remove_prefix(1);
-        chunked = iequals(last, "chunked");
+        const std::string_view v = value;
+        const auto comma = v.rfind(',');  // the last coding decides
+        chunked = iequals(trim_ows(comma == std::string_view::npos ? v : v.substr(comma + 1)), "chunked");
       } else if (iequals(name, "Connection")) {
         close = close || named_in_connection({{name, value}}, "close");
         if (!http11 && named_in_connection({{name, value}}, "keep-alive")) close = false;

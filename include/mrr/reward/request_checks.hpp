@@ -52,6 +52,15 @@ inline bool is_digit(char c) noexcept { return c >= '0' && c <= '9'; }
 inline bool is_alpha(char c) noexcept { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 inline bool is_hex(char c) noexcept { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
 
+// `text` without the optional whitespace (SP, HTAB) around it (RFC 9110 §5.6.3).
+inline std::string_view trim_ows(std::string_view text) noexcept {
+  while (!text.empty() && (text.front() == ' ' || text.front() == '\t'))
+    text.remove_prefix(1);
+  while (!text.empty() && (text.back() == ' ' || text.back() == '\t'))
+    text.remove_suffix(1);
+  return text;
+}
+
 // A DNS name or an IPv4 address: labels of letters, digits and '-', separated by single dots.
 inline bool is_reg_name(std::string_view host) noexcept {
   if (host.empty() || host.size() > 253 || host.front() == '.' || host.front() == '-') return false;
@@ -200,11 +209,7 @@ inline bool bearer_token_matches(std::string_view authorization, std::string_vie
   constexpr std::string_view scheme = "Bearer ";
   if (authorization.size() < scheme.size() || !detail::iequals(authorization.substr(0, scheme.size()), scheme))
     return false;
-  std::string_view presented = authorization.substr(scheme.size());
-  while (!presented.empty() && (presented.front() == ' ' || presented.front() == '\t'))
-    presented.remove_prefix(1);
-  while (!presented.empty() && (presented.back() == ' ' || presented.back() == '\t'))
-    presented.remove_suffix(1);
+  const std::string_view presented = detail::trim_ows(authorization.substr(scheme.size()));
   return constant_time_equals(presented, token);
 }
 
@@ -260,11 +265,7 @@ inline bool named_in_connection(const Headers& headers, std::string_view name) {
     std::string_view tokens = value;
     while (!tokens.empty()) {
       const auto comma = tokens.find(',');
-      std::string_view token = tokens.substr(0, comma);
-      while (!token.empty() && (token.front() == ' ' || token.front() == '\t'))
-        token.remove_prefix(1);
-      while (!token.empty() && (token.back() == ' ' || token.back() == '\t'))
-        token.remove_suffix(1);
+      const std::string_view token = detail::trim_ows(tokens.substr(0, comma));
       if (detail::iequals(token, name)) return true;
       tokens = comma == std::string_view::npos ? std::string_view{} : tokens.substr(comma + 1);
     }
@@ -300,10 +301,7 @@ namespace detail {
 
 // A Content-Length value: 1*DIGIT, at most 19 digits (fits in 63 bits).
 inline std::optional<std::uint64_t> parse_content_length(std::string_view text) noexcept {
-  while (!text.empty() && (text.front() == ' ' || text.front() == '\t'))
-    text.remove_prefix(1);
-  while (!text.empty() && (text.back() == ' ' || text.back() == '\t'))
-    text.remove_suffix(1);
+  text = trim_ows(text);
   if (text.empty() || text.size() > 19) return std::nullopt;
   std::uint64_t value = 0;
   for (const char c : text) {
@@ -406,10 +404,7 @@ inline std::optional<RequestRejection> parse_field_line(std::string_view line, s
       return RequestRejection{400, "bad_request",
                               mrr::detail::str("the value of header field '", quoted_name(name),
                                                "' holds the control byte ", byte_name(c), " (RFC 9110 §5.5)")};
-  while (!value.empty() && (value.front() == ' ' || value.front() == '\t'))
-    value.remove_prefix(1);
-  while (!value.empty() && (value.back() == ' ' || value.back() == '\t'))
-    value.remove_suffix(1);
+  value = trim_ows(value);
   out.emplace_back(std::string(name), std::string(value));
   return std::nullopt;
 }
@@ -474,11 +469,7 @@ inline HeadCheck check_request_head(std::string_view target, const Headers& head
         rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
       } while (!rest.empty());
     } else if (detail::iequals(name, "Transfer-Encoding")) {
-      std::string_view v = value;
-      while (!v.empty() && (v.front() == ' ' || v.front() == '\t'))
-        v.remove_prefix(1);
-      while (!v.empty() && (v.back() == ' ' || v.back() == '\t'))
-        v.remove_suffix(1);
+      const std::string_view v = detail::trim_ows(value);
       if (chunked || !detail::iequals(v, "chunked"))
         return detail::reject(501, "not_implemented", "only a single Transfer-Encoding: chunked is supported");
       chunked = true;
