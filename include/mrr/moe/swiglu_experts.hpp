@@ -115,7 +115,8 @@ class SwiGLUExperts {
   // forward into caller memory: out [n, H] (a block of a larger matrix is fine). Rows are taken
   // in blocks of row_block() from the first, so the activations of a block stay in cache and
   // nothing is allocated after a thread's first call; each output row depends on its own input
-  // row only. Safe to call concurrently for different experts (scratch is per thread).
+  // row only, bit for bit, whatever other rows the call holds (rows_times below). Safe to call
+  // concurrently for different experts (scratch is per thread).
   void forward_into(int local, MatrixRef<Scalar> rows, Eigen::Ref<RowMatrix<Scalar>> out) const {
     forward_rows(local, rows, out, nullptr);
   }
@@ -185,15 +186,15 @@ class SwiGLUExperts {
       Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> gu(gu_rows, n, 2 * I, Eigen::OuterStride<>(stride));
       auto g = gu.leftCols(I);
       auto u = gu.rightCols(I);
-      g.noalias() = x * w_gate_[e].transpose();
-      u.noalias() = x * w_up_[e].transpose();
+      rows_times(g, x, w_gate_[e].transpose(), false);
+      rows_times(u, x, w_up_[e].transpose(), false);
       auto a = s.block(0, n);
       // silu(g) * u = g * sigmoid(g) * u, element by element (detail::sigmoid_each): the bits of
       // each element depend on its values only, not on the scratch's address (so on the thread).
       a = g;
       detail::sigmoid_each(a.data(), n * I);
       a.array() = g.array() * a.array() * u.array();
-      out.middleRows(r0, n).noalias() = a * w_down_[e].transpose();
+      rows_times(out.middleRows(r0, n), a, w_down_[e].transpose(), false);
     }
   }
 
@@ -221,8 +222,8 @@ class SwiGLUExperts {
         stride = saved->outerStride();
       } else {
         auto gu = s.pair(0, n);  // [n, 2I] in scratch blocks 0 and 1
-        gu.leftCols(I).noalias() = x * w_gate_[e].transpose();
-        gu.rightCols(I).noalias() = x * w_up_[e].transpose();
+        rows_times(gu.leftCols(I), x, w_gate_[e].transpose(), false);
+        rows_times(gu.rightCols(I), x, w_up_[e].transpose(), false);
         g_rows = gu.data();
         stride = 2 * I;
       }
@@ -238,7 +239,7 @@ class SwiGLUExperts {
       detail::sigmoid_each(sg.data(), n * I);
       a.array() = g.array() * sg.array() * u.array();
       grads.w_down[e].noalias() += dy.transpose() * a;
-      a.noalias() = dy * w_down_[e];  // d a
+      rows_times(a, dy, w_down_[e], false);  // d a
       // d g = d a * u * silu'(g), silu'(g) = s (1 + g (1 - s)); d u = d a * silu(g)
       for (Eigen::Index r = 0; r < n; ++r) {
         const Scalar* gr = g_rows + r * stride;
@@ -256,9 +257,47 @@ class SwiGLUExperts {
       grads.w_up[e].noalias() += du.transpose() * x;
       grads.w_gate[e].noalias() += dg.transpose() * x;
       auto dx = grad_in.middleRows(r0, n);
-      dx.noalias() = dg * w_gate_[e];
-      dx.noalias() += du * w_up_[e];
+      rows_times(dx, dg, w_gate_[e], false);
+      rows_times(dx, du, w_up_[e], true);
     }
+  }
+
+  // dst = lhs * rhs (or +=) for a block of rows, every row through the same GEMM kernel. Eigen
+  // computes the rows of a product (the columns of its column-major problem) in groups of
+  // kColumnBlock, and the rows past the last whole group (one row above all: a matrix-vector
+  // product) with other kernels whose bits differ, so a row's result would depend on how many
+  // other rows share its expert. The last lhs.rows() % kColumnBlock rows are therefore computed
+  // padded to a whole group (zero rows, whose results are dropped). The reductions over rows (the
+  // parameter gradients) take the block as it is.
+  static constexpr Eigen::Index kColumnBlock = Eigen::internal::gebp_traits<Scalar, Scalar>::nr;
+
+  template <class Dst, class Lhs, class Rhs>
+  void rows_times(Dst&& dst, const Lhs& lhs, const Rhs& rhs, bool accumulate) const {
+    const Eigen::Index n = lhs.rows(), whole = n - n % kColumnBlock, rest = n - whole;
+    if (whole > 0) {
+      if (accumulate)
+        dst.topRows(whole).noalias() += lhs.topRows(whole) * rhs;
+      else
+        dst.topRows(whole).noalias() = lhs.topRows(whole) * rhs;
+    }
+    if (rest == 0) return;
+    thread_local std::vector<Scalar> in_buffer, out_buffer;  // grow only
+    const auto in_size = static_cast<std::size_t>(kColumnBlock * lhs.cols());
+    const auto out_size = static_cast<std::size_t>(kColumnBlock * rhs.cols());
+    if (in_buffer.size() < in_size) in_buffer.resize(in_size);
+    if (out_buffer.size() < out_size) out_buffer.resize(out_size);
+    Eigen::Map<RowMatrix<Scalar>> in(in_buffer.data(), kColumnBlock, lhs.cols());
+    Eigen::Map<RowMatrix<Scalar>> out(out_buffer.data(), kColumnBlock, rhs.cols());
+    in.topRows(rest) = lhs.bottomRows(rest);
+    in.bottomRows(kColumnBlock - rest).setZero();
+    if (accumulate) {
+      out.topRows(rest) = dst.bottomRows(rest);
+      out.bottomRows(kColumnBlock - rest).setZero();
+      out.noalias() += in * rhs;
+    } else {
+      out.noalias() = in * rhs;
+    }
+    dst.bottomRows(rest) = out.topRows(rest);
   }
 
   // Per-thread activations of one row block: `count` [row_block, I] matrices in one allocation
