@@ -15,6 +15,9 @@ cmake --build "$build" --parallel "$jobs" --target moe_grpo
 out="${MRR_DEMO_OUT:-$build/moe_grpo_demo}"
 mkdir -p "$out"
 steps="${MRR_DEMO_STEPS:-30}"
+for a in "$@"; do  # a steps= given here goes to every run (after ours): report that count
+  case "$a" in steps=*|trainer.total_training_steps=*) steps="${a#*=}" ;; esac
+done
 read -r -a seeds <<<"${MRR_DEMO_SEEDS:-1}"
 model=()
 if [[ "${MRR_DEMO_MODEL:-realistic}" != small ]]; then

@@ -10,13 +10,14 @@
 // Writes <trainer.default_local_dir>/<experiment>.csv (one row per step) and prints a summary.
 #include "options.hpp"
 
+#include <unistd.h>
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <stdexcept>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 #if MOE_GRPO_WITH_MPI
@@ -57,6 +58,7 @@ void write_csv_row(std::ostream& out, const StepMetrics& m) {
                 m.entropy);
   out << line;
   out.flush();
+  if (!out) throw std::runtime_error("writing a CSV row failed (disk full?)");
 }
 
 // A progress bar on a terminal, plain lines otherwise (logs, CI, pipes).
@@ -130,8 +132,10 @@ int run_rank(const moe_grpo::RunOptions& o, Comm comm, std::vector<StepMetrics>*
   std::unique_ptr<Progress> progress;
   if (root) {
     std::filesystem::create_directories(o.output_dir);
-    csv.open(std::filesystem::path(o.output_dir) / (o.experiment + ".csv"));
+    const auto csv_path = std::filesystem::path(o.output_dir) / (o.experiment + ".csv");
+    csv.open(csv_path);
     csv << kCsvHeader << "\n";
+    if (!csv) throw std::runtime_error("cannot write " + csv_path.string());
     progress = std::make_unique<Progress>(o.train.steps, o.experiment, o.progress);
   }
   trainer.run([&](const StepMetrics& m) {

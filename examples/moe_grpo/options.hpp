@@ -206,7 +206,20 @@ inline RunOptions parse_options(const std::vector<std::string>& args) {
     } else if (a == "--config" && i + 1 < args.size()) {
       apply_config_file(o, args[++i]);
     } else if (a.find('=') != std::string::npos) {
-      overrides.push_back(a);
+      std::string_view body = a;
+      while (!body.empty() && body.front() == '+')
+        body.remove_prefix(1);
+      if (body.starts_with("mode=")) {
+        // The short form stands for both keys it sets, in its place, so a later full-name key
+        // (or a later mode=) wins as anywhere else on the command line.
+        mrr::ReplayConfig parsed;
+        parsed.set(mrr::ReplayConfig::kMode, body.substr(5));
+        overrides.push_back(std::string(mrr::ReplayConfig::kMode) + "=" + std::string(body.substr(5)));
+        overrides.push_back(std::string(mrr::ReplayConfig::kRolloutReplay) + "=" +
+                            (parsed.mode == mrr::ReplayMode::R3 ? "true" : "false"));
+      } else {
+        overrides.push_back(a);
+      }
     } else {
       throw mrr::ConfigError("unexpected argument '" + a + "' (options are key=value; see --help)");
     }

@@ -259,3 +259,20 @@ TEST_CASE("--config: a repeated key anywhere, a list, several documents or a FIF
         std::string::npos);
 }
 #endif
+
+TEST_CASE("mode= stands for its two keys in its place: a later full-name key or mode= wins") {
+  RunOptions o = parse_options({"mode=R3"});
+  CHECK(o.train.replay.mode == mrr::ReplayMode::R3);
+  CHECK(o.train.replay.enable_rollout_routing_replay);
+  o = parse_options({"mode=R3", "actor_rollout_ref.actor.router_replay.mode=R2",
+                     "actor_rollout_ref.rollout.enable_rollout_routing_replay=false"});
+  CHECK(o.train.replay.mode == mrr::ReplayMode::R2);
+  CHECK_FALSE(o.train.replay.enable_rollout_routing_replay);
+  o = parse_options({"mode=R3", "mode=disabled"});
+  CHECK(o.train.replay.mode == mrr::ReplayMode::disabled);
+  CHECK_FALSE(o.train.replay.enable_rollout_routing_replay);
+  // R3 with its rollout flag turned off afterwards is the contradiction validate() refuses (it
+  // ran R3 before: the alias was applied last).
+  CHECK(error_of({"mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=false"}) != "(accepted)");
+  CHECK(error_of({"mode=R4"}).find("R4") != std::string::npos);
+}
