@@ -8,6 +8,7 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/regular_file.hpp>
 #include <mrr/detail/str.hpp>
 #include <mrr/reward/request_checks.hpp>
 #include <mrr/reward/transport.hpp>
@@ -46,33 +47,8 @@ struct HttpTransportOptions {
 
 namespace detail {
 
-// An owned socket descriptor.
-class Socket {
- public:
-  Socket() = default;
-  explicit Socket(int fd) noexcept : fd_(fd) {}
-  Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Socket& operator=(Socket&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  Socket(const Socket&) = delete;
-  Socket& operator=(const Socket&) = delete;
-  ~Socket() { reset(); }
-
-  [[nodiscard]] int get() const noexcept { return fd_; }
-  [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
-  void reset() noexcept {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
+// An owned socket descriptor (the project's file-descriptor owner).
+using Socket = mrr::detail::UniqueFd;
 
 // Why an exchange gave no answer: the dispatcher's failure class and a message. `stale`: a reused
 // keep-alive connection was closed by the worker before any byte of an answer came (the worker
@@ -120,9 +96,9 @@ inline std::variant<Socket, ClientError> connect_to(const WorkerUrl& url, TimePo
   std::string last = "no address";
   Failure failure = Failure::connect;
   Socket out;
-  for (addrinfo* ai = found; ai != nullptr && !out; ai = ai->ai_next) {
+  for (addrinfo* ai = found; ai != nullptr && out.get() < 0; ai = ai->ai_next) {
     Socket s(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-    if (!s) {
+    if (s.get() < 0) {
       last = std::strerror(errno);
       continue;
     }
@@ -146,7 +122,7 @@ inline std::variant<Socket, ClientError> connect_to(const WorkerUrl& url, TimePo
     out = std::move(s);
   }
   ::freeaddrinfo(found);
-  if (!out) return ClientError{failure, mrr::detail::str("cannot connect to ", url.origin(), ": ", last)};
+  if (out.get() < 0) return ClientError{failure, mrr::detail::str("cannot connect to ", url.origin(), ": ", last)};
   return out;
 }
 

@@ -62,7 +62,7 @@ class HttpTransport {
     // request goes once more, on a fresh connection.
     for (int round = 0;; ++round) {
       detail::Socket connection = round == 0 ? take_idle(*ep) : detail::Socket{};
-      const bool reused = static_cast<bool>(connection);
+      const bool reused = connection.get() >= 0;
       if (!reused) {
         auto made =
             detail::connect_to(ep->url, std::min(deadline, detail::saturating_add(start, options_.connect_timeout)));
