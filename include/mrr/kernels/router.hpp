@@ -78,16 +78,23 @@ MRR_HOST_DEVICE inline bool valid_logits(const T* z, int n, int& finite) {
   return bad == 0;
 }
 
+// The first slot of a row of k expert ids that repeats an earlier slot's id, or -1 (a token holds
+// one place of an expert at most).
+template <class Id>
+MRR_HOST_DEVICE inline int repeated_slot(const Id* id, int k) {
+  for (int j = 1; j < k; ++j)
+    for (int i = 0; i < j; ++i)
+      if (id[i] == id[j]) return j;
+  return -1;
+}
+
 // Replayed ids: each in [0, num_experts) and distinct within the row. Compared in the caller's
 // integer type, so an int64 id of 2^32 + e is out of range, never e.
 template <class Id>
 MRR_HOST_DEVICE inline bool valid_replay_row(const Id* id, int k, int num_experts) {
-  for (int j = 0; j < k; ++j) {
+  for (int j = 0; j < k; ++j)
     if (id[j] < 0 || id[j] >= static_cast<Id>(num_experts)) return false;
-    for (int i = 0; i < j; ++i)
-      if (id[i] == id[j]) return false;
-  }
-  return true;
+  return repeated_slot(id, k) < 0;
 }
 
 // The checks of a native row: valid logits, and at least k finite ones (a top-k that must take a

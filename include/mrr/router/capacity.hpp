@@ -11,6 +11,7 @@
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
 #include <mrr/kernels/capacity.hpp>
+#include <mrr/kernels/router.hpp>
 #include <mrr/router/config.hpp>
 #include <mrr/router/permute.hpp>
 #include <mrr/router/routing.hpp>
@@ -105,9 +106,7 @@ void drop_over_capacity(Routing<T>& routing, int num_experts, double capacity_fa
                   detail::shape_of(routing.weights), " for ids of shape ", detail::shape_of(routing.ids));
   for (Eigen::Index t = 0; t < tokens; ++t) {
     const std::int32_t* row = routing.ids.data() + t * k;
-    for (int j = 0; j < k; ++j)
-      for (int i = 0; i < j; ++i)
-        if (row[i] == row[j]) detail::reject_invalid_ids(row, k, num_experts, t, fn);
+    if (kernels::repeated_slot(row, k) >= 0) detail::reject_invalid_ids(row, k, num_experts, t, fn);
   }
   detail::drop_over_capacity_unchecked(routing, num_experts, capacity_factor, policy);
 }

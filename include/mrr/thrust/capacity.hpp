@@ -33,9 +33,10 @@
 
 #include <mrr/detail/config.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/capacity.hpp>
+#include <mrr/kernels/router.hpp>
 #include <mrr/router/capacity.hpp>
 #include <mrr/router/config.hpp>
-#include <mrr/kernels/capacity.hpp>
 #include <mrr/thrust/backend.hpp>
 #include <mrr/thrust/execution.hpp>
 #include <mrr/thrust/permute.hpp>
@@ -199,13 +200,8 @@ struct FindRepeatedExpert {
   long* bad;
   int topk;
   MRR_HOST_DEVICE void operator()(long t) const {
-    const Id* row = ids + t * topk;
-    for (int j = 1; j < topk; ++j)
-      for (int i = 0; i < j; ++i)
-        if (row[i] == row[j]) {
-          atomic_lower(bad, t * topk + j);
-          return;
-        }
+    const int j = mrr::kernels::repeated_slot(ids + t * topk, topk);
+    if (j >= 0) atomic_lower(bad, t * topk + j);
   }
 };
 
