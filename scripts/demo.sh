@@ -50,24 +50,42 @@ if [[ "${1:-}" == full ]]; then
   # MRR_DEMO_GRID_TABLE_ONLY=1: no training, the table of the CSVs already in $out (a grid trained
   # in parts).
   [[ "${MRR_DEMO_GRID_TABLE_ONLY:-0}" == 1 ]] && seeds_to_train=() || seeds_to_train=("${seeds[@]}")
+  pids=(); names=()
   for seed in "${seeds_to_train[@]}"; do
     for regime in "${regimes[@]}"; do
       for gm in "${grid_modes[@]}"; do
         tis=(); mode="${gm%+TIS}"
         [[ "$gm" == *+TIS ]] && tis=(algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2)
+        name="${gm/+/_}_${regime%%:*}.seed$seed"
         run=("$build/examples/moe_grpo/moe_grpo" --no-progress mode="$mode" steps="$steps" seed="$seed" out="$out"
              data.train_batch_size="$batch" actor_rollout_ref.actor.ppo_mini_batch_size="${regime#*:}"
-             name="${gm/+/_}_${regime%%:*}.seed$seed" "${model[@]}" "${tis[@]}" "$@")
+             name="$name" "${model[@]}" "${tis[@]}" "$@")
+        # Each run's output in <out>/<name>.log; a run that fails (or prints no summary) fails the
+        # grid once every run has ended, with its log's last lines.
         if (( jobs_max > 1 )); then
-          OMP_NUM_THREADS=1 "${run[@]}" >/dev/null 2>&1 &
-          while (( $(jobs -rp | wc -l) >= jobs_max )); do wait -n; done
+          OMP_NUM_THREADS=1 "${run[@]}" >"$out/$name.log" 2>&1 &
+          pids+=("$!"); names+=("$name")
+          while (( $(jobs -rp | wc -l) >= jobs_max )); do wait -n || true; done
         else
-          "${run[@]}" 2>/dev/null | grep '^summary' >/dev/null
+          "${run[@]}" >"$out/$name.log" 2>&1 || true
+          names+=("$name")
         fi
       done
     done
   done
-  wait
+  failed=()
+  for i in "${!names[@]}"; do
+    status=0
+    if (( jobs_max > 1 )); then wait "${pids[$i]}" || status=$?; fi
+    if (( status != 0 )) || ! grep -q '^summary' "$out/${names[$i]}.log"; then failed+=("${names[$i]}"); fi
+  done
+  if (( ${#failed[@]} > 0 )); then
+    for name in "${failed[@]}"; do
+      echo "moe_grpo run $name failed; the end of $out/$name.log:" >&2
+      tail -n 5 "$out/$name.log" >&2
+    done
+    exit 1
+  fi
   {
     printf '%-13s %-5s %7s  %-20s %9s %8s %9s %9s %8s  %s\n' mode regime reward "(per seed)" decisions tokens "k3 mean" \
       "floor k3" "F(2)" "collapse step per seed"

@@ -131,7 +131,6 @@ int run_rank(const moe_grpo::RunOptions& o, Comm comm, std::vector<StepMetrics>*
   std::ofstream csv;
   std::unique_ptr<Progress> progress;
   if (root) {
-    std::filesystem::create_directories(o.output_dir);
     const auto csv_path = std::filesystem::path(o.output_dir) / (o.experiment + ".csv");
     csv.open(csv_path);
     csv << kCsvHeader << "\n";
@@ -161,6 +160,8 @@ int main(int argc, char** argv) {
     }
   try {
     const moe_grpo::RunOptions o = moe_grpo::parse_options(args);
+    // Before the trainer opens a record_file, which may lie inside it.
+    std::filesystem::create_directories(o.output_dir);
     std::vector<StepMetrics> metrics;
     int ranks = o.ranks, rank = 0;
 #if MOE_GRPO_WITH_MPI

@@ -33,18 +33,14 @@ namespace detail {
 
 template <class T>
 T parse_number(std::string_view key, std::string_view v) {
-  T out{};
-  if constexpr (std::is_floating_point_v<T>) {
-    try {
-      std::size_t used = 0;
-      const double d = std::stod(std::string(v), &used);
-      if (used == v.size()) return static_cast<T>(d);
-    } catch (const std::exception&) {
-    }
-  } else {
-    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
-    if (ec == std::errc() && end == v.data() + v.size()) return out;
-  }
+  // The whole value, nothing around it (std::stod skipped leading spaces); YAML's one leading '+'.
+  std::string_view digits = v;
+  if constexpr (std::is_floating_point_v<T>)
+    if (digits.size() > 1 && digits[0] == '+' && digits[1] != '-' && digits[1] != '+') digits.remove_prefix(1);
+  // Reals as doubles, then narrowed: a float option given 1e39 is inf, which its range refuses.
+  std::conditional_t<std::is_floating_point_v<T>, double, T> out{};
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), out);
+  if (!digits.empty() && ec == std::errc() && end == digits.data() + digits.size()) return static_cast<T>(out);
   throw mrr::ConfigError(std::string(key) + ": cannot parse '" + std::string(v) + "' as a number");
 }
 

@@ -61,6 +61,7 @@ inline constexpr std::string_view expert_hidden = "actor_rollout_ref.model.moe_i
 // The example's limits, checked before anything is sized: below them every count and offset fits
 // an int and a step's memory stays within a few GiB. verl's recipes sit far inside them.
 inline constexpr int kMaxSequencesPerStep = 65536;  // data.train_batch_size x rollout.n
+inline constexpr int kMaxSteps = 1 << 24;           // trainer.total_training_steps (a uid's 24 step bits)
 inline constexpr int kMaxDimension = 65536;         // num_experts, hidden_size, moe_intermediate_size
 inline constexpr std::int64_t kMaxParameters = std::int64_t{1} << 28;  // 1 GiB of floats; AdamW keeps 3 more copies
 inline constexpr int kMaxPpoEpochs = 1000;
@@ -120,6 +121,48 @@ struct TrainConfig {
     sampling.validate();
   }
 
+  // The tag in every sequence uid of the run (bits 40..63; the step in 16..39, the sequence's index
+  // in the step's batch in 0..15): a hash of every option that decides the run's tokens. The
+  // router-replay keys are left out, so a run replaying a record samples what the recording run
+  // sampled whatever its mode, and so are the paired metrics (they change nothing). A replay_file
+  // recorded by a run with another seed, task, batch, model, rollout numerics or training option
+  // holds none of this run's uids: an error, never the routes of other tokens.
+  std::uint64_t run_tag() const {
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over each value's bytes
+    const auto mix = [&h](const auto& v) {
+      unsigned char bytes[sizeof v];
+      std::memcpy(bytes, &v, sizeof v);
+      for (const unsigned char b : bytes)
+        h = (h ^ b) * 1099511628211ull;
+    };
+    const auto mix_text = [&](const std::string& s) {
+      mix(s.size());
+      for (const char c : s)
+        mix(c);
+    };
+    const auto mix_optional = [&](const std::optional<double>& v) {
+      mix(v.has_value());
+      mix(v.value_or(0.0));
+    };
+    mix(seed), mix(prompts), mix(group), mix(mini_batch_prompts), mix(ppo_epochs), mix(lr), mix(weight_decay);
+    mix(max_operand), mix(sampling.temperature), mix(sampling.top_k), mix(sampling.top_p);
+    mix(rollout_bf16), mix(rollout_fp8), mix(rollout_tis), mix(rollout_is_threshold);
+    mix(model.vocab), mix(model.hidden), mix(model.heads), mix(model.layers), mix(model.max_seq);
+    mix(model.experts), mix(model.topk), mix(model.expert_hidden), mix(model.init_std);
+    mix_text(grpo.adv_estimator), mix_text(grpo.policy_loss), mix_text(grpo.loss_agg_mode), mix_text(grpo.kl_loss_type);
+    mix(grpo.advantage.gamma), mix(grpo.advantage.lam), mix(grpo.advantage.epsilon);
+    mix(grpo.advantage.norm_adv_by_std_in_grpo), mix(grpo.advantage.f_norm);
+    const auto& policy = grpo.policy;
+    mix(policy.clip_ratio), mix_optional(policy.clip_ratio_low), mix_optional(policy.clip_ratio_high);
+    mix(policy.clip_ratio_c), mix(policy.tau_pos), mix(policy.tau_neg), mix_optional(policy.dro_beta);
+    mix(grpo.use_kl_loss), mix(grpo.kl_loss_coef);
+    return (h ^ (h >> 24) ^ (h >> 48)) & 0xffffffull;
+  }
+  // The uid of sequence `index` of the step's batch (validate() keeps both in their bits).
+  mrr::SequenceId sequence_uid(std::uint64_t tag, int step, int index) const {
+    return tag << 40 | static_cast<std::uint64_t>(step) << 16 | static_cast<std::uint64_t>(index);
+  }
+
   int sequences() const { return prompts * group; }
   int mini_batches() const { return prompts / mini_batch_prompts; }
   int response_length() const { return model.max_seq - kPromptLength; }
@@ -129,7 +172,7 @@ struct TrainConfig {
     using detail::require_option;
     using mrr::detail::str;
     const std::string sequences_range = str("in [1, ", kMaxSequencesPerStep, "]");
-    require_option(steps >= 0, keys::steps, ">= 0", steps);
+    require_option(steps >= 0 && steps <= kMaxSteps, keys::steps, str("in [0, ", kMaxSteps, "]"), steps);
     require_option(prompts >= 1 && prompts <= kMaxSequencesPerStep, keys::batch, sequences_range, prompts);
     require_option(group >= 1 && group <= kMaxSequencesPerStep, keys::group, sequences_range, group);
     if (static_cast<std::int64_t>(prompts) * group > kMaxSequencesPerStep)
@@ -314,6 +357,9 @@ class Trainer {
     if (!train_store_ && mode != mrr::ReplayMode::R3) train_store_ = std::make_unique<AnyRouteStore>(shape);
     AnyRouteStore& train_store = train_store_ ? *train_store_ : *rollout_store_;
     r2_replays_file_ = mode == mrr::ReplayMode::R2 && !files.replay_file.empty() && files.record_file.empty();
+    run_tag_ = cfg_.run_tag();
+    if (r2_replays_file_ || (mode == mrr::ReplayMode::R3 && !files.replay_file.empty()))
+      replayed_file_ = files.replay_file;
     ref_store_ = std::make_unique<AnyRouteStore>(shape);
     train_ = std::make_unique<Engine<Comm>>(cfg.model, comm, train_store, mode, false);
     train_->replay().set_activation_recompute(false);  // the backward keeps activations
@@ -359,10 +405,24 @@ class Trainer {
       for (int i = 0; i < local_n; ++i) {
         const int global = b * per_mb + rank * local_n + i;
         batch.global.push_back(global);
-        batch.uids.push_back((static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint64_t>(global));
+        batch.uids.push_back(cfg_.sequence_uid(run_tag_, step, global));
+        // The sampler's stream: the step and the index, as before uids carried the run's tag.
+        batch.streams.push_back((static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint64_t>(global));
         batch.problems.push_back(make_problem(cfg_.seed, step, global / cfg_.group, cfg_.max_operand));
       }
     }
+
+    // A replayed route file must hold this run's sequences: one recorded by a run with other
+    // options would give routes of other tokens.
+    if (!replayed_file_.empty())
+      for (const auto& batch : batches)
+        for (std::size_t i = 0; i < batch.uids.size(); ++i)
+          if (!train_store_->contains(batch.uids[i]))
+            throw mrr::RouteFileError(mrr::detail::str(
+                mrr::ReplayConfig::kReplayFile, ": ", replayed_file_, " holds no routes for sequence ", batch.global[i],
+                " of step ", step, " (uid ", batch.uids[i], "): it was recorded by a run with fewer steps or other ",
+                "options (seed, data, model, rollout dtype or training options; only the router-replay keys may "
+                "differ)"));
 
     // 1. Rollout with the rollout engine's numerics (weights synced, rounded), recording routes.
     rollout_->load(params_);
@@ -675,6 +735,7 @@ class Trainer {
   struct Batch {
     std::vector<int> global;
     std::vector<mrr::SequenceId> uids;
+    std::vector<std::uint64_t> streams;  // the sampler's, per sequence
     std::vector<Problem> problems;
     std::vector<std::vector<std::int32_t>> tokens;  // [max_seq], padded with EOS
     std::vector<int> lengths;                       // prompt + response
@@ -708,7 +769,7 @@ class Trainer {
       std::vector<std::uint64_t> streams;
       std::vector<std::int64_t> counters;
       for (const int i : active) {
-        streams.push_back(batch.uids[static_cast<std::size_t>(i)]);
+        streams.push_back(batch.streams[static_cast<std::size_t>(i)]);
         counters.push_back(position + 1);
       }
       const auto sampled = mrr::rollout::sample<float>(logits, cfg_.sampling, cfg_.seed, streams, counters);
@@ -959,6 +1020,8 @@ class Trainer {
   Comm comm_;
   std::unique_ptr<AnyRouteStore> rollout_store_, train_store_, ref_store_;
   bool r2_replays_file_ = false;
+  std::uint64_t run_tag_ = 0;
+  std::string replayed_file_;  // the route file the training passes replay, if any
   std::unique_ptr<Engine<Comm>> train_, rollout_, ref_, paired_;
   bool old_is_native_ = false, old_is_replay_ = false;  // the old-log-prob pass is that paired pass
   Params params_;

@@ -66,7 +66,15 @@ TEST_CASE("every numeric option out of its range is an error naming the key, the
       {{"mini_batch=32"}, "ppo_mini_batch_size must be in [1, data.train_batch_size = 16], got 32"},
       {{"mini_batch=5"},
        "data.train_batch_size (16) must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (5)"},
-      {{"steps=-1"}, "trainer.total_training_steps must be >= 0, got -1"},
+      {{"steps=-1"}, "trainer.total_training_steps must be in [0, 16777216], got -1"},
+      {{"steps=16777217"}, "trainer.total_training_steps must be in [0, 16777216], got 16777217"},
+      // The whole value is the number: no spaces around it (std::stod skipped leading ones).
+      {{"lr= 0.1"}, "actor_rollout_ref.actor.optim.lr: cannot parse ' 0.1' as a number"},
+      {{"lr=0.1 "}, "actor_rollout_ref.actor.optim.lr: cannot parse '0.1 ' as a number"},
+      {{"steps= 3"}, "trainer.total_training_steps: cannot parse ' 3' as a number"},
+      {{"lr=+-1"}, "actor_rollout_ref.actor.optim.lr: cannot parse '+-1' as a number"},
+      {{"lr=+"}, "actor_rollout_ref.actor.optim.lr: cannot parse '+' as a number"},
+      {{"lr=0x1p-3"}, "actor_rollout_ref.actor.optim.lr: cannot parse '0x1p-3' as a number"},
       {{"steps=99999999999"}, "trainer.total_training_steps: cannot parse '99999999999' as a number"},
       {{"actor_rollout_ref.actor.ppo_epochs=0"}, "actor_rollout_ref.actor.ppo_epochs must be in [1, 1000], got 0"},
       {{"actor_rollout_ref.actor.ppo_epochs=5000"}, "ppo_epochs must be in [1, 1000], got 5000"},
@@ -155,6 +163,11 @@ TEST_CASE("values at the edge of every range are accepted") {
   const RunOptions flags = parse_options({"trainer.progress=Off", "actor_rollout_ref.actor.use_kl_loss=yes"});
   CHECK_FALSE(flags.progress);
   CHECK(flags.train.grpo.use_kl_loss);
+  // Reals in YAML's forms: a leading '+', exponents, a bare fraction.
+  const RunOptions reals = parse_options({"lr=+5e-3", "actor_rollout_ref.rollout.top_p=.5", "steps=16777216"});
+  CHECK(reals.train.lr == 5e-3f);
+  CHECK(reals.train.sampling.top_p == 0.5);
+  CHECK(reals.train.steps == 16777216);
 }
 
 TEST_CASE("the bounds are real: runs at the edges train, and the Trainer checks what it is given directly") {

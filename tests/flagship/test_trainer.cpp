@@ -235,6 +235,24 @@ TEST_CASE("record_file in one run, replay_file in another: the same routing, bit
   other.model.topk = 2;
   other.replay.replay_file = (dir / "R3.mrr").string();
   CHECK_THROWS_WITH(train(other), doctest::Contains("replay_file"));
+  // A replay file of the same model recorded by a run with another seed, learning rate or batch
+  // holds none of this run's sequences: refused at the first step, never replayed onto other
+  // tokens (before, the same uids and lengths replayed the other run's routes silently).
+  const std::string r3_file = (dir / "R3.mrr").string();
+  const auto with_file = [&](TrainConfig c) {
+    c.replay.replay_file = r3_file;
+    return c;
+  };
+  TrainConfig seed2 = with_file(small(mrr::ReplayMode::R3, 1)), lr2 = seed2, mb2 = seed2;
+  seed2.seed = 2;
+  lr2.lr *= 2;
+  mb2.mini_batch_prompts /= 2;
+  for (TrainConfig* c : {&seed2, &lr2, &mb2})
+    CHECK_THROWS_WITH_AS(train(*c), doctest::Contains("holds no routes for sequence 0 of step 0"), mrr::RouteFileError);
+  // Fewer steps than recorded is the same run: accepted, and it replays.
+  const auto shorter = train(with_file(small(mrr::ReplayMode::R3, 1)));
+  REQUIRE(shorter.size() == 1);
+  CHECK(shorter[0].replayed_rows > 0);
   std::filesystem::remove_all(dir);
 }
 
