@@ -44,6 +44,24 @@ T parse_number(std::string_view key, std::string_view v) {
   throw mrr::ConfigError(std::string(key) + ": cannot parse '" + std::string(v) + "' as a number");
 }
 
+// Short aliases for the command line (a config file uses verl's names).
+inline const std::map<std::string_view, std::string_view>& short_aliases() {
+  static const std::map<std::string_view, std::string_view> aliases = {
+      {"steps", "trainer.total_training_steps"},
+      {"seed", "trainer.seed"},
+      {"out", "trainer.default_local_dir"},
+      {"name", "trainer.experiment_name"},
+      {"batch", "data.train_batch_size"},
+      {"group", "actor_rollout_ref.rollout.n"},
+      {"mini_batch", "actor_rollout_ref.actor.ppo_mini_batch_size"},
+      {"lr", "actor_rollout_ref.actor.optim.lr"},
+      {"loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"},
+      {"adv_estimator", "algorithm.adv_estimator"},
+      {"kl_loss_type", "actor_rollout_ref.actor.kl_loss_type"},
+      {"mode", "actor_rollout_ref.actor.router_replay.mode"}};
+  return aliases;
+}
+
 // The boolean rule of the router-replay keys (YAML 1.1's words, and 1/0), for every flag alike.
 inline bool parse_flag(std::string_view key, std::string_view v) { return mrr::ConfigValue::plain(v).as_bool(key); }
 
@@ -101,15 +119,7 @@ inline void set_option(RunOptions& o, std::string_view key, std::string_view v) 
       {keys::layers, [&] { t.model.layers = parse_number<int>(key, v); }},
       {keys::expert_hidden, [&] { t.model.expert_hidden = parse_number<int>(key, v); }},
   };
-  // Short aliases for the command line.
-  static const std::map<std::string_view, std::string_view> aliases = {
-      {"steps", "trainer.total_training_steps"}, {"seed", "trainer.seed"},
-      {"out", "trainer.default_local_dir"},      {"name", "trainer.experiment_name"},
-      {"batch", "data.train_batch_size"},        {"group", "actor_rollout_ref.rollout.n"},
-      {"mini_batch", "actor_rollout_ref.actor.ppo_mini_batch_size"},
-      {"lr", "actor_rollout_ref.actor.optim.lr"}, {"loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"},
-      {"adv_estimator", "algorithm.adv_estimator"}, {"kl_loss_type", "actor_rollout_ref.actor.kl_loss_type"},
-      {"mode", "actor_rollout_ref.actor.router_replay.mode"}};
+  const auto& aliases = detail::short_aliases();
   if (const auto a = aliases.find(key); a != aliases.end()) {
     if (a->second == mrr::ReplayConfig::kMode) {
       t.replay.set(mrr::ReplayConfig::kMode, v);
@@ -155,6 +165,10 @@ inline void apply_yaml(RunOptions& o, const YAML::Node& node, const std::string&
         throw mrr::ConfigError(child + " appears twice; YAML keys must be unique");
       apply_yaml(o, kv.second, child);
     }
+  } else if (const auto a = short_aliases().find(key); a != short_aliases().end()) {
+    // A short form in a file would apply after the file's full names whatever their order (mode
+    // also sets the rollout flag): the file says what it means with verl's names.
+    throw mrr::ConfigError(key + ": a command-line short form; in a config file write " + std::string(a->second));
   } else if (is_replay_key(key) || node.IsNull()) {
     // Read by mrr::read_replay_config, or null: the default stays.
   } else if (node.IsSequence()) {

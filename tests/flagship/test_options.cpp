@@ -250,6 +250,11 @@ TEST_CASE("--config: a repeated key anywhere, a list, several documents or a FIF
       {"trainer:\n  seed: 1\n---\ntrainer:\n  seed: 2\n",
        "holds more than one YAML document (another starts at line 3)"},
       {"trainer:\n  sed: 1\n", "unknown option 'trainer.sed'"},
+      // The command line's short forms are not verl's names: in a file they would override the
+      // file's own full names whatever the order (mode= also sets the rollout flag).
+      {"mode: R3\nactor_rollout_ref:\n  rollout:\n    enable_rollout_routing_replay: false\n",
+       "mode: a command-line short form; in a config file write actor_rollout_ref.actor.router_replay.mode"},
+      {"steps: 3\n", "steps: a command-line short form; in a config file write trainer.total_training_steps"},
       {"- 1\n", "the top level of the configuration is not a map"},
       {"trainer: {seed: [\n", "config file "},  // a syntax error
   };
