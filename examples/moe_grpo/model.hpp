@@ -159,6 +159,14 @@ class Engine {
     for (int l = 0; l < config.layers; ++l)
       moe_.emplace_back(Router(mrr::presets::qwen3_moe(config.experts, config.topk)),
                         Experts(config.hidden, config.expert_hidden, per_rank, first_expert_), comm, replay_, l);
+    // The experts' intermediate rows (down_proj's input) in the engine's precision: bf16, or fp8
+    // with per-block scales, as fp8 engines quantise every MoE GEMM's input.
+    using Rows = Eigen::Ref<mrr::RowMatrix<float>>;
+    if (bf16_)
+      for (auto& moe : moe_)
+        moe.experts().set_intermediate_rounding(fp8_
+                                                    ? Experts::IntermediateRounding([](Rows a) { round_fp8_blocks(a); })
+                                                    : Experts::IntermediateRounding([](Rows a) { round_bf16(a); }));
     attention_.resize(static_cast<std::size_t>(config.layers));
   }
 

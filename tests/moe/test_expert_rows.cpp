@@ -11,6 +11,8 @@
 #include "moe_fixture.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 
 using mrr::test::bitwise_equal;
 using mrr::test::random_normal;
@@ -55,4 +57,48 @@ TEST_CASE_TEMPLATE("SwiGLUExperts: a row's results do not depend on the other ro
       CHECK(bitwise_equal(dx3, dx));
     }
   }
+}
+
+TEST_CASE("SwiGLUExperts::set_intermediate_rounding: applied to every block's rows before w_down, forward only") {
+  const int hidden = 96, intermediate = 160;
+  mrr::SwiGLUExperts<float> experts(hidden, intermediate, 1);
+  experts.set_expert(0, random_normal<float>(intermediate, hidden, 21, 0.1f),
+                     random_normal<float>(intermediate, hidden, 22, 0.1f),
+                     random_normal<float>(hidden, intermediate, 23, 0.1f));
+  const Eigen::Index n = experts.row_block() * 2 + 7;  // three blocks, the last a remainder
+  const auto x = random_normal<float>(n, hidden, 24);
+  const auto plain = experts.forward(0, x);
+  CHECK_FALSE(experts.rounds_intermediate());
+
+  // Doubling every intermediate value is exact, and so is every product and sum built from it:
+  // the output is exactly twice the plain one on every row, so every block went through it.
+  std::atomic<int> calls{0};
+  experts.set_intermediate_rounding([&](Eigen::Ref<mrr::RowMatrix<float>> a) {
+    CHECK(a.cols() == intermediate);
+    ++calls;
+    a *= 2.0f;
+  });
+  CHECK(experts.rounds_intermediate());
+  const mrr::RowMatrix<float> doubled = experts.forward(0, x);
+  CHECK(calls.load() == 3);
+  CHECK(bitwise_equal(doubled, mrr::RowMatrix<float>(2.0f * plain)));
+  // A row-wise rounding keeps the rows independent: each row alone gives its bits in the block.
+  experts.set_intermediate_rounding([](Eigen::Ref<mrr::RowMatrix<float>> a) {
+    a = a.unaryExpr([](float v) { return std::round(v * 64.0f) / 64.0f; });
+  });
+  const mrr::RowMatrix<float> rounded = experts.forward(0, x);
+  CHECK_FALSE(bitwise_equal(rounded, plain));
+  for (Eigen::Index r = 0; r < n; r += 37)
+    CHECK(bitwise_equal(experts.forward(0, x.middleRows(r, 1)), rounded.middleRows(r, 1)));
+
+  // Backward is refused while a rounding is set (it would not be the forward's gradient), and
+  // works again once it is removed.
+  mrr::RowMatrix<float> dx(n, hidden);
+  auto grads = experts.zero_gradients();
+  CHECK_THROWS_WITH_AS(experts.backward_into(0, x, x, dx, grads), doctest::Contains("set_intermediate_rounding"),
+                       std::invalid_argument);
+  experts.set_intermediate_rounding({});
+  CHECK_FALSE(experts.rounds_intermediate());
+  CHECK_NOTHROW(experts.backward_into(0, x, x, dx, grads));
+  CHECK(bitwise_equal(experts.forward(0, x), plain));
 }

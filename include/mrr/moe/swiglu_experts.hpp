@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <functional>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -132,6 +133,16 @@ class SwiGLUExperts {
     forward_rows(local, rows, out, &saved);
   }
 
+  // An inference engine's numerics: `f` is applied to each block of intermediate rows
+  // silu(w_gate x) * (w_up x), [n, I], in place, before w_down takes them (e.g. an fp8 engine's
+  // quantisation of down_proj's input). It must treat each row alone, so a token's output still
+  // depends on its own row only; it is called from the layer's threads at once. Forward only:
+  // backward refuses experts that have one (the rounding has no gradient of its own). An empty
+  // function removes it.
+  using IntermediateRounding = std::function<void(Eigen::Ref<RowMatrix<Scalar>>)>;
+  void set_intermediate_rounding(IntermediateRounding f) { round_intermediate_ = std::move(f); }
+  bool rounds_intermediate() const { return static_cast<bool>(round_intermediate_); }
+
   // Scalars per row that forward_into(..., saved) keeps: 2 x intermediate_size.
   Eigen::Index activation_size() const { return Eigen::Index{2} * intermediate_; }
 
@@ -194,6 +205,7 @@ class SwiGLUExperts {
       a = g;
       detail::sigmoid_each(a.data(), n * I);
       a.array() = g.array() * a.array() * u.array();
+      if (round_intermediate_) round_intermediate_(a);
       rows_times(out.middleRows(r0, n), a, w_down_[e].transpose(), false);
     }
   }
@@ -201,6 +213,9 @@ class SwiGLUExperts {
   void backward_rows(int local, const MatrixRef<Scalar>& rows, const MatrixRef<Scalar>& grad_out,
                      Eigen::Ref<RowMatrix<Scalar>>& grad_in, Gradients& grads, const MatrixRef<Scalar>* saved) const {
     constexpr const char* fn = "SwiGLUExperts::backward";
+    detail::require(!round_intermediate_, fn,
+                    "these experts round their intermediate rows (set_intermediate_rounding: an inference engine's "
+                    "numerics), which has no gradient; remove it to train");
     check_rows(local, rows, fn);
     detail::require(grad_out.rows() == rows.rows() && grad_out.cols() == hidden_, fn, "'grad_out' has shape ",
                     detail::shape_of(grad_out), " for rows ", detail::shape_of(rows));
@@ -342,6 +357,7 @@ class SwiGLUExperts {
   int intermediate_;
   int first_;
   std::vector<RowMatrix<Scalar>> w_gate_, w_up_, w_down_;
+  IntermediateRounding round_intermediate_;
 };
 
 static_assert(ExpertWritingInto<SwiGLUExperts<float>> && ExpertWritingInto<SwiGLUExperts<double>>);
