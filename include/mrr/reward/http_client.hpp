@@ -24,12 +24,17 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <utility>
 #include <variant>
 
@@ -52,7 +57,10 @@ using Socket = mrr::detail::UniqueFd;
 
 // Why an exchange gave no answer: the dispatcher's failure class and a message. `stale`: a reused
 // keep-alive connection was closed by the worker before any byte of an answer came (the worker
-// timed the idle connection out), so the request may be sent again on a fresh one.
+// timed the idle connection out) while the worker cannot have processed the request (it was not
+// all sent, or its method is idempotent, RFC 9110 §9.2.2), so it may be sent again on a fresh one.
+// A POST the worker may have read whole is never sent again behind the dispatcher's back
+// (RFC 9112 §9.3.1): that failure is the dispatcher's to count and retry.
 struct ClientError {
   Failure failure = Failure::io;
   std::string message;
@@ -75,6 +83,13 @@ inline int poll_until(int fd, short events, TimePoint deadline) {
   }
 }
 
+// Whether a request of this method may be sent twice with the effect of once (RFC 9110 §9.2.2).
+inline bool idempotent_method(std::string_view method) {
+  for (const std::string_view m : {"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+    if (method == m) return true;
+  return false;
+}
+
 // Whether an idle keep-alive connection is still open: nothing to read (the worker neither closed
 // it nor sent anything unasked).
 inline bool idle_connection_open(int fd) {
@@ -82,21 +97,70 @@ inline bool idle_connection_open(int fd) {
   return ::poll(&p, 1, 0) == 0;
 }
 
-// A connection to host:port, the connect bounded by `deadline` (every address tried in turn).
-inline std::variant<Socket, ClientError> connect_to(const WorkerUrl& url, TimePoint deadline) {
+// getaddrinfo's answer, owned.
+struct Addresses {
+  int rc = EAI_AGAIN;
+  addrinfo* list = nullptr;
+  Addresses() = default;
+  Addresses(const Addresses&) = delete;
+  Addresses& operator=(const Addresses&) = delete;
+  ~Addresses() {
+    if (list != nullptr) ::freeaddrinfo(list);
+  }
+};
+
+// host:port's addresses by `deadline`: an address literal at once; a name on a thread of its own
+// that the caller waits for until the deadline (getaddrinfo has no timeout, and a resolver that
+// never answers holds it for its own retries, 10 s and more). A thread still resolving at the
+// deadline finishes alone and frees what it found.
+inline std::variant<std::shared_ptr<Addresses>, ClientError> resolve(const WorkerUrl& url, TimePoint deadline) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* found = nullptr;
+  hints.ai_flags = AI_NUMERICSERV | AI_NUMERICHOST;
   const std::string port = std::to_string(url.port);
-  const int rc = ::getaddrinfo(url.host.c_str(), port.c_str(), &hints, &found);
-  if (rc != 0)
-    return ClientError{Failure::connect, mrr::detail::str("cannot resolve '", url.host, "': ", ::gai_strerror(rc))};
+  auto out = std::make_shared<Addresses>();
+  out->rc = ::getaddrinfo(url.host.c_str(), port.c_str(), &hints, &out->list);
+  if (out->rc == EAI_NONAME) {  // a name, not an address
+    struct Pending {
+      std::mutex mutex;
+      std::condition_variable done;
+      std::shared_ptr<Addresses> result;
+    };
+    auto pending = std::make_shared<Pending>();
+    hints.ai_flags = AI_NUMERICSERV;
+    try {
+      std::thread([pending, host = url.host, port, hints] {
+        auto found = std::make_shared<Addresses>();
+        found->rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found->list);
+        const std::lock_guard lock(pending->mutex);
+        pending->result = std::move(found);
+        pending->done.notify_all();
+      }).detach();
+    } catch (const std::system_error& e) {
+      return ClientError{Failure::connect, mrr::detail::str("cannot resolve '", url.host, "': ", e.what())};
+    }
+    std::unique_lock lock(pending->mutex);
+    if (!pending->done.wait_until(lock, deadline, [&] { return pending->result != nullptr; }))
+      return ClientError{Failure::timeout, mrr::detail::str("resolving '", url.host, "' took the attempt's budget")};
+    out = std::move(pending->result);
+  }
+  if (out->rc != 0)
+    return ClientError{Failure::connect,
+                       mrr::detail::str("cannot resolve '", url.host, "': ", ::gai_strerror(out->rc))};
+  return out;
+}
+
+// A connection to host:port, the name's resolution and the connect bounded by `deadline` (every
+// address tried in turn).
+inline std::variant<Socket, ClientError> connect_to(const WorkerUrl& url, TimePoint deadline) {
+  auto resolved = resolve(url, deadline);
+  if (auto* e = std::get_if<ClientError>(&resolved)) return std::move(*e);
+  const addrinfo* found = std::get<std::shared_ptr<Addresses>>(resolved)->list;
   std::string last = "no address";
   Failure failure = Failure::connect;
   Socket out;
-  for (addrinfo* ai = found; ai != nullptr && out.get() < 0; ai = ai->ai_next) {
+  for (const addrinfo* ai = found; ai != nullptr && out.get() < 0; ai = ai->ai_next) {
     Socket s(::socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (s.get() < 0) {
       last = std::strerror(errno);
@@ -121,7 +185,6 @@ inline std::variant<Socket, ClientError> connect_to(const WorkerUrl& url, TimePo
     ::setsockopt(s.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     out = std::move(s);
   }
-  ::freeaddrinfo(found);
   if (out.get() < 0) return ClientError{failure, mrr::detail::str("cannot connect to ", url.origin(), ": ", last)};
   return out;
 }
@@ -175,8 +238,10 @@ class HttpExchange {
  public:
   HttpExchange(int fd, TimePoint deadline, std::uint64_t limit) : fd_(fd), deadline_(deadline), limit_(limit) {}
 
+  // `idempotent`: the request's method is (RFC 9110 §9.2.2), so a worker that closed the
+  // connection after reading it whole may be sent it again.
   std::variant<ClientResponse, ClientError> run(std::string_view head, std::string_view body, bool head_request,
-                                                Duration budget) {
+                                                Duration budget, bool idempotent = false) {
     budget_ = budget;
     const SendResult sent = send_request(head, body);
     if (sent == SendResult::timeout) return late();
@@ -184,9 +249,11 @@ class HttpExchange {
     auto got = read_response(head_request);
     if (auto* r = std::get_if<ClientResponse>(&got)) {
       r->reusable = r->reusable && whole;
-    } else if (sent == SendResult::broken) {
+    } else {
       auto& e = std::get<ClientError>(got);
-      if (received_ == 0) e.message = "the connection broke while the request was sent (" + send_error_ + ")";
+      if (sent == SendResult::broken && received_ == 0)
+        e.message = "the connection broke while the request was sent (" + send_error_ + ")";
+      e.stale = e.stale && (!whole || idempotent);
     }
     return got;
   }
@@ -209,7 +276,14 @@ class HttpExchange {
       const int ev = poll_until(fd_, POLLOUT | POLLIN, deadline_);
       if (ev == 0) return SendResult::timeout;
       if (ev < 0) return broken(errno);
-      if ((ev & POLLIN) != 0) return SendResult::answered_early;  // an answer, or the worker closed
+      if ((ev & POLLIN) != 0) {  // an answer, or the worker closed
+        const long r = receive();
+        if (r == -2) return SendResult::timeout;
+        // Interim answers (100 Continue, 103 Early Hints) are dropped and the body goes on; a final
+        // answer, the end of the stream or an error stops the send, and read_response takes it.
+        if (r <= 0 || !only_interim_heads()) return SendResult::answered_early;
+        continue;
+      }
       if ((ev & (POLLERR | POLLHUP)) != 0 && (ev & POLLOUT) == 0) return broken(ECONNRESET);
       iovec iov[2];
       int parts = 0;
@@ -227,6 +301,20 @@ class HttpExchange {
       done += static_cast<std::size_t>(n);
     }
     return SendResult::sent;
+  }
+
+  // Whether in_ holds nothing but whole interim (1xx but 101) heads and perhaps the start of
+  // another head; drops the whole interim ones.
+  bool only_interim_heads() {
+    for (;;) {
+      const std::size_t end = find_head_end(in_);
+      if (end == std::string::npos) return in_.size() <= kMaxHead;
+      int status = 0;
+      bool http11 = false;
+      const std::string_view line = std::string_view(in_).substr(0, in_.find("\r\n"));
+      if (!parse_status_line(line, status, http11) || status >= 200 || status == 101) return false;
+      in_.erase(0, end);
+    }
   }
 
   SendResult broken(int error) {
@@ -315,7 +403,8 @@ class HttpExchange {
     }
     // Framing (RFC 9112 §6.3).
     std::optional<std::uint64_t> length;
-    bool chunked = false, transfer_coded = false, close = !http11;
+    bool chunked = false, close = !http11;
+    std::optional<std::string_view> unreadable_coding;  // a Transfer-Encoding other than chunked alone
     for (const auto& [name, value] : fields) {
       if (iequals(name, "Content-Length")) {
         std::string_view rest = value;
@@ -327,16 +416,22 @@ class HttpExchange {
           rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
         } while (!rest.empty());
       } else if (iequals(name, "Transfer-Encoding")) {
-        transfer_coded = true;
-        const std::string_view v = value;
-        const auto comma = v.rfind(',');  // the last coding decides
-        chunked = iequals(trim_ows(comma == std::string_view::npos ? v : v.substr(comma + 1)), "chunked");
+        if (chunked || !iequals(trim_ows(value), "chunked")) unreadable_coding = value;
+        chunked = true;
       } else if (iequals(name, "Connection")) {
         close = close || named_in_connection({{name, value}}, "close");
         if (!http11 && named_in_connection({{name, value}}, "keep-alive")) close = false;
       }
     }
+    // An HTTP/1.0 message with Transfer-Encoding: its framing is faulty, the connection closed
+    // after it (RFC 9112 §6.1).
+    close = close || (chunked && !http11);
     const bool no_body = head_request || out.status == 204 || out.status == 304;
+    // Only chunked alone is decoded: a body in another coding (gzip, chunked) would reach the
+    // client still coded once the hop-by-hop field is dropped (RFC 9112 §6.1).
+    if (unreadable_coding && !no_body)
+      return io(mrr::detail::str("the worker's Transfer-Encoding is '", *unreadable_coding,
+                                 "'; only chunked alone is decoded"));
     for (auto& [name, value] : fields) {
       const bool keep = no_body && head_request && iequals(name, "Content-Length");  // what GET would send
       if (keep || (!is_unforwardable_header(name) && !named_in_connection(fields, name)))
@@ -349,7 +444,7 @@ class HttpExchange {
     const auto too_large = [&] {
       return io(mrr::detail::str("the worker's response is over max_response_bytes (", limit_, " bytes)"));
     };
-    if (transfer_coded && chunked) {
+    if (chunked) {
       ChunkedDecoder decoder(limit_);
       for (;;) {
         const std::size_t used = decoder.feed(in_, out.body);
@@ -360,7 +455,7 @@ class HttpExchange {
         if (auto e = more("in the middle of a chunked body")) return *e;
       }
       close = close || length.has_value();  // both framings given: this one read, the connection not trusted
-    } else if (!transfer_coded && length) {
+    } else if (length) {
       if (*length > limit_) return too_large();
       const auto n = static_cast<std::size_t>(*length);
       in_.reserve(n);  // sized once from the length, not grown by doubling

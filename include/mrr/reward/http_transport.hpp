@@ -59,7 +59,8 @@ class HttpTransport {
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = detail::saturating_add(start, timeout);
     // A pooled connection the worker closed while it sat idle fails before any answer: the
-    // request goes once more, on a fresh connection.
+    // request goes once more, on a fresh connection, when the worker cannot have processed it
+    // (not all of it was sent, or its method is idempotent; ClientError::stale).
     for (int round = 0;; ++round) {
       detail::Socket connection = round == 0 ? take_idle(*ep) : detail::Socket{};
       const bool reused = connection.get() >= 0;
@@ -70,7 +71,8 @@ class HttpTransport {
         connection = std::move(std::get<detail::Socket>(made));
       }
       detail::HttpExchange exchange(connection.get(), deadline, options_.max_response_bytes);
-      auto got = exchange.run(std::get<std::string>(head), request.body, request.method == "HEAD", timeout);
+      auto got = exchange.run(std::get<std::string>(head), request.body, request.method == "HEAD", timeout,
+                              detail::idempotent_method(request.method));
       if (auto* e = std::get_if<detail::ClientError>(&got)) {
         if (reused && e->stale) continue;
         return Reply::failed(e->failure, std::move(e->message));

@@ -13,8 +13,12 @@
 
 #ifdef CPPHTTPLIB_OPENSSL_SUPPORT
 #include <httplib.h>
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -35,6 +39,36 @@ namespace detail {
 
 // Idle keep-alive clients of one worker. A cpp-httplib client serialises its requests, so each
 // attempt takes one client for itself and returns it afterwards.
+// Blocks SIGPIPE on this thread while alive, and takes one raised meanwhile off the pending set
+// before it goes: cpp-httplib's TLS writes use write(2) without MSG_NOSIGNAL, and a worker that
+// closes first (an early 413) would otherwise end the process, SIGPIPE's default action.
+class SigpipeBlocked {
+ public:
+  SigpipeBlocked() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+    sigset_t pending;
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;  // not ours to take
+  }
+  SigpipeBlocked(const SigpipeBlocked&) = delete;
+  SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
+  ~SigpipeBlocked() {
+    sigset_t pending;
+    if (!was_pending_ && sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE) == 1) {
+      const timespec now{0, 0};
+      while (sigtimedwait(&pipe_, nullptr, &now) < 0 && errno == EINTR) {
+      }
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+
+ private:
+  sigset_t pipe_{}, old_{};
+  bool was_pending_ = false;
+};
+
 struct TlsEndpoint {
   explicit TlsEndpoint(WorkerUrl u) : url(std::move(u)) {}
   WorkerUrl url;
@@ -239,6 +273,7 @@ class TlsTransport {
     httplib::Response in;
     httplib::Error error = httplib::Error::Success;
     ExchangeWatchdog::Watch watch(watchdog_, *client, deadline);
+    const SigpipeBlocked no_sigpipe;
     const bool sent = client->send(out, in, error);
     const bool stopped = watch.end();  // the exchange outlived its budget (e.g. a trickled response head)
     if (!sent) {
@@ -277,6 +312,7 @@ class TlsTransport {
     client->set_read_timeout(at_least_1ms(timeout));
     client->set_write_timeout(at_least_1ms(timeout));
     ExchangeWatchdog::Watch watch(watchdog_, *client, saturating_add(std::chrono::steady_clock::now(), timeout));
+    const SigpipeBlocked no_sigpipe;
     const auto result = client->Get(ep->url.base_path + options_.health_path);
     const bool late = watch.end();
     return !late && result && result->status >= 200 && result->status < 300;
@@ -295,8 +331,7 @@ class TlsTransport {
         return Failure::connect;
       case httplib::Error::ConnectionTimeout:
         return Failure::timeout;
-      case httplib::Error::Canceled:
-        return Failure::timeout;  // our progress callback: past the deadline
+      case httplib::Error::Canceled:  // our progress callback past the deadline, or a body write that broke
       case httplib::Error::Read:
       case httplib::Error::Write:
         // A socket timeout and a broken connection look alike; the clock tells them apart.
