@@ -1,4 +1,4 @@
-// A libtorch MoE model whose routing goes through mrr (examples/libtorch/README.md):
+// A libtorch MoE model whose routing goes through mrr (docs/integration.md, "libtorch"):
 // gate (torch::nn::Linear) -> mrr::torch::route(RoutingReplay, TopKRouter, layer, logits) ->
 // torch experts (SwiGLU per expert) -> combine with the routing weights, trained with Adam for a
 // few steps in each replay mode:

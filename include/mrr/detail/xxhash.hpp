@@ -23,6 +23,13 @@
 #include <immintrin.h>
 #define XXH_DISPATCH_AVX2 1
 #define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
+// The accumulators' alignment for the widest kernel called, as libxxhash's own dispatch build
+// sets it: XXH3's streaming update copies them to a stack array aligned for the compile-time
+// (SSE2) kernels, 16 bytes, and the AVX2 kernel's aligned 32-byte loads faulted on it (at -O0 with
+// GCC; optimised builds fold the loads into unaligned forms).
+#ifndef XXH_ACC_ALIGN
+#define XXH_ACC_ALIGN 64
+#endif
 #else
 #define MRR_XXH3_AVX2_DISPATCH 0
 #endif
