@@ -12,9 +12,15 @@ As a module:
     ids = f.routes(7)          # int32 [positions, layers, k], -1 where nothing was recorded
 
 Every record's checksum is verified: XXH3-64 in format versions 3 and 2 (numpy, about 85 MB/s)
-and XXH64 in version 1 (pure Python, about 20-30 MB/s); --no-verify skips it. A damaged record
-raises; an incomplete last record (a writer stopped mid-append) is reported in `torn_bytes` and
-not used, as the C++ reader does.
+and XXH64 in version 1 (pure Python, about 20-30 MB/s); --no-verify skips it (and then an
+incomplete last record is not told apart from a whole one). A damaged routes record, or two
+records of a sequence that disagree on a (position, layer), raises; an incomplete last record (a
+writer stopped mid-append) is reported in `torn_bytes` and not used, and a damaged index or tail
+record (it holds no routes) is stepped over and reported in `index_damaged`, as the C++ reader
+does. A sequence's records must lie as densely as the C++ reader requires (docs/route-file-format.md,
+"Bounds"); `routes(uid)` returns an array from position 0, or from `start` when given (a sequence
+recorded far from position 0, e.g. a context-parallel shard, is read with start=None: from its
+first recorded position).
 """
 
 import argparse
@@ -252,6 +258,7 @@ class RouteFile:
         self.records = 0
         self.torn_offset = 0
         self.torn_bytes = 0
+        self.index_damaged = False
         self._scan()
 
     def _fail(self, offset, what):
@@ -282,35 +289,97 @@ class RouteFile:
         if self.id_width != want:
             raise RouteFileError(f"{self.path}: its header has id width {self.id_width}")
         self._dtype = {1: np.uint8, 2: np.dtype("<u2"), 4: np.dtype("<u4")}[self.id_width]
+        # Index and tail records carry the file id in their uid field from version 3.
+        self._index_uid = struct.unpack_from("<Q", d, 32)[0] if self.version >= 3 else 0
+
+    def _record_header(self, off):
+        """The fields of the record header at `off` when its magic, type and check are right:
+        (type, payload, uid, first_position, tokens, first_layer, layers, checksum), else None."""
+        d = self._data
+        if len(d) - off < RECORD_HEADER_BYTES or d[off : off + 4] != RECORD_MAGIC:
+            return None
+        rtype, payload, uid, first_pos, tokens, first_layer, layers, checksum, check = struct.unpack_from(
+            "<H2xQQqIHHQI", d, off + 4
+        )
+        if rtype not in (ROUTES, INDEX, TAIL) or check != xxh64(d[off : off + HEADER_CHECKED_BYTES]) & 0xFFFFFFFF:
+            return None
+        return rtype, payload, uid, first_pos, tokens, first_layer, layers, checksum
+
+    def _checksum_ok(self, off, payload, checksum):
+        d = self._data
+        body = d[off + RECORD_HEADER_BYTES : off + RECORD_HEADER_BYTES + payload]
+        return record_checksum(self.version, d[off : off + CHECKSUMMED_HEADER_BYTES], body) == checksum
+
+    def _damaged_index(self):
+        """[start, end) of the index record that an intact tail points at, when that index is
+        damaged: the scan steps over it (it holds no routes), as the C++ reader does. None when
+        there is no intact tail, or its index is intact (then it is scanned as any record)."""
+        n = len(self._data)
+        tail_bytes = RECORD_HEADER_BYTES + 8
+        if n < HEADER_BYTES + tail_bytes:
+            return None
+        t = n - tail_bytes
+        th = self._record_header(t)
+        if th is None or th[0] != TAIL or th[1] != 8 or th[2] != self._index_uid or not self._checksum_ok(t, 8, th[7]):
+            return None
+        at = struct.unpack_from("<Q", self._data, t + RECORD_HEADER_BYTES)[0]
+        if at < HEADER_BYTES or at > t - RECORD_HEADER_BYTES:
+            self.index_damaged = True
+            return None
+        ih = self._record_header(at)
+        entry = 32 if self.version >= 2 else 16
+        intact = (
+            ih is not None
+            and ih[0] == INDEX
+            and ih[2] == self._index_uid
+            and 8 <= ih[1] <= t - at
+            and at + RECORD_HEADER_BYTES + ((ih[1] + 7) & ~7) == t
+            and (ih[1] - 8) % entry == 0
+            and self._checksum_ok(at, ih[1], ih[7])
+            and struct.unpack_from("<Q", self._data, at + RECORD_HEADER_BYTES)[0] == (ih[1] - 8) // entry
+        )
+        if intact:
+            return None
+        self.index_damaged = True
+        return at, t
 
     def _scan(self):
         d, n, off = self._data, len(self._data), HEADER_BYTES
+        skip = self._damaged_index()
         while off < n:
+            if skip is not None and off == skip[0]:
+                off = skip[1]
+                continue
             if n - off < RECORD_HEADER_BYTES:
                 return self._torn(off)
-            magic = d[off : off + 4]
-            rtype, payload, uid, first_pos, tokens, first_layer, layers, checksum, check = struct.unpack_from(
-                "<H2xQQqIHHQI", d, off + 4
-            )
-            header_ok = magic == RECORD_MAGIC and rtype in (ROUTES, INDEX, TAIL)
-            header_ok = header_ok and check == xxh64(d[off : off + HEADER_CHECKED_BYTES]) & 0xFFFFFFFF
-            if not header_ok:
+            h = self._record_header(off)
+            if h is None:
                 if not any(d[off:n]):
                     return self._torn(off)
-                self._fail(off, "no valid record header")
+                self._fail(off, "no valid record header (bad magic, type or header check)")
+            rtype, payload, uid, first_pos, tokens, first_layer, layers, checksum = h
             need = RECORD_HEADER_BYTES + ((payload + 7) & ~7)
             if payload > n - off or need > n - off:
                 return self._torn(off)
-            if self.verify:
-                body = d[off + RECORD_HEADER_BYTES : off + RECORD_HEADER_BYTES + payload]
-                if record_checksum(self.version, d[off : off + CHECKSUMMED_HEADER_BYTES], body) != checksum:
-                    if off + need == n:
-                        return self._torn(off)
-                    self._fail(off, f"a record (sequence uid {uid}) fails its checksum")
+            if self.verify and not self._checksum_ok(off, payload, checksum):
+                if off + need == n:
+                    return self._torn(off)
+                if rtype != ROUTES:
+                    # An index or tail an earlier close left inside the file: no routes in it.
+                    self.index_damaged = True
+                    off += need
+                    continue
+                self._fail(off, f"a routes record (sequence uid {uid}) fails its checksum")
             if rtype == ROUTES:
-                if payload != tokens * layers * self.topk * self.id_width or first_layer + layers > self.num_layers:
+                if layers == 0 or first_layer + layers > self.num_layers:
+                    self._fail(
+                        off,
+                        f"a record of sequence uid {uid} has first_layer {first_layer} and num_layers {layers}, "
+                        f"outside the file's {self.num_layers} layers",
+                    )
+                if payload != tokens * layers * self.topk * self.id_width:
                     self._fail(off, f"a record of sequence uid {uid} has an inconsistent size")
-                if layers == 0 or first_pos < 0 or first_pos + tokens > MAX_POSITIONS:
+                if first_pos < 0 or first_pos + tokens > MAX_POSITIONS:
                     self._fail(off, f"a record of sequence uid {uid} has first_position {first_pos}, outside [0, 2^32)")
                 self._records.setdefault(uid, []).append((off, first_pos, tokens, first_layer, layers))
                 self.records += 1
@@ -323,24 +392,63 @@ class RouteFile:
     def sequences(self):
         return sorted(self._records)
 
-    def routes(self, uid):
-        """int32 array [positions, layers, k] of the sequence; -1 where no route was recorded."""
+    def routes(self, uid, start=0):
+        """int32 array [positions, layers, k] of the sequence, from position `start` (0 by
+        default; None: the first position recorded) to the last; -1 where no route was recorded."""
         if uid not in self._records:
             raise KeyError(f"sequence {uid} is not in {self.path}")
         parts = self._records[uid]
-        positions = max(p + t for _, p, t, _, _ in parts)
-        held = sum(t * n for _, _, t, _, n in parts)
-        row = 4 * self.topk
-        if positions * self.num_layers * row > SPARSE_FACTOR * held * self.num_layers * row + SPARSE_SLACK:
-            self._fail(parts[0][0], f"the records of sequence uid {uid} are too sparse for a table of {positions} positions")
-        out = np.full((positions, self.num_layers, self.topk), -1, dtype=np.int32)
+        first = min(p for _, p, _, _, _ in parts)
+        end = max(p + t for _, p, t, _, _ in parts)
+        rows = sum(t * n for _, _, t, _, n in parts)
+        # The C++ reader's bound (route_table.hpp, sparse_violation): a table over [first, end)
+        # and every layer, 1 + k * id_width bytes a row, pays 1/32 of itself per row held.
+        per_row = 1 + self.topk * self.id_width
+        if (end - first) * self.num_layers * per_row // SPARSE_FACTOR > (
+            rows * self.num_layers * per_row + SPARSE_SLACK // SPARSE_FACTOR
+        ):
+            self._fail(
+                parts[0][0],
+                f"the routes of sequence uid {uid} would span positions [{first}, {end}) but hold {rows} "
+                "(position, layer) rows; a table that sparse is refused",
+            )
+        if start is None:
+            start = first
+        if not 0 <= start <= first:
+            raise ValueError(f"start must be in [0, {first}] (sequence uid {uid} starts at position {first}), got {start}")
+        # The same bound over [start, end): a sequence recorded far from position 0 is read from
+        # its first position instead of allocating the gap.
+        if (end - start) * self.num_layers * per_row // SPARSE_FACTOR > (
+            rows * self.num_layers * per_row + SPARSE_SLACK // SPARSE_FACTOR
+        ):
+            raise RouteFileError(
+                f"{self.path}: sequence uid {uid} holds positions [{first}, {end}) ({rows} rows); an array from "
+                f"position {start} would be {(end - start) * self.num_layers * 4 * self.topk} bytes: read it with "
+                f"start={first} (start=None)"
+            )
+        out = np.full((end - start, self.num_layers, self.topk), -1, dtype=np.int32)
+        written = np.zeros((end - start, self.num_layers), dtype=bool)
         for off, first_pos, tokens, first_layer, layers in parts:
-            start = off + RECORD_HEADER_BYTES
-            ids = np.frombuffer(self._data, dtype=self._dtype, count=tokens * layers * self.topk, offset=start)
+            ids = np.frombuffer(
+                self._data, dtype=self._dtype, count=tokens * layers * self.topk, offset=off + RECORD_HEADER_BYTES
+            )
             block = ids.reshape(tokens, layers, self.topk).astype(np.int32)
             if (block >= self.num_experts).any():
                 self._fail(off, f"a record of sequence uid {uid} holds an expert id >= {self.num_experts}")
-            out[first_pos : first_pos + tokens, first_layer : first_layer + layers] = block
+            rows_at = slice(first_pos - start, first_pos - start + tokens)
+            layers_at = slice(first_layer, first_layer + layers)
+            # Records may overlap only with the same ids (the format's rule): anything else is damage.
+            seen = written[rows_at, layers_at]
+            if seen.any():
+                differ = seen & (out[rows_at, layers_at] != block).any(axis=2)
+                if differ.any():
+                    p, layer = (int(i) for i in np.argwhere(differ)[0])
+                    self._fail(
+                        off,
+                        f"two records of sequence uid {uid} disagree at position {first_pos + p} layer {first_layer + layer}",
+                    )
+            out[rows_at, layers_at] = block
+            written[rows_at, layers_at] = True
         return out
 
 
@@ -350,6 +458,9 @@ def main(argv=None):
     ap.add_argument("--uid", type=int, help="print (or save) one sequence's routes")
     ap.add_argument("--npy", help="with --uid: save the routes to this .npy file")
     ap.add_argument("--no-verify", action="store_true", help="skip checksum verification")
+    ap.add_argument(
+        "--from-first", action="store_true", help="with --uid: from the first recorded position, not from 0"
+    )
     args = ap.parse_args(argv)
     try:
         f = RouteFile(args.file, verify=not args.no_verify)
@@ -362,8 +473,14 @@ def main(argv=None):
     )
     if f.torn_bytes:
         print(f"an incomplete last record of {f.torn_bytes} bytes at offset {f.torn_offset} was not used")
+    if f.index_damaged:
+        print("a damaged index or tail record (it holds no routes) was stepped over; every record was scanned")
     if args.uid is not None:
-        routes = f.routes(args.uid)
+        try:
+            routes = f.routes(args.uid, start=None if args.from_first else 0)
+        except (RouteFileError, KeyError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if args.npy:
             np.save(args.npy, routes)
             print(f"sequence {args.uid}: {routes.shape} saved to {args.npy}")

@@ -64,7 +64,118 @@ def main(root):
                     want = [id_of(experts, k, uid, p, layer, j) for j in range(k)]
                     assert r[p, layer].tolist() == want, (fname, uid, p, layer)
         print(f"{fname}: version 1, {f.records} records, every id as written")
+
+    crafted_files(rr)
     return 0
+
+
+def write_route_file(rr, path, version, experts, layers, k, records, close=False, file_id=0x1234):
+    """A route file of `records` [(uid, first_position, tokens, first_layer, num_layers, ids)],
+    each record checksummed as the format says; `close`: an index and a tail after them."""
+    import struct
+
+    width = 1 if experts <= 256 else 2 if experts <= 65536 else 4
+    header = bytearray(64)
+    header[0:8] = rr.FILE_MAGIC
+    struct.pack_into("<HHB", header, 8, version, 64, width)
+    struct.pack_into("<III", header, 16, experts, layers, k)
+    struct.pack_into("<Q", header, 32, file_id)
+    struct.pack_into("<Q", header, 56, rr.xxh64(bytes(header[:56])))
+    out = bytearray(header)
+    index_uid = file_id if version >= 3 else 0
+
+    def record(rtype, uid, first_pos, tokens, first_layer, num_layers, body):
+        h = bytearray(56)
+        h[0:4] = rr.RECORD_MAGIC
+        struct.pack_into("<H2xQQqIHH", h, 4, rtype, len(body), uid, first_pos, tokens, first_layer, num_layers)
+        struct.pack_into("<Q", h, 40, rr.record_checksum(version, bytes(h[:40]), body))
+        struct.pack_into("<I", h, 48, rr.xxh64(bytes(h[:48])) & 0xFFFFFFFF)
+        return bytes(h) + body + bytes((-len(body)) % 8)
+
+    entries = []
+    for uid, first_pos, tokens, first_layer, num_layers, ids in records:
+        body = b"".join(int(i).to_bytes(width, "little") for i in ids)
+        entry = struct.pack("<QQqIHH", uid, len(out), first_pos, tokens, first_layer, num_layers)
+        entries.append(entry if version >= 2 else entry[:16])  # version 1: {uid, offset}
+        out += record(rr.ROUTES, uid, first_pos, tokens, first_layer, num_layers, body)
+    if close:
+        index_at = len(out)
+        out += record(rr.INDEX, index_uid, 0, 0, 0, 0, struct.pack("<Q", len(entries)) + b"".join(entries))
+        out += record(rr.TAIL, index_uid, 0, 0, 0, 0, struct.pack("<Q", index_at))
+    with open(path, "wb") as f:
+        f.write(out)
+    return len(header), index_at if close else None
+
+
+def expect_error(rr, fn, text):
+    try:
+        fn()
+    except rr.RouteFileError as e:
+        assert text in str(e), (text, str(e))
+        return
+    raise AssertionError(f"no RouteFileError containing {text!r}")
+
+
+def crafted_files(rr):
+    """The C++ reader's rules on files crafted byte by byte (found disagreeing with it before)."""
+    import tempfile
+
+    tmp = tempfile.mkdtemp()
+    path = os.path.join(tmp, "crafted.mrr")
+
+    # Records of a sequence may overlap only with the same ids: a disagreement is damage (the
+    # last record's ids were returned before), in every version.
+    for version in (1, 2, 3):
+        write_route_file(rr, path, version, 64, 1, 2, [(7, 0, 2, 0, 1, [1, 2, 3, 4]), (7, 1, 1, 0, 1, [3, 4])])
+        assert rr.RouteFile(path).routes(7).tolist() == [[[1, 2]], [[3, 4]]]
+        write_route_file(rr, path, version, 64, 1, 2, [(7, 0, 2, 0, 1, [1, 2, 3, 4]), (7, 1, 1, 0, 1, [63, 62])])
+        expect_error(rr, lambda: rr.RouteFile(path).routes(7), "two records of sequence uid 7 disagree at position 1 layer 0")
+
+    # The sparse bound is the C++ reader's: 1 + k * id_width bytes a row, over [first, last).
+    # 48 layers, layer 0 at positions 0-9 and 2000-2009: written and read by the library (this
+    # reader refused it before).
+    ids = list(range(80))
+    write_route_file(rr, path, 3, 256, 48, 8, [(5, 0, 10, 0, 1, ids), (5, 2000, 10, 0, 1, ids)])
+    r = rr.RouteFile(path).routes(5)
+    assert r.shape == (2010, 48, 8) and (r[2009, 0] == ids[72:]).all() and (r[10:2000] == -1).all()
+    # 4-byte ids, k = 1, positions 0 and 230000: refused by the library, and here.
+    write_route_file(rr, path, 3, 70000, 1, 1, [(6, 0, 1, 0, 1, [9]), (6, 230000, 1, 0, 1, [69999])])
+    expect_error(rr, lambda: rr.RouteFile(path).routes(6), "would span positions [0, 230001) but hold 2")
+    # One record far from position 0: an array from 0 would allocate the gap; from its first
+    # position it is one row.
+    write_route_file(rr, path, 3, 8, 1, 1, [(9, 3000000, 1, 0, 1, [5])])
+    f = rr.RouteFile(path)
+    expect_error(rr, lambda: f.routes(9), "read it with start=3000000")
+    assert f.routes(9, start=None).tolist() == [[[5]]]
+
+    # A record of no layers is named as such.
+    write_route_file(rr, path, 3, 8, 2, 1, [(4, 0, 0, 0, 0, [])])
+    expect_error(rr, lambda: rr.RouteFile(path), "has first_layer 0 and num_layers 0, outside the file's 2 layers")
+
+    # A closed file whose index is damaged (a byte of its payload, or of its header): the index is
+    # stepped over and reported, every routes record read (the whole file was refused before).
+    records = [(1, 0, 3, 0, 2, list(range(12))), (2, 0, 2, 0, 2, list(range(8)))]
+    for version in (1, 2, 3):
+        for where in ("intact", "payload", "header"):
+            _, index_at = write_route_file(rr, path, version, 64, 2, 2, records, close=True)
+            if where != "intact":
+                with open(path, "r+b") as fh:
+                    at = index_at + (56 + 3 if where == "payload" else 20)
+                    fh.seek(at)
+                    byte = fh.read(1)
+                    fh.seek(at)
+                    fh.write(bytes([byte[0] ^ 0x40]))
+            f = rr.RouteFile(path)
+            assert f.index_damaged == (where != "intact"), (version, where)
+            assert f.sequences() == [1, 2] and f.torn_bytes == 0
+            assert f.routes(1).reshape(-1).tolist() == list(range(12))
+    # A damaged routes record is still an error, naming its type and sequence.
+    _, index_at = write_route_file(rr, path, 3, 64, 2, 2, records, close=True)
+    with open(path, "r+b") as fh:
+        fh.seek(64 + 56 + 1)
+        fh.write(b"\x3f")
+    expect_error(rr, lambda: rr.RouteFile(path), "a routes record (sequence uid 1) fails its checksum")
+    print("crafted files: overlaps, the sparse bound, start, empty records and damaged indexes as the C++ reader")
 
 
 if __name__ == "__main__":
