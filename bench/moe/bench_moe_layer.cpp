@@ -13,7 +13,8 @@
 //     same run with the same thread count (OPENBLAS_NUM_THREADS set too; the BLAS it loaded is
 //     printed);
 //   - the GEMM limit: the forward's expert FLOPs (6 R H I for R routed rows) and the forward +
-//     backward's (18 R H I: what autograd needs; mrr recomputes the activations, 22 R H I) at the
+//     backward's (18 R H I: what autograd needs, and mrr, whose experts keep their activations by
+//     default; with save_activations(false) the backward recomputes two products, 22 R H I) at the
 //     best GEMM rate measured on this machine at the shape's rows per expert, Eigen's (this build)
 //     or PyTorch's BLAS.
 // Then the replayed step on P = 2 and 4 in-process ranks (threads; each rank its token chunk).

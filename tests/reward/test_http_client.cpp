@@ -424,6 +424,24 @@ TEST_SUITE("reward") {
     CHECK(old.connections() == 2);
   }
 
+  TEST_CASE("http client: a response head with bare LF line ends is an I/O failure at once, not a timeout") {
+    mrr_test::LoopbackListener listener;
+    listener.start([](int fd) {
+      std::string in, head;
+      if (read_head(fd, in, head)) send_all(fd, "HTTP/1.1 200 OK\nContent-Length: 2\n\nok");
+      std::string rest;
+      read_head(fd, rest, head);  // keeps the connection open until the client goes
+      ::close(fd);
+    });
+    HttpTransport transport;
+    mrr::reward::Request r;
+    const auto start = std::chrono::steady_clock::now();
+    const auto reply = transport.send(listener.url(), r, 5s);
+    CHECK(reply.failure == Failure::io);
+    CHECK(reply.error.find("bare LF") != std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - start < 4s);  // not the 5 s budget
+  }
+
   TEST_CASE("http client: a host name is resolved within the attempt (localhost)") {
     ScriptedWorker worker([](const std::string&, const std::string&) { return ok_answer("by name"); });
     HttpTransport transport;

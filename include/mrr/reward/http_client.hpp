@@ -377,6 +377,9 @@ class HttpExchange {
       std::size_t end;
       while ((end = find_head_end(in_)) == std::string::npos) {
         if (in_.size() > kMaxHead) return io("the worker's response head is over 64 KiB");
+        // A head whose lines end in a bare LF never holds CRLF CRLF: refused at once, not waited on.
+        if (in_.find("\n\n") != std::string::npos)
+          return io("the worker's response head ends its lines with a bare LF, not CRLF");
         if (auto e = more("before a whole response head")) return *e;
       }
       if (end > kMaxHead) return io("the worker's response head is over 64 KiB");
