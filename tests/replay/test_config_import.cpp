@@ -546,6 +546,7 @@ TEST_CASE("vLLM routed_experts .npy ([tokens, layers, k] int32) imports as an R3
   mrr::MemoryRouteStore few_experts({8, L, k});
   CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(few_experts, 1, dir / "r.npy"),
                        doctest::Contains("is outside [0, 8)"), mrr::InvalidArgument);
+
   write_npy(dir / "f.npy", "<i4", {tokens, L, k}, values, 4, true);
   CHECK_THROWS_WITH_AS(mrr::read_npy(dir / "f.npy"), doctest::Contains("Fortran order"), mrr::InvalidArgument);
   write_npy(dir / "x.npy", "<f4", {tokens, L, k}, values, 4);
@@ -553,6 +554,57 @@ TEST_CASE("vLLM routed_experts .npy ([tokens, layers, k] int32) imports as an R3
   write_npy(dir / "2d.npy", "<i4", {tokens, L * k}, values, 4);
   CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(store, 2, dir / "2d.npy"), doctest::Contains("2 dimensions"),
                        mrr::InvalidArgument);
+}
+
+TEST_CASE("routed_experts with a row per decoder layer (dense layers zero-filled, as SGLang's capturer): moe_layers") {
+  // 6 decoder layers, the first two dense (their rows zeros: a top-k of repeated expert 0, which
+  // the import would refuse), four MoE layers: the model's MoE layer i is decoder layer 2 + i.
+  mrr::test::TempDir dir;
+  const int decoder = 6, moe = 4, k = 3, E = 32, tokens = 7;
+  std::vector<std::int64_t> values;
+  const auto id = [&](int t, int l, int j) { return (t * 5 + l * 11 + j * 7) % E; };
+  for (int t = 0; t < tokens; ++t)
+    for (int l = 0; l < decoder; ++l)
+      for (int j = 0; j < k; ++j)
+        values.push_back(l < 2 ? 0 : id(t, l, j));
+  write_npy(dir / "all.npy", "<i4", {tokens, decoder, k}, values, 4);
+  const std::vector<int> moe_layers = {2, 3, 4, 5};
+  mrr::MemoryRouteStore store({E, moe, k});
+  CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(store, 3, dir / "all.npy"),
+                       doctest::Contains("routed_experts has 6 layers but the model has 4 MoE layers (an array with a "
+                                         "row per decoder layer, dense ones included: give moe_layers)"),
+                       mrr::InvalidArgument);
+  mrr::import_routed_experts_npy(store, 3, dir / "all.npy", 0, moe_layers);
+  const std::vector<mrr::SequenceId> uids = {3};
+  const auto layout = mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, tokens});
+  for (int i = 0; i < moe; ++i) {
+    mrr::ExpertIds got;
+    std::vector<std::uint8_t> found;
+    REQUIRE(store.lookup(i, layout, got, found) == tokens);
+    for (int t = 0; t < tokens; ++t)
+      for (int j = 0; j < k; ++j)
+        CHECK(got(t, j) == id(t, moe_layers[static_cast<std::size_t>(i)], j));
+  }
+  // Into a route file from 1-byte ids, from a later position (a continuation).
+  mrr::test::TempDir files;
+  auto file = mrr::FileRouteStore::create(files / "r.mrr", {E, moe, k});
+  const std::vector<std::uint8_t> bytes(values.begin(), values.end());
+  mrr::import_routed_experts(file, 9, std::span<const std::uint8_t>(bytes), tokens, decoder, k, 5,
+                             std::span<const int>(moe_layers));
+  CHECK(file.recorded_positions(9) == 5 + tokens);
+  // moe_layers out of order, outside the array, or naming another count of layers: errors, and
+  // nothing stored.
+  const auto refused = [&](std::vector<int> layers, const char* text) {
+    mrr::MemoryRouteStore s({E, moe, k});
+    CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(s, 3, dir / "all.npy", 0, layers), doctest::Contains(text),
+                         mrr::InvalidArgument);
+    CHECK_FALSE(s.contains(3));
+  };
+  refused({2, 3, 5, 4}, "moe_layers[3] = 4 does not follow the one before it or is outside the array's 6 layers");
+  refused({2, 3, 4, 6}, "moe_layers[3] = 6 does not follow the one before it or is outside the array's 6 layers");
+  refused({-1, 3, 4, 5}, "moe_layers[0] = -1 is outside the array's 6 layers [0, 6)");
+  refused({3, 4, 5}, "moe_layers names 3 layers but the model has 4 MoE layers");
+  refused({0, 3, 4, 5}, "repeats an expert");  // a dense layer's zeros named as a MoE layer
 }
 
 #ifdef MRR_PYTHON_WITH_NUMPY

@@ -324,18 +324,38 @@ struct RouteFile {
 
   template <class Int>
   void import_ids(std::uint64_t uid, std::span<const Int> values, std::int64_t tokens, std::int64_t layers,
-                  std::int64_t k, std::int64_t first_position) {
+                  std::int64_t k, std::int64_t first_position, const std::vector<int>& moe_layers) {
     with_sequence_store([&](auto& s) {
-      mrr::import_routed_experts<std::remove_reference_t<decltype(s)>, Int>(s, uid, values, tokens, layers, k,
-                                                                            first_position);
+      mrr::import_routed_experts<std::remove_reference_t<decltype(s)>, Int>(
+          s, uid, values, tokens, layers, k, first_position, std::span<const int>(moe_layers));
     });
+  }
+
+  // moe_layers (None or a sequence of ints): the decoder layers of the array that are MoE layers.
+  static std::vector<int> layer_list(const py::object& moe_layers, const char* fn) {
+    std::vector<int> out;
+    if (moe_layers.is_none()) return out;
+    require(py::isinstance<py::sequence>(moe_layers) && !py::isinstance<py::str>(moe_layers), fn,
+            "'moe_layers' must be a sequence of ints (the decoder layers that are MoE layers), got ",
+            py::str(moe_layers.get_type()).cast<std::string>());
+    for (const py::handle item : moe_layers) {
+      require(py::isinstance<py::int_>(item), fn, "'moe_layers' must hold ints, got ",
+              py::str(item.get_type()).cast<std::string>());
+      const auto v = item.cast<long long>();
+      require(v >= 0 && v <= 65535, fn, "'moe_layers' holds ", v, ", outside [0, 65535]");
+      out.push_back(static_cast<int>(v));
+    }
+    require(!out.empty(), fn, "'moe_layers' is empty; give None when every layer of the array is a MoE layer");
+    return out;
   }
 
   // vLLM's routed_experts [n - 1, layers, k]: int32 (early versions), uint8 (<= 256 experts) or
   // uint16 (more), as a tensor or a numpy array (torch 1.13 has no uint16 tensors).
-  void import_vllm(const py::int_& uid_in, const py::object& routed_experts, std::int64_t first_position) {
+  void import_vllm(const py::int_& uid_in, const py::object& routed_experts, std::int64_t first_position,
+                   const py::object& moe_layers_in) {
     constexpr const char* fn = "RouteFile.import_vllm";
     const mrr::SequenceId uid = sequence_id(uid_in, fn);
+    const std::vector<int> moe_layers = layer_list(moe_layers_in, fn);
     require(first_position >= 0, fn, "'first_position' = ", first_position, " is negative");
     if (THPVariable_Check(routed_experts.ptr())) {
       const at::Tensor t = routed_experts.cast<at::Tensor>();
@@ -348,8 +368,9 @@ struct RouteFile {
               "; expected int32, uint8, uint16 (numpy), int16 or int64");
       const at::Tensor c = t.contiguous();
       AT_DISPATCH_INTEGRAL_TYPES(st, "import_vllm", [&] {
-        import_ids<scalar_t>(uid, std::span<const scalar_t>(c.data_ptr<scalar_t>(), static_cast<std::size_t>(c.numel())),
-                             c.size(0), c.size(1), c.size(2), first_position);
+        import_ids<scalar_t>(uid,
+                             std::span<const scalar_t>(c.data_ptr<scalar_t>(), static_cast<std::size_t>(c.numel())),
+                             c.size(0), c.size(1), c.size(2), first_position, moe_layers);
       });
       return;
     }
@@ -365,7 +386,7 @@ struct RouteFile {
       const auto c = py::array_t<Int, py::array::c_style>::ensure(a);
       if (!c) throw py::error_already_set();
       import_ids<Int>(uid, std::span<const Int>(c.data(), static_cast<std::size_t>(c.size())), c.shape(0), c.shape(1),
-                      c.shape(2), first_position);
+                      c.shape(2), first_position, moe_layers);
     };
     if (kind == 'i' && size == 4) return run(std::int32_t{});
     if (kind == 'i' && size == 8) return run(std::int64_t{});
@@ -379,10 +400,17 @@ struct RouteFile {
 
   // SGLang's meta_info["routed_experts"]: base64 of int32 [rows, layers, k] (little-endian, as
   // numpy's tobytes on the hosts SGLang runs on) covering positions [start_len, start_len + rows).
-  void import_sglang(const py::int_& uid_in, const py::object& payload, std::int64_t start_len) {
+  // SGLang's capturer holds a row per decoder layer: with moe_layers, num_hidden_layers (the
+  // payload's layer count) is needed too.
+  void import_sglang(const py::int_& uid_in, const py::object& payload, std::int64_t start_len,
+                     const py::object& moe_layers_in, const py::object& num_hidden_layers) {
     constexpr const char* fn = "RouteFile.import_sglang";
     const mrr::SequenceId uid = sequence_id(uid_in, fn);
     require(start_len >= 0, fn, "'start_len' = ", start_len, " is negative");
+    const std::vector<int> moe_layers = layer_list(moe_layers_in, fn);
+    require(moe_layers.empty() == num_hidden_layers.is_none(), fn,
+            "give 'moe_layers' and 'num_hidden_layers' together (the payload's rows hold every decoder layer), "
+            "or neither");
     std::string text;
     if (py::isinstance<py::str>(payload) || py::isinstance<py::bytes>(payload))
       text = payload.cast<std::string>();
@@ -390,7 +418,13 @@ struct RouteFile {
       throw_invalid_argument(fn, "'payload' must be a base64 str or bytes, got ",
                              py::str(payload.get_type()).cast<std::string>());
     const std::vector<unsigned char> bytes = decode_base64(text, fn, "payload");
-    const std::int64_t layers = shape().num_layers, k = shape().topk;
+    std::int64_t layers = shape().num_layers;
+    if (!moe_layers.empty()) {
+      require(py::isinstance<py::int_>(num_hidden_layers), fn, "'num_hidden_layers' must be an int");
+      layers = num_hidden_layers.cast<std::int64_t>();
+      require(layers >= 1 && layers <= 65535, fn, "'num_hidden_layers' = ", layers, " is outside [1, 65535]");
+    }
+    const std::int64_t k = shape().topk;
     const auto row_bytes = static_cast<std::size_t>(layers * k) * sizeof(std::int32_t);
     require(bytes.size() % row_bytes == 0, fn, "sequence ", uid, ": 'payload' decodes to ", bytes.size(),
             " bytes, not a whole number of int32 rows of [", layers, " layers, k = ", k, "] (", row_bytes,
@@ -398,7 +432,7 @@ struct RouteFile {
     std::vector<std::int32_t> ids(bytes.size() / sizeof(std::int32_t));
     if (!bytes.empty()) std::memcpy(ids.data(), bytes.data(), bytes.size());
     const auto rows = static_cast<std::int64_t>(bytes.size() / row_bytes);
-    import_ids<std::int32_t>(uid, ids, rows, layers, k, start_len);
+    import_ids<std::int32_t>(uid, ids, rows, layers, k, start_len, moe_layers);
   }
 
   void flush() {
@@ -589,9 +623,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("flush", &RouteFile::flush, "Asks the device to persist what was appended (records are written through).")
       .def("close", &RouteFile::close, "Writes the file's index and releases its write lock (it stays readable).")
       .def("import_vllm", &RouteFile::import_vllm, py::arg("uid"), py::arg("routed_experts"),
-           py::arg("first_position") = 0, "Stores vLLM's routed_experts [n - 1, layers, k] for sequence `uid`.")
+           py::arg("first_position") = 0, py::arg("moe_layers") = py::none(),
+           "Stores vLLM's routed_experts [n - 1, layers, k] for sequence `uid`; moe_layers: the array's layers "
+           "that are MoE layers, when it has a row per decoder layer (dense ones included).")
       .def("import_sglang", &RouteFile::import_sglang, py::arg("uid"), py::arg("payload"), py::arg("start_len") = 0,
-           "Stores SGLang's base64 meta_info['routed_experts'] (int32 [rows, layers, k]) from position start_len.");
+           py::arg("moe_layers") = py::none(), py::arg("num_hidden_layers") = py::none(),
+           "Stores SGLang's base64 meta_info['routed_experts'] (int32 [rows, layers, k]) from position start_len; "
+           "with a row per decoder layer (SGLang's capturer), give moe_layers and num_hidden_layers.");
 
   m.def("open_route_file", &open_route_file, py::arg("config"), py::arg("num_experts"), py::arg("num_layers"),
         py::arg("topk"),

@@ -142,34 +142,51 @@ class RouterReplay:
     # --- persistence through mrr (additions) ----------------------------------------------
 
     @staticmethod
-    def _layers_and_rows(fn, route_file, uids, positions):
-        """The instances (one per layer of `route_file`, else an error) and the rows as int64."""
+    def _layers_and_rows(fn, route_file, uids, positions, layers):
+        """The (instance, route-file layer) pairs and the rows as int64. `layers`: the route
+        file's layer of each instance, in order (a pipeline stage's, or a virtual stage's chunks);
+        None: the instances are the file's layers, all of them."""
         instances = RouterReplay.global_router_replay_instances
-        if len(instances) != route_file.num_layers:
-            raise _invalid(
-                f"RouterReplay.{fn}: {len(instances)} RouterReplay instances but the route file holds "
-                f"{route_file.num_layers} layers"
-            )
-        return instances, _as_int64(uids, "uids"), _as_int64(positions, "positions")
+        if layers is None:
+            if len(instances) != route_file.num_layers:
+                raise _invalid(
+                    f"RouterReplay.{fn}: {len(instances)} RouterReplay instances but the route file holds "
+                    f"{route_file.num_layers} layers (under pipeline parallelism, give layers=: the file's layer "
+                    "of each of this rank's instances)"
+                )
+            layers = range(route_file.num_layers)
+        layers = [int(layer) for layer in layers]
+        if len(layers) != len(instances):
+            raise _invalid(f"RouterReplay.{fn}: layers names {len(layers)} layers for {len(instances)} instances")
+        for i, layer in enumerate(layers):
+            if not 0 <= layer < route_file.num_layers or (i > 0 and layer <= layers[i - 1]):
+                raise _invalid(
+                    f"RouterReplay.{fn}: layers[{i}] = {layer} does not follow the one before it or is outside the "
+                    f"route file's {route_file.num_layers} layers"
+                )
+        return list(zip(instances, layers)), _as_int64(uids, "uids"), _as_int64(positions, "positions")
 
     @staticmethod
-    def save_recorded(route_file, uids, positions):
+    def save_recorded(route_file, uids, positions, layers=None):
         """Writes every layer's recorded indices [rows, k] into `route_file` (an mrr RouteFile),
-        row i being token (uids[i], positions[i])."""
-        instances, uids, positions = RouterReplay._layers_and_rows("save_recorded", route_file, uids, positions)
-        for layer, instance in enumerate(instances):
+        row i being token (uids[i], positions[i]). `layers`: the file's layer of each instance
+        (e.g. range(first, first + n) on a pipeline stage); None: instance i is layer i, and the
+        file holds as many layers as there are instances."""
+        pairs, uids, positions = RouterReplay._layers_and_rows("save_recorded", route_file, uids, positions, layers)
+        for instance, layer in pairs:
             recorded = instance.get_recorded_indices()
             if recorded is None:
                 raise _invalid(f"RouterReplay.save_recorded: layer {layer} has recorded nothing")
             route_file.record(layer, uids, positions, recorded.detach().cpu())
 
     @staticmethod
-    def load_replay_data(route_file, uids, positions):
+    def load_replay_data(route_file, uids, positions, layers=None):
         """set_replay_data from `route_file`'s routes of tokens (uids[i], positions[i]); a token
-        without a route in some layer is a RouteStoreError naming it."""
-        _, uids, positions = RouterReplay._layers_and_rows("load_replay_data", route_file, uids, positions)
+        without a route in some layer is a RouteStoreError naming it. `layers` as for
+        save_recorded."""
+        pairs, uids, positions = RouterReplay._layers_and_rows("load_replay_data", route_file, uids, positions, layers)
         per_layer = []
-        for layer in range(route_file.num_layers):
+        for _, layer in pairs:
             ids, found = route_file.lookup(layer, uids, positions)
             if not bool(found.all()):
                 row = int((~found).nonzero()[0, 0])
@@ -286,7 +303,14 @@ class RouterReplay:
             _, native = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             indices = native.to(torch.int64).clone()
             indices[mask] = self.target_topk_idx.to(device=scores.device, dtype=torch.int64)
-            return self._replayed(indices, scores, topk, "REPLAY_FORWARD")
+            result = self._replayed(indices, scores, topk, "REPLAY_FORWARD")
+            # The recompute (REPLAY_BACKWARD) must route every row as this forward did, the native
+            # rows included: the queued entry of these targets becomes the whole indices.
+            for i in range(len(self.replay_backward_list) - 1, -1, -1):
+                if self.replay_backward_list[i] is self.target_topk_idx:
+                    self.replay_backward_list[i] = result[1]
+                    break
+            return result
         if action == RouterReplayAction.REPLAY_BACKWARD:
             if not self.replay_backward_list:
                 raise _invalid("RouterReplay.get_replay_topk: REPLAY_BACKWARD with no queued indices")

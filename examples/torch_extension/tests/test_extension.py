@@ -243,6 +243,37 @@ def test_sglang_chunks_with_start_len_equal_one_import(mt):
     assert found.tolist() == [False] * 3 + [True] * 4
 
 
+def test_rows_per_decoder_layer_with_dense_layers_import_through_moe_layers(mt):
+    # SGLang's capturer: [rows, num_hidden_layers, k], zeros where a layer is dense (here the first
+    # one and the one between the MoE layers); the model's MoE layer i is decoder layer moe[i].
+    g = torch.Generator().manual_seed(8)
+    rows, uid, decoder = 5, 21, L + 2
+    moe = [1, 3]  # L = 2 MoE layers of 4 decoder layers
+    full = np.zeros((rows, decoder, K), dtype=np.int32)
+    for layer in moe:
+        full[:, layer] = distinct_ids(rows, g).numpy()
+    uids, positions = torch.full((rows,), uid), torch.arange(rows)
+    for how in ("sglang", "vllm"):
+        store = memory_store(mt, "R3")
+        with pytest.raises(mt.InvalidArgumentError, match="give moe_layers"):
+            store.import_vllm(uid, torch.from_numpy(full))
+        if how == "sglang":
+            store.import_sglang(uid, b64(full), moe_layers=moe, num_hidden_layers=decoder)
+        else:
+            store.import_vllm(uid, torch.from_numpy(full), moe_layers=moe)
+        for i, layer in enumerate(moe):
+            ids, found = store.lookup(i, uids, positions)
+            assert bool(found.all()) and torch.equal(ids, torch.from_numpy(full[:, layer]).long())
+    store = memory_store(mt, "R3")
+    with pytest.raises(mt.InvalidArgumentError, match="give 'moe_layers' and 'num_hidden_layers' together"):
+        store.import_sglang(uid, b64(full), moe_layers=moe)
+    with pytest.raises(mt.InvalidArgumentError, match="does not follow the one before it"):
+        store.import_vllm(uid, full, moe_layers=moe[::-1])
+    with pytest.raises(mt.InvalidArgumentError, match="'moe_layers' must hold ints"):
+        store.import_vllm(uid, full, moe_layers=[1.0] * len(moe))
+    assert not store.contains(uid)
+
+
 def test_sglang_payload_errors(mt):
     store = memory_store(mt, "R3")
     # 10 int32 values are not whole rows of L * k = 4.
@@ -586,6 +617,11 @@ def test_megatron_replay_mask_static_buffers_and_inference_boundary(mt, megatron
     native = torch.topk(scores, K).indices
     assert torch.equal(top[mask], target) and torch.equal(top[~mask], native[~mask])
     assert torch.equal(probs, scores.gather(1, top))
+    # The recompute replays every row as that forward routed it (it was handed the 2 masked rows
+    # alone, "[2, 2], expected [4, 2]", before), on scores that now route natively otherwise.
+    megatron.set_global_router_replay_action(Action.REPLAY_BACKWARD)
+    _, again = layers[0].get_replay_topk(torch.rand(4, E), K, default_compute_topk=default_topk)
+    assert torch.equal(again, top)
     with pytest.raises(mt.InvalidArgumentError, match="replay_mask selects 2 rows but there are 3"):
         megatron.set_replay_data([torch.zeros(3, K, dtype=torch.long)] * 2, replay_mask=mask)
     # Static buffers [max_tokens, layers, k]: recorded indices are copied into each layer's view.
@@ -625,6 +661,39 @@ def test_megatron_save_and_load_through_route_file(mt, megatron, tmp_path):
     assert all(torch.equal(layer.target_topk_idx, r[[3, 0]]) for layer, r in zip(layers, recorded))
     with pytest.raises(mt.RouteStoreError, match="no route for sequence 4 position 2"):
         megatron.load_replay_data(reader, [3, 4], [1, 2])
+
+
+def test_megatron_pipeline_stages_save_and_load_their_own_layers(mt, megatron, tmp_path):
+    # Two pipeline stages, one MoE layer each, write one route file of both layers (each rank its
+    # own layers: layers=[the file's layer]); the whole model, and each stage, read it back.
+    g = torch.Generator().manual_seed(9)
+    uids, positions = [5, 5, 5], [0, 1, 2]
+    path = tmp_path / "stages.mrr"
+    store = mt.open_route_file({"mode": "R2", "record_file": str(path)}, E, L, K)
+    recorded = []
+    for stage in range(L):
+        megatron.clear_global_router_replay_instances()
+        layer = megatron()
+        megatron.set_global_router_replay_action(mt.RouterReplayAction.RECORD)
+        layer.get_replay_topk(torch.rand(3, E, generator=g), K, default_compute_topk=default_topk)
+        recorded.append(layer.get_recorded_indices())
+        with pytest.raises(mt.InvalidArgumentError, match="give layers="):
+            megatron.save_recorded(store, uids, positions)
+        megatron.save_recorded(store, uids, positions, layers=[stage])
+    store.close()
+    reader = mt.open_route_file({"mode": "R2", "replay_file": str(path)}, E, L, K)
+    megatron.clear_global_router_replay_instances()
+    whole = [megatron() for _ in range(L)]
+    megatron.load_replay_data(reader, uids, positions)
+    assert all(torch.equal(layer.target_topk_idx, r) for layer, r in zip(whole, recorded))
+    megatron.clear_global_router_replay_instances()
+    last = megatron()
+    megatron.load_replay_data(reader, uids, positions, layers=[L - 1])
+    assert torch.equal(last.target_topk_idx, recorded[L - 1])
+    with pytest.raises(mt.InvalidArgumentError, match=r"layers\[0\] = %d does not follow" % L):
+        megatron.load_replay_data(reader, uids, positions, layers=[L])
+    with pytest.raises(mt.InvalidArgumentError, match="layers names 2 layers for 1 instances"):
+        megatron.load_replay_data(reader, uids, positions, layers=[0, 1])
 
 
 def deepseek_v3_gate(logits, bias, k, groups, topk_groups, scale):

@@ -10,6 +10,7 @@
 #include <mrr/replay/npy.hpp>
 #include <mrr/replay/shape.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <span>
@@ -55,7 +56,8 @@ void import_routed_experts(Store& store, SequenceId uid, std::span<const Int> ro
   constexpr const char* fn = "import_routed_experts";
   const RouteShape& s = store.shape();
   detail::require(layers == s.num_layers, fn, "sequence ", uid, ": routed_experts has ", layers,
-                  " layers but the model has ", s.num_layers, " MoE layers");
+                  " layers but the model has ", s.num_layers,
+                  " MoE layers (an array with a row per decoder layer, dense ones included: give moe_layers)");
   detail::require(k == s.topk, fn, "sequence ", uid, ": routed_experts has k = ", k, " but the model routes to ", s.topk,
                   " experts per token");
   std::size_t expect = 0;  // computed without overflow: a huge token count must not wrap to the span's size
@@ -80,14 +82,51 @@ void import_routed_experts(Store& store, SequenceId uid, std::span<const Int> ro
   store.record_sequence(uid, first_position, tokens, 0, static_cast<int>(layers), ids);
 }
 
+// The same from an array with a row per decoder layer, dense ones included (SGLang's capturer
+// fills [tokens, num_hidden_layers, k], zeros where a layer has no router; DeepSeek-V3's first
+// three layers are dense): the model's MoE layer i is the array's layer moe_layers[i]. moe_layers
+// must ascend, lie in [0, layers) and name as many layers as the model has MoE layers; the other
+// layers' rows are not read. Empty: every layer of the array is a MoE layer.
+template <class Store, class Int>
+void import_routed_experts(Store& store, SequenceId uid, std::span<const Int> routed_experts, std::int64_t tokens,
+                           std::int64_t layers, std::int64_t k, std::int64_t first_position,
+                           std::span<const int> moe_layers) {
+  if (moe_layers.empty())
+    return import_routed_experts<Store, Int>(store, uid, routed_experts, tokens, layers, k, first_position);
+  constexpr const char* fn = "import_routed_experts";
+  const auto moe = static_cast<std::int64_t>(moe_layers.size());
+  detail::require(moe == store.shape().num_layers, fn, "sequence ", uid, ": moe_layers names ", moe,
+                  " layers but the model has ", store.shape().num_layers, " MoE layers");
+  for (std::size_t i = 0; i < moe_layers.size(); ++i)
+    detail::require(moe_layers[i] >= 0 && moe_layers[i] < layers && (i == 0 || moe_layers[i] > moe_layers[i - 1]), fn,
+                    "sequence ", uid, ": moe_layers[", i, "] = ", moe_layers[i],
+                    i == 0 ? "" : " does not follow the one before it or", " is outside the array's ", layers,
+                    " layers [0, ", layers, ")");
+  std::size_t expect = 0;
+  const bool fits = tokens >= 0 && k >= 0 && detail::checked_product(expect, tokens, layers, k);
+  detail::require(fits && routed_experts.size() == expect, fn, "sequence ", uid, ": routed_experts holds ",
+                  routed_experts.size(), " values for shape [", tokens, ", ", layers, ", ", k, "]");
+  const auto kk = static_cast<std::size_t>(k);
+  std::vector<Int> picked(static_cast<std::size_t>(tokens) * moe_layers.size() * kk);
+  for (std::size_t t = 0, at = 0; t < static_cast<std::size_t>(tokens); ++t)
+    for (const int layer : moe_layers) {
+      const Int* row =
+          routed_experts.data() + (t * static_cast<std::size_t>(layers) + static_cast<std::size_t>(layer)) * kk;
+      std::copy(row, row + kk, picked.data() + at);
+      at += kk;
+    }
+  import_routed_experts<Store, Int>(store, uid, std::span<const Int>(picked), tokens, moe, k, first_position);
+}
+
 // The same from a .npy file as vLLM/SGLang users save it (np.save(path, routed_experts)).
 template <class Store>
 void import_routed_experts_npy(Store& store, SequenceId uid, const std::filesystem::path& npy,
-                               std::int64_t first_position = 0) {
+                               std::int64_t first_position = 0, std::span<const int> moe_layers = {}) {
   const NpyIntArray a = read_npy(npy);
   detail::require(a.shape.size() == 3, "import_routed_experts_npy", npy.string(), " has ", a.shape.size(),
                   " dimensions; routed_experts is [tokens, layers, k]");
-  import_routed_experts<Store, std::int64_t>(store, uid, a.values, a.shape[0], a.shape[1], a.shape[2], first_position);
+  import_routed_experts<Store, std::int64_t>(store, uid, std::span<const std::int64_t>(a.values), a.shape[0],
+                                             a.shape[1], a.shape[2], first_position, moe_layers);
 }
 
 MRR_NAMESPACE_END
