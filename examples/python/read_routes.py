@@ -14,7 +14,8 @@ As a module:
 Every record's checksum is verified: XXH3-64 in format versions 3 and 2 (numpy, about 85 MB/s)
 and XXH64 in version 1 (pure Python, about 20-30 MB/s); --no-verify skips it (and then an
 incomplete last record is not told apart from a whole one). A damaged routes record, or two
-records of a sequence that disagree on a (position, layer), raises; an incomplete last record (a
+records of a sequence that disagree on a (position, layer), raises (in a cleanly closed file
+from routes(uid) of that sequence alone, as the C++ reader opens such a file from its index); an incomplete last record (a
 writer stopped mid-append) is reported in `torn_bytes` and not used, and a damaged index or tail
 record (it holds no routes) is stepped over and reported in `index_damaged`, as the C++ reader
 does. A sequence's records must lie as densely as the C++ reader requires (docs/route-file-format.md,
@@ -259,6 +260,8 @@ class RouteFile:
         self.torn_offset = 0
         self.torn_bytes = 0
         self.index_damaged = False
+        self._closed = False  # an intact index and tail end the file
+        self._damaged = {}  # uid -> (offset, what): routes records of a closed file that fail their checksum
         self._scan()
 
     def _fail(self, offset, what):
@@ -339,6 +342,7 @@ class RouteFile:
             and struct.unpack_from("<Q", self._data, at + RECORD_HEADER_BYTES)[0] == (ih[1] - 8) // entry
         )
         if intact:
+            self._closed = True
             return None
         self.index_damaged = True
         return at, t
@@ -369,7 +373,15 @@ class RouteFile:
                     self.index_damaged = True
                     off += need
                     continue
-                self._fail(off, f"a routes record (sequence uid {uid}) fails its checksum")
+                what = f"a routes record (sequence uid {uid}) fails its checksum"
+                if not self._closed:
+                    self._fail(off, what)
+                # A closed file, as the C++ reader opens it from its index: the damage is the
+                # sequence's (routes(uid) raises), the other sequences are read.
+                self._damaged.setdefault(uid, (off, what))
+                self._records.setdefault(uid, [])
+                off += need
+                continue
             if rtype == ROUTES:
                 if layers == 0 or first_layer + layers > self.num_layers:
                     self._fail(
@@ -397,6 +409,8 @@ class RouteFile:
         default; None: the first position recorded) to the last; -1 where no route was recorded."""
         if uid not in self._records:
             raise KeyError(f"sequence {uid} is not in {self.path}")
+        if uid in self._damaged:
+            self._fail(*self._damaged[uid])
         parts = self._records[uid]
         first = min(p for _, p, _, _, _ in parts)
         end = max(p + t for _, p, t, _, _ in parts)

@@ -169,12 +169,20 @@ def crafted_files(rr):
             assert f.index_damaged == (where != "intact"), (version, where)
             assert f.sequences() == [1, 2] and f.torn_bytes == 0
             assert f.routes(1).reshape(-1).tolist() == list(range(12))
-    # A damaged routes record is still an error, naming its type and sequence.
-    _, index_at = write_route_file(rr, path, 3, 64, 2, 2, records, close=True)
-    with open(path, "r+b") as fh:
-        fh.seek(64 + 56 + 1)
-        fh.write(b"\x3f")
-    expect_error(rr, lambda: rr.RouteFile(path), "a routes record (sequence uid 1) fails its checksum")
+    # A damaged routes record is still an error, naming its type and sequence: the sequence's in a
+    # closed file (the C++ reader opens it from its index and reads the others), the whole
+    # file's in one that was not closed (both readers scan it).
+    for close in (True, False):
+        write_route_file(rr, path, 3, 64, 2, 2, records, close=close)
+        with open(path, "r+b") as fh:
+            fh.seek(64 + 56 + 1)
+            fh.write(b"\x3f")
+        if close:
+            f = rr.RouteFile(path)
+            assert f.sequences() == [1, 2] and f.routes(2).reshape(-1).tolist() == list(range(8))
+            expect_error(rr, lambda: f.routes(1), "a routes record (sequence uid 1) fails its checksum")
+        else:
+            expect_error(rr, lambda: rr.RouteFile(path), "a routes record (sequence uid 1) fails its checksum")
     print("crafted files: overlaps, the sparse bound, start, empty records and damaged indexes as the C++ reader")
 
 
