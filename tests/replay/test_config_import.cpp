@@ -325,6 +325,9 @@ TEST_CASE("YAML config with verl's layout, then overrides") {
                                         "actor_rollout_ref.rollout.enable_rollout_routing_replay=false"};
   c = mrr::load_replay_config(yaml, std::span<const std::string>(over));
   CHECK(c.mode == mrr::ReplayMode::R2);
+  c = mrr::load_replay_config(yaml, over);  // a vector, as docs/replay.md writes it
+  CHECK(c.mode == mrr::ReplayMode::R2);
+  CHECK(mrr::load_replay_config_from_string("actor_rollout_ref: {}\n", over).mode == mrr::ReplayMode::R2);
   const std::vector<std::string> bad = {"actor_rollout_ref.actor.router_replay.mode=R2"};
   CHECK_THROWS_WITH_AS(mrr::load_replay_config(yaml, std::span<const std::string>(bad)),
                        doctest::Contains("mode=R2 records routes"), mrr::ConfigError);

@@ -252,4 +252,16 @@ ReplayConfig load_replay_config_from_string(std::string_view yaml_text, std::spa
   return detail::replay_config_from(source, root, overrides);
 }
 
+// The overrides as a std::vector<std::string>, as a trainer usually holds them (a vector is not
+// deduced as a span of its elements).
+inline ReplayConfig load_replay_config(const std::filesystem::path& yaml_file,
+                                       const std::vector<std::string>& overrides) {
+  return load_replay_config<std::string>(yaml_file, std::span<const std::string>(overrides));
+}
+inline ReplayConfig load_replay_config_from_string(std::string_view yaml_text,
+                                                   const std::vector<std::string>& overrides,
+                                                   std::string_view source = "YAML config") {
+  return load_replay_config_from_string<std::string>(yaml_text, std::span<const std::string>(overrides), source);
+}
+
 MRR_NAMESPACE_END
