@@ -100,6 +100,38 @@ TEST_SUITE("reward") {
     CHECK(router.wait(20s) == 0);
   }
 
+  TEST_CASE("reward_router out of file descriptors: connections past the limit get 503, and it recovers") {
+    // Under a limit of 64 descriptors (below the default --max-connections), idle connections
+    // fill the table: the later ones get a 503 through the descriptor kept spare for it (before,
+    // accept4 failed with EMFILE, the listener stayed readable and the loop spun at 100% CPU,
+    // answering nobody).
+    mrr::reward::RewardServer worker([](const mrr::reward::Request& r) { return mrr_test::answer({"w"}, r); });
+    mrr_test::ChildProcess router({"/bin/sh", "-c",
+                                   std::string("ulimit -n 64 && exec ") + MRR_REWARD_ROUTER +
+                                       " --port 0 --health-interval-ms 0 --worker " + worker.url()});
+    const std::string url = listening_url(router);
+    const int port = std::stoi(url.substr(url.rfind(':') + 1));
+    std::vector<std::unique_ptr<mrr_test::RawClient>> idle;
+    for (int i = 0; i < 80; ++i)
+      idle.push_back(std::make_unique<mrr_test::RawClient>(port));
+    int shed = 0;
+    for (int i = 70; i < 80; ++i)
+      shed += mrr_test::status_line(idle[static_cast<std::size_t>(i)]->read_response(3s)) == 503;
+    CHECK(shed == 10);
+    idle.clear();  // the router sees them close and frees their descriptors
+    int status = 0;
+    for (int attempt = 0; attempt < 50 && status != 200; ++attempt) {
+      httplib::Client client(url);
+      client.set_read_timeout(5s);
+      const auto r = client.Post("/score", "{}", "application/json");
+      status = r ? r->status : 0;
+      if (status != 200) std::this_thread::sleep_for(100ms);
+    }
+    CHECK(status == 200);
+    router.signal(SIGTERM);
+    CHECK(router.wait(20s) == 0);
+  }
+
   TEST_CASE("reward_router rejects bad arguments with exit status 2") {
     for (const auto& args : {std::vector<std::string>{MRR_REWARD_ROUTER, "--port", "x"},
                              std::vector<std::string>{MRR_REWARD_ROUTER, "--worker", "127.0.0.1:1"},

@@ -206,12 +206,13 @@ inline std::variant<std::string, ClientError> request_head(const WorkerUrl& url,
                                       "Host: ", ipv6 ? "[" : "", url.host, ipv6 ? "]" : "");
   if (url.port != 80) head += mrr::detail::str(":", url.port);
   head += "\r\n";
+  const ConnectionOptions connection_options(r.headers);
   for (const auto& [name, value] : r.headers) {
     if (name.empty() || !std::all_of(name.begin(), name.end(), is_tchar))
       return refuse(mrr::detail::str("header field name '", quoted_name(name), "' is not a token"));
     if (!std::all_of(value.begin(), value.end(), is_field_value_byte))
       return refuse(mrr::detail::str("the value of header field '", quoted_name(name), "' holds a control byte"));
-    if (is_unforwardable_header(name) || named_in_connection(r.headers, name)) continue;
+    if (is_unforwardable_header(name) || connection_options.names(name)) continue;
     head += name;
     head += ": ";
     head += value;
@@ -435,9 +436,10 @@ class HttpExchange {
     if (unreadable_coding && !no_body)
       return io(mrr::detail::str("the worker's Transfer-Encoding is '", *unreadable_coding,
                                  "'; only chunked alone is decoded"));
+    const ConnectionOptions connection_options(fields);
     for (auto& [name, value] : fields) {
       const bool keep = no_body && head_request && iequals(name, "Content-Length");  // what GET would send
-      if (keep || (!is_unforwardable_header(name) && !named_in_connection(fields, name)))
+      if (keep || (!is_unforwardable_header(name) && !connection_options.names(name)))
         out.headers.emplace_back(std::move(name), std::move(value));
     }
     if (no_body) {

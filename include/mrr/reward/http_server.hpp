@@ -113,8 +113,10 @@ class DeadlineStream final : public httplib::Stream {
 
   [[nodiscard]] bool broken() const noexcept { return broken_; }
 
-  // The unread bytes, for the connection's next request.
-  void keep_leftover() {
+  // The unread bytes, for the connection's next request; the first `head` bytes are dropped even
+  // where cpp-httplib stopped reading inside them (a head it refused), never read as a request.
+  void keep_leftover(std::size_t head) {
+    pos_ = std::max(pos_, head);
     compact();
   }
 
@@ -234,6 +236,7 @@ class BodyBudget {
 struct Exchange {
   ReceivedRequest* request = nullptr;
   std::size_t response_bytes = 0;  // to decide whether to return memory to the OS afterwards
+  bool handled = false;            // the handler ran (else cpp-httplib refused the head itself)
 };
 
 // Large bodies leave freed memory in malloc's arenas (the connection loop's, where request bodies
@@ -277,6 +280,7 @@ class Server : public httplib::Server {
       }
       return_free_memory(request_bytes);  // the request is gone: before the client has its answer
       ex->response_bytes = out.body.size();
+      ex->handled = true;
       return HandlerResponse::Handled;
     });
   }
@@ -327,6 +331,52 @@ inline void send_canned(int fd, int status, std::string_view error, std::string_
   [[maybe_unused]] const ssize_t n = ::send(fd, text.data(), text.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
+// The head as cpp-httplib's parser is given it: the request line with every '?' after the first
+// percent-encoded (its parser refuses a second '?', which a query may hold, RFC 3986 §3.4; its
+// params decode it back), and no Range field (cpp-httplib would slice the worker's answer, or
+// refuse a Range it cannot parse, itself; the worker still gets the field). Every line ends in
+// CRLF (parse_request_head checked the head).
+inline std::string head_for_httplib(std::string_view head) {
+  std::string out;
+  out.reserve(head.size() + 16);
+  bool first = true;
+  while (!head.empty()) {
+    const auto crlf = head.find("\r\n");
+    const std::string_view line = head.substr(0, crlf == std::string_view::npos ? head.size() : crlf + 2);
+    head.remove_prefix(line.size());
+    if (first) {
+      first = false;
+      const auto query = line.find('?');
+      const auto target_end = line.find(' ', line.find(' ') + 1);
+      if (query != std::string_view::npos && query < target_end) {
+        out.append(line.substr(0, query + 1));
+        for (std::size_t i = query + 1; i < line.size(); ++i) {
+          if (line[i] == '?' && i < target_end)
+            out += "%3F";
+          else
+            out += line[i];
+        }
+        continue;
+      }
+    } else {
+      const auto colon = line.find(':');
+      if (colon != std::string_view::npos && iequals(line.substr(0, colon), "Range")) continue;
+    }
+    out.append(line);
+  }
+  return out;
+}
+
+// Whether the client ends the connection after this request (RFC 9112 §9.3, §9.6): HTTP/1.1 with
+// the close option (in any case), HTTP/1.0 without keep-alive, and HTTP/1.0 framed by
+// Transfer-Encoding (faulty framing, §6.1).
+inline bool client_closes(const RequestHead& head) {
+  const ConnectionOptions options(head.headers);
+  if (head.version != "HTTP/1.1")
+    return !options.names("keep-alive") || !header_value(head.headers, "Transfer-Encoding").empty();
+  return options.names("close");
+}
+
 // Binds `server` as configured and serves it until stop(): one thread receives the requests of
 // every connection with poll(), head and body; `threads` pool threads serve complete requests.
 class ServerThread {
@@ -373,6 +423,7 @@ class ServerThread {
       server.close_listening_socket();
       throw ServerError("mrr::reward: pipe2 failed");
     }
+    spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     server_ = &server;
     stopping_ = false;
     for (std::size_t i = 0; i < options.threads; ++i)
@@ -399,6 +450,8 @@ class ServerThread {
     returned_.clear();
     ::close(wake_[0]);
     ::close(wake_[1]);
+    if (spare_fd_ >= 0) ::close(spare_fd_);
+    spare_fd_ = -1;
     server_->close_listening_socket();
   }
 
@@ -416,6 +469,7 @@ class ServerThread {
     // Received bytes that are not the body: the request head (cpp-httplib parses it again on the
     // pool thread), then a pipelined next request.
     std::string buffer;
+    std::size_t head_bytes = 0;  // the request head's bytes at the front of `buffer`
     ReceivedRequest request;
     std::size_t requests = 0;
     bool counted = true;  // in open_ (a shed connection lingers uncounted)
@@ -477,7 +531,9 @@ class ServerThread {
         if (watched[i].state == Connection::State::head) start_request(watched[i], std::chrono::steady_clock::now());
       std::erase_if(watched, [](const Connection& c) { return c.fd < 0; });
       fds.clear();
-      fds.push_back({server_->listening_socket(), POLLIN, 0});
+      // The listener, unless it rests after running out of descriptors (a negative fd is skipped).
+      const bool accepting = std::chrono::steady_clock::now() >= accept_resumes_;
+      fds.push_back({accepting ? server_->listening_socket() : -1, POLLIN, 0});
       fds.push_back({wake_[0], POLLIN, 0});
       for (const auto& c : watched)
         fds.push_back({c.fd, POLLIN, 0});
@@ -512,10 +568,30 @@ class ServerThread {
       close_connection(c);  // idle past keep-alive, an empty head, or done lingering
   }
 
+  // Out of file descriptors (the process's limit, or the system's): a waiting client gets a 503
+  // through the descriptor kept spare for this, and its connection is closed. Without one to
+  // spare, the listener rests a moment: it stays readable, and polling it again at once would spin.
+  void shed_without_descriptors(TimePoint now) {
+    if (spare_fd_ >= 0) {
+      ::close(spare_fd_);
+      const int fd = ::accept4(server_->listening_socket(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd >= 0) {
+        send_canned(fd, 503, "overloaded", "the server has no file descriptor left for another connection");
+        ::close(fd);
+      }
+      spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+      if (fd >= 0 && spare_fd_ >= 0) return;
+    }
+    accept_resumes_ = now + std::chrono::milliseconds(100);
+  }
+
   void accept_new(std::vector<Connection>& watched, TimePoint now) {
     for (int n = 0; n < 256; ++n) {
       const int fd = ::accept4(server_->listening_socket(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE) shed_without_descriptors(now);
+        return;
+      }
       int yes = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &yes, sizeof(yes));
       Connection c;
@@ -591,7 +667,16 @@ class ServerThread {
       refuse(c, *check.rejection, now);
       return;
     }
-    const bool expects_continue = iequals(header_value(head.headers, "Expect"), "100-continue");
+    const auto hosts = std::count_if(head.headers.begin(), head.headers.end(),
+                                     [](const auto& field) { return iequals(field.first, "Host"); });
+    if (hosts > 1 || (hosts == 0 && head.version == "HTTP/1.1")) {
+      refuse(c, {400, "bad_request", "an HTTP/1.1 request carries exactly one Host field (RFC 9112 §3.2)"}, now);
+      return;
+    }
+    // HTTP/1.0 has no 100 Continue: its Expect is ignored (RFC 9110 §10.1.1).
+    const bool expects_continue =
+        head.version == "HTTP/1.1" && iequals(header_value(head.headers, "Expect"), "100-continue");
+    c.head_bytes = end;
     c.request = ReceivedRequest{std::move(head), check.framing, {}, {}, 0};
     if (check.framing.kind == BodyFraming::Kind::chunked) c.request.chunks.emplace(options_.max_body_bytes);
     const std::string after_head = c.buffer.substr(end);
@@ -702,10 +787,15 @@ class ServerThread {
     bool reuse = false;
     std::size_t response_bytes = 0;
     {
+      // cpp-httplib parses its own copy of the head (detail::head_for_httplib); the handler gets
+      // the request as received.
+      std::string head = head_for_httplib(std::string_view(c.buffer).substr(0, c.head_bytes));
+      c.buffer.replace(0, c.head_bytes, head);
+      c.head_bytes = head.size();
       DeadlineStream stream(c.fd, c.buffer, options_);
       Exchange ex{&c.request, 0};
       current_exchange = &ex;
-      const bool last = ++c.requests >= options_.keep_alive_max_count || stopping_;
+      const bool last = ++c.requests >= options_.keep_alive_max_count || stopping_ || client_closes(c.request.head);
       bool closed = false;
       bool ok = false;
       try {
@@ -720,8 +810,10 @@ class ServerThread {
         ok = false;
       }
       current_exchange = nullptr;
-      stream.keep_leftover();
-      reuse = ok && !closed && !last && !stream.broken();
+      stream.keep_leftover(c.head_bytes);
+      // A head cpp-httplib refused itself (an extension method, a field line over its 8 KiB) got
+      // its 400: the connection ends there rather than be read on from where its parser stopped.
+      reuse = ok && ex.handled && !closed && !last && !stream.broken();
       response_bytes = ex.response_bytes;
     }
     release_body(c);
@@ -756,6 +848,8 @@ class ServerThread {
   std::atomic<bool> stopping_{false};  // set under mutex_, so that waiters on ready_cv_ see it
   int wake_[2] = {-1, -1};
   int port_ = -1;
+  int spare_fd_ = -1;           // closed to accept one more connection when out of descriptors
+  TimePoint accept_resumes_{};  // the listener is polled again from then
 };
 
 inline std::string url_of(const std::string& host, int port) {

@@ -273,11 +273,44 @@ inline bool named_in_connection(const Headers& headers, std::string_view name) {
   return false;
 }
 
+// The options of every Connection field of `headers`, collected once (lower case, sorted), so a
+// head of many fields is filtered in n log n, not n^2.
+class ConnectionOptions {
+ public:
+  explicit ConnectionOptions(const Headers& headers) {
+    for (const auto& [key, value] : headers) {
+      if (!detail::iequals(key, "Connection")) continue;
+      std::string_view tokens = value;
+      while (!tokens.empty()) {
+        const auto comma = tokens.find(',');
+        const std::string_view token = detail::trim_ows(tokens.substr(0, comma));
+        if (!token.empty()) options_.push_back(lower(token));
+        tokens = comma == std::string_view::npos ? std::string_view{} : tokens.substr(comma + 1);
+      }
+    }
+    std::sort(options_.begin(), options_.end());
+  }
+  // Whether `name` is one of them (case-insensitive).
+  [[nodiscard]] bool names(std::string_view name) const {
+    return !options_.empty() && std::binary_search(options_.begin(), options_.end(), lower(name));
+  }
+
+ private:
+  static std::string lower(std::string_view s) {
+    std::string out(s);
+    for (char& c : out)
+      if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+    return out;
+  }
+  std::vector<std::string> options_;
+};
+
 // The end-to-end fields of `headers`, in order.
 inline Headers forwardable(const Headers& headers) {
+  const ConnectionOptions options(headers);
   Headers out;
   for (const auto& [name, value] : headers)
-    if (!is_unforwardable_header(name) && !named_in_connection(headers, name)) out.emplace_back(name, value);
+    if (!is_unforwardable_header(name) && !options.names(name)) out.emplace_back(name, value);
   return out;
 }
 
