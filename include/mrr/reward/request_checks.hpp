@@ -258,21 +258,6 @@ inline bool is_unforwardable_header(std::string_view name) noexcept {
   return false;
 }
 
-// Whether `name` is listed in any Connection field (those are hop-by-hop as well).
-inline bool named_in_connection(const Headers& headers, std::string_view name) {
-  for (const auto& [key, value] : headers) {
-    if (!detail::iequals(key, "Connection")) continue;
-    std::string_view tokens = value;
-    while (!tokens.empty()) {
-      const auto comma = tokens.find(',');
-      const std::string_view token = detail::trim_ows(tokens.substr(0, comma));
-      if (detail::iequals(token, name)) return true;
-      tokens = comma == std::string_view::npos ? std::string_view{} : tokens.substr(comma + 1);
-    }
-  }
-  return false;
-}
-
 // The options of every Connection field of `headers`, collected once (lower case, sorted), so a
 // head of many fields is filtered in n log n, not n^2.
 class ConnectionOptions {
@@ -304,6 +289,11 @@ class ConnectionOptions {
   }
   std::vector<std::string> options_;
 };
+
+// Whether `name` is listed in any Connection field (those are hop-by-hop as well).
+inline bool named_in_connection(const Headers& headers, std::string_view name) {
+  return ConnectionOptions(headers).names(name);
+}
 
 // The end-to-end fields of `headers`, in order.
 inline Headers forwardable(const Headers& headers) {
