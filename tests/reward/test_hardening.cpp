@@ -561,6 +561,20 @@ TEST_SUITE("reward") {
       CHECK(status_line(raw.read_response()) == 200);
       CHECK(raw.read_response(5s).empty());
     }
+    // Empty lines before a request line are ignored (RFC 9112 §2.2): a body that ends with an
+    // extra CRLF, and the next request behind it on the connection.
+    {
+      RawClient raw(router.port());
+      REQUIRE(
+          raw.send("\r\nPOST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}\r\n"
+                   "GET /b HTTP/1.1\r\nHost: x\r\n\r\n"));
+      const std::string first = raw.read_response();
+      REQUIRE(status_line(first) == 200);
+      CHECK(json_body(first)["target"] == "/a");
+      const std::string second = raw.read_response();
+      REQUIRE(status_line(second) == 200);
+      CHECK(json_body(second)["target"] == "/b");
+    }
     // An HTTP/1.1 request without Host, or with two: 400 (RFC 9112 §3.2).
     for (const std::string& hosts : {""s, "Host: a\r\nHost: b\r\n"s}) {
       RawClient raw(router.port());

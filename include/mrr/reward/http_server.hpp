@@ -649,6 +649,12 @@ class ServerThread {
   // With a whole head in the buffer: parses and checks it (refusing what it must), then takes the
   // body bytes that came with it.
   void start_request(Connection& c, TimePoint now) {
+    // Empty lines before a request line are ignored (RFC 9112 §2.2: some clients end a body with
+    // an extra CRLF that the next request on the connection then starts with).
+    std::size_t blank = 0;
+    while (c.buffer.compare(blank, 2, "\r\n") == 0)
+      blank += 2;
+    if (blank > 0) c.buffer.erase(0, blank);
     const std::size_t end = find_head_end(c.buffer);
     if (end == std::string::npos ? c.buffer.size() > options_.max_header_bytes : end > options_.max_header_bytes) {
       const std::string detail = mrr::detail::str("the request head is over ", options_.max_header_bytes, " bytes");
