@@ -592,6 +592,8 @@ class ServerThread {
         if (errno == EMFILE || errno == ENFILE) shed_without_descriptors(now);
         return;
       }
+      // The spare, lost to another thread's descriptor while it was lent out, is taken back.
+      if (spare_fd_ < 0) spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
       int yes = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &yes, sizeof(yes));
       Connection c;
