@@ -407,7 +407,7 @@ class HttpExchange {
     }
     // Framing (RFC 9112 §6.3).
     std::optional<std::uint64_t> length;
-    bool chunked = false, close = !http11;
+    bool chunked = false;
     std::optional<std::string_view> unreadable_coding;  // a Transfer-Encoding other than chunked alone
     for (const auto& [name, value] : fields) {
       if (iequals(name, "Content-Length")) {
@@ -422,21 +422,16 @@ class HttpExchange {
       } else if (iequals(name, "Transfer-Encoding")) {
         if (chunked || !iequals(trim_ows(value), "chunked")) unreadable_coding = value;
         chunked = true;
-      } else if (iequals(name, "Connection")) {
-        close = close || named_in_connection({{name, value}}, "close");
-        if (!http11 && named_in_connection({{name, value}}, "keep-alive")) close = false;
       }
     }
-    // An HTTP/1.0 message with Transfer-Encoding: its framing is faulty, the connection closed
-    // after it (RFC 9112 §6.1).
-    close = close || (chunked && !http11);
+    const ConnectionOptions connection_options(fields);
+    bool close = connection_ends_after(connection_options, fields, http11);
     const bool no_body = head_request || out.status == 204 || out.status == 304;
     // Only chunked alone is decoded: a body in another coding (gzip, chunked) would reach the
     // client still coded once the hop-by-hop field is dropped (RFC 9112 §6.1).
     if (unreadable_coding && !no_body)
       return io(mrr::detail::str("the worker's Transfer-Encoding is '", *unreadable_coding,
                                  "'; only chunked alone is decoded"));
-    const ConnectionOptions connection_options(fields);
     for (auto& [name, value] : fields) {
       const bool keep = no_body && head_request && iequals(name, "Content-Length");  // what GET would send
       if (keep || (!is_unforwardable_header(name) && !connection_options.names(name)))

@@ -367,16 +367,6 @@ inline std::string head_for_httplib(std::string_view head) {
   return out;
 }
 
-// Whether the client ends the connection after this request (RFC 9112 §9.3, §9.6): HTTP/1.1 with
-// the close option (in any case), HTTP/1.0 without keep-alive, and HTTP/1.0 framed by
-// Transfer-Encoding (faulty framing, §6.1).
-inline bool client_closes(const RequestHead& head) {
-  const ConnectionOptions options(head.headers);
-  if (head.version != "HTTP/1.1")
-    return !options.names("keep-alive") || !header_value(head.headers, "Transfer-Encoding").empty();
-  return options.names("close");
-}
-
 // Binds `server` as configured and serves it until stop(): one thread receives the requests of
 // every connection with poll(), head and body; `threads` pool threads serve complete requests.
 class ServerThread {
@@ -803,7 +793,9 @@ class ServerThread {
       DeadlineStream stream(c.fd, c.buffer, options_);
       Exchange ex{&c.request, 0};
       current_exchange = &ex;
-      const bool last = ++c.requests >= options_.keep_alive_max_count || stopping_ || client_closes(c.request.head);
+      const bool last = ++c.requests >= options_.keep_alive_max_count || stopping_ ||
+                        connection_ends_after(ConnectionOptions(c.request.head.headers), c.request.head.headers,
+                                              c.request.head.version == "HTTP/1.1");
       bool closed = false;
       bool ok = false;
       try {

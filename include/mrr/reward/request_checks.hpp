@@ -290,9 +290,11 @@ class ConnectionOptions {
   std::vector<std::string> options_;
 };
 
-// Whether `name` is listed in any Connection field (those are hop-by-hop as well).
-inline bool named_in_connection(const Headers& headers, std::string_view name) {
-  return ConnectionOptions(headers).names(name);
+// Whether a message's connection ends after it (RFC 9112 §9.3, §9.6, §6.1): the close option in
+// any case; HTTP/1.0 without keep-alive, or framed by Transfer-Encoding (faulty framing).
+inline bool connection_ends_after(const ConnectionOptions& options, const Headers& headers, bool http11) {
+  if (options.names("close")) return true;
+  return !http11 && (!options.names("keep-alive") || !header_value(headers, "Transfer-Encoding").empty());
 }
 
 // The end-to-end fields of `headers`, in order.
