@@ -16,7 +16,8 @@
 //     backward's (18 R H I: what autograd needs, and mrr, whose experts keep their activations by
 //     default; with save_activations(false) the backward recomputes two products, 22 R H I) at the
 //     best GEMM rate measured on this machine at the shape's rows per expert, Eigen's (this build)
-//     or PyTorch's BLAS.
+//     or PyTorch's BLAS; and beside it the core's measured fused multiply-add peak, which no GEMM
+//     on one thread can beat.
 // Then the replayed step on P = 2 and 4 in-process ranks (threads; each rank its token chunk).
 // Wall-time medians. MRR_BENCH_SHAPES=qwen3,mixtral,deepseek picks shapes, MRR_BENCH_REPS the
 // repetitions, MRR_BENCH_NO_REFERENCE=1 skips PyTorch.
@@ -40,6 +41,9 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
 #endif
 
 #ifndef MRR_BENCH_FLAGS
@@ -177,6 +181,53 @@ double eigen_gemm_flops(const Shape& s) {
   return 2.0 * double(n) * s.hidden * s.intermediate / t.min_s;
 }
 
+// The core's fused multiply-add peak (FLOP/s): 12 independent accumulator chains of the widest
+// vector this build targets, enough to cover the FMA latency on current x86 cores. What no GEMM
+// on one thread can beat; the GEMM limit above sits below it by the kernel's own losses.
+double fma_peak_flops() {
+#if defined(__AVX512F__)
+  using V = __m512;
+  constexpr int lanes = 16;
+  const auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
+  const auto splat = [](float x) { return _mm512_set1_ps(x); };
+  const auto first = [](V a) { return _mm512_cvtss_f32(a); };
+#elif defined(__FMA__)
+  using V = __m256;
+  constexpr int lanes = 8;
+  const auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
+  const auto splat = [](float x) { return _mm256_set1_ps(x); };
+  const auto first = [](V a) { return _mm256_cvtss_f32(a); };
+#else
+  using V = float;
+  constexpr int lanes = 1;
+  const auto fma = [](V a, V b, V c) { return a * b + c; };
+  const auto splat = [](float x) { return x; };
+  const auto first = [](V a) { return a; };
+#endif
+  constexpr int chains = 12;  // named, not an array, so that each stays in a register
+  constexpr long steps = 20'000'000;
+  const V scale = splat(0.999999f), shift = splat(1e-7f);
+  const mrr::bench::Timing t = mrr::bench::time_it(
+      [&] {
+        V a0 = splat(0.0f), a1 = splat(0.1f), a2 = splat(0.2f), a3 = splat(0.3f), a4 = splat(0.4f), a5 = splat(0.5f),
+          a6 = splat(0.6f), a7 = splat(0.7f), a8 = splat(0.8f), a9 = splat(0.9f), a10 = splat(1.0f), a11 = splat(1.1f);
+        for (long i = 0; i < steps; ++i) {
+#define MRR_BENCH_CHAIN(a)  \
+  a = fma(a, scale, shift); \
+  asm volatile("" : "+v"(a));  // one chain, unmerged
+          MRR_BENCH_CHAIN(a0)
+          MRR_BENCH_CHAIN(a1) MRR_BENCH_CHAIN(a2) MRR_BENCH_CHAIN(a3) MRR_BENCH_CHAIN(a4) MRR_BENCH_CHAIN(a5)
+              MRR_BENCH_CHAIN(a6) MRR_BENCH_CHAIN(a7) MRR_BENCH_CHAIN(a8) MRR_BENCH_CHAIN(a9) MRR_BENCH_CHAIN(a10)
+                  MRR_BENCH_CHAIN(a11)
+#undef MRR_BENCH_CHAIN
+        }
+        mrr::bench::do_not_optimize(first(a0) + first(a1) + first(a2) + first(a3) + first(a4) + first(a5) + first(a6) +
+                                    first(a7) + first(a8) + first(a9) + first(a10) + first(a11));
+      },
+      0.2, 3);
+  return 2.0 * lanes * chains * static_cast<double>(steps) / t.min_s;
+}
+
 // The replayed training step on P in-process ranks (threads), rank 0's wall time between barriers.
 double replay_step_ep(const Model& m, int ranks) {
   double median = 0;
@@ -256,6 +307,8 @@ int main() {
       "reference / GEMM limit, the ratios a layer running at the GEMM limit would get\n"
       "mrr built with: %s\n",
       reps(), MRR_BENCH_FLAGS);
+  const double peak = fma_peak_flops();
+  std::printf("core FMA peak (measured, one thread): %.1f GFLOP/s\n", peak * 1e-9);
   std::vector<Model> models;
   for (const auto& s : shapes)
     models.emplace_back(s);
@@ -275,6 +328,9 @@ int main() {
           "  GEMM rate at [%.0f, %d] x [%d, %d]: Eigen %.1f GFLOP/s, PyTorch's BLAS %s GFLOP/s; limit uses %.1f\n",
           std::max(1.0, s.rows_per_expert()), s.hidden, s.hidden, s.intermediate, eigen_rate * 1e-9,
           torch_rate > 0 ? std::to_string(torch_rate * 1e-9).substr(0, 5).c_str() : "-", rate * 1e-9);
+      if (threads == 1)
+        std::printf("  that rate is %.0f%% of the core's FMA peak; a layer at the peak would take %.2fx the limit\n",
+                    100.0 * rate / peak, rate / peak);
       const double limit_fwd = s.expert_flops(6) / rate, limit_step = s.expert_flops(18) / rate;
 
       mrr::MemoryRouteStore store(m.route_shape());

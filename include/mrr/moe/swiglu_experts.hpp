@@ -195,16 +195,10 @@ class SwiGLUExperts {
       const Eigen::Index stride = saved != nullptr ? saved->outerStride() : 2 * I;
       Scalar* gu_rows = saved != nullptr ? saved->data() + r0 * stride : s.pair(1, n).data();
       Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> gu(gu_rows, n, 2 * I, Eigen::OuterStride<>(stride));
-      auto g = gu.leftCols(I);
-      auto u = gu.rightCols(I);
-      rows_times(g, x, w_gate_[e].transpose(), false);
-      rows_times(u, x, w_up_[e].transpose(), false);
+      rows_times(gu.leftCols(I), x, w_gate_[e].transpose(), false);
+      rows_times(gu.rightCols(I), x, w_up_[e].transpose(), false);
       auto a = s.block(0, n);
-      // silu(g) * u = g * sigmoid(g) * u, element by element (detail::sigmoid_each): the bits of
-      // each element depend on its values only, not on the scratch's address (so on the thread).
-      a = g;
-      detail::sigmoid_each(a.data(), n * I);
-      a.array() = g.array() * a.array() * u.array();
+      silu_times(gu.data(), stride, n, nullptr, a.data());
       if (round_intermediate_) round_intermediate_(a);
       rows_times(out.middleRows(r0, n), a, w_down_[e].transpose(), false);
     }
@@ -242,17 +236,11 @@ class SwiGLUExperts {
         g_rows = gu.data();
         stride = 2 * I;
       }
-      const Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> gu(g_rows, n, 2 * I,
-                                                                            Eigen::OuterStride<>(stride));
-      const auto g = gu.leftCols(I);
-      const auto u = gu.rightCols(I);
       auto sg = s.block(2, n);  // sigmoid(g)
       auto a = s.block(3, n);   // silu(g) * u, then d a
       auto dg = s.block(4, n);
       auto du = s.block(5, n);
-      sg = g;
-      detail::sigmoid_each(sg.data(), n * I);
-      a.array() = g.array() * sg.array() * u.array();
+      silu_times(g_rows, stride, n, sg.data(), a.data());
       grads.w_down[e].noalias() += dy.transpose() * a;
       rows_times(a, dy, w_down_[e], false);  // d a
       // d g = d a * u * silu'(g), silu'(g) = s (1 + g (1 - s)); d u = d a * silu(g)
@@ -274,6 +262,36 @@ class SwiGLUExperts {
       auto dx = grad_in.middleRows(r0, n);
       rows_times(dx, dg, w_gate_[e], false);
       rows_times(dx, du, w_up_[e], true);
+    }
+  }
+
+  // For rows r < n of w_gate x | w_up x (g at gu + r * stride, u at + intermediate_): a = silu(g) *
+  // u = g * sigmoid(g) * u, and sig = sigmoid(g) when given (both [n, intermediate_], dense), one
+  // L1-sized piece of a row at a time. Each element takes the operations of detail::sigmoid_each
+  // and then (g * s) * u, so its bits depend on its values only (not on the scratch's address,
+  // the thread, or how many rows share the block).
+  void silu_times(const Scalar* gu, Eigen::Index stride, Eigen::Index n, Scalar* sig, Scalar* a) const {
+    constexpr Eigen::Index kPiece = 256;
+    alignas(64) Scalar e[kPiece];
+    const Eigen::Index I = intermediate_;
+    for (Eigen::Index r = 0; r < n; ++r) {
+      const Scalar* g = gu + r * stride;
+      const Scalar* u = g + I;
+      Scalar* ar = a + r * I;
+      Scalar* sr = sig != nullptr ? sig + r * I : nullptr;
+      for (Eigen::Index c0 = 0; c0 < I; c0 += kPiece) {
+        const Eigen::Index len = std::min(kPiece, I - c0);
+        for (Eigen::Index i = 0; i < len; ++i)
+          e[i] = -g[c0 + i];
+        detail::exp_each(e, len);
+        for (Eigen::Index i = 0; i < len; ++i)
+          e[i] = Scalar(1) / (Scalar(1) + e[i]);
+        if (sr != nullptr)
+          for (Eigen::Index i = 0; i < len; ++i)
+            sr[c0 + i] = e[i];
+        for (Eigen::Index i = 0; i < len; ++i)
+          ar[c0 + i] = g[c0 + i] * e[i] * u[c0 + i];
+      }
     }
   }
 
