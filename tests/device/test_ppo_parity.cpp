@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
@@ -239,6 +240,75 @@ TEST_CASE("device: GAE (scan, rows and chunks) equals the CPU's sequential recur
   }
 }
 
+TEST_CASE("device: advantages refuse the inputs the CPU refuses, with the CPU's message") {
+  namespace dev = mrr::device;
+  const long rows = 64, cols = 300;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  mrr::RowMatrix<float> r(rows, cols), v(rows, cols), m(rows, cols);
+  for (long i = 0; i < rows; ++i)
+    for (long j = 0; j < cols; ++j) {
+      r(i, j) = n(rng);
+      v(i, j) = n(rng);
+      m(i, j) = j < cols - i ? 1.0f : 0.0f;
+    }
+  std::vector<std::int32_t> groups;
+  for (long i = 0; i < rows; ++i)
+    groups.push_back(static_cast<std::int32_t>(i / 8));
+  const mrr::ppo::GroupIndex index(groups);
+  const auto flat = [](const mrr::RowMatrix<float>& x) { return dvec<float>(x.data(), x.data() + x.size()); };
+  const dvec<std::int32_t> dgroups(groups.begin(), groups.end());
+  // Each fault alone, then two at once (the lowest element is named): the device's error is the
+  // CPU's, word for word, for GAE and for an outcome estimator.
+  struct Fault {
+    const char* name;
+    mrr::RowMatrix<float>* input;
+    long row, col;
+    float value;
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (const Fault& f : {Fault{"mask 0.5", &m, 5, 7, 0.5f}, Fault{"masked-out NaN reward", &r, 9, 299, nan},
+                         Fault{"inf value", &v, 63, 0, -inf}}) {
+    CAPTURE(f.name);
+    const float kept = (*f.input)(f.row, f.col);
+    (*f.input)(f.row, f.col) = f.value;
+    std::string cpu_gae, cpu_grpo;
+    try {
+      (void)mrr::ppo::compute_gae_advantage_return<float>(r, v, m, 0.99, 0.95);
+    } catch (const std::invalid_argument& e) {
+      cpu_gae = e.what();
+    }
+    try {
+      (void)mrr::ppo::compute_grpo_outcome_advantage<float>(r, m, index);
+    } catch (const std::invalid_argument& e) {
+      cpu_grpo = e.what();
+    }
+    REQUIRE(!cpu_gae.empty());
+    const auto tail = [](const std::string& what) { return what.substr(what.find(": ") + 2); };
+    for (const auto algorithm : {dev::GaeAlgorithm::rows, dev::GaeAlgorithm::chunks, dev::GaeAlgorithm::scan}) {
+      CAPTURE(static_cast<int>(algorithm));
+      CHECK_THROWS_WITH_AS(
+          (void)dev::compute_gae_advantage_return<float>(flat(r), flat(v), flat(m), cols, 0.99, 0.95, algorithm),
+          doctest::Contains(tail(cpu_gae).c_str()), std::invalid_argument);
+    }
+    if (f.input != &v) {
+      REQUIRE(!cpu_grpo.empty());
+      for (const auto estimator :
+           {dev::OutcomeEstimator::grpo, dev::OutcomeEstimator::rloo, dev::OutcomeEstimator::rloo_vectorized}) {
+        CHECK_THROWS_WITH_AS(
+            (void)dev::compute_outcome_advantage<float>(estimator, flat(r), flat(m), cols, dgroups, rows / 8),
+            doctest::Contains(tail(cpu_grpo).c_str()), std::invalid_argument);
+      }
+    }
+    (*f.input)(f.row, f.col) = kept;
+  }
+  m(40, 3) = 7.0f;
+  r(40, 2) = nan;
+  CHECK_THROWS_WITH_AS((void)dev::compute_gae_advantage_return<float>(flat(r), flat(v), flat(m), cols, 0.99, 0.95),
+                       doctest::Contains("'token_level_rewards' has a non-finite value nan at [40, 2]"),
+                       std::invalid_argument);
+}
+
 TEST_CASE("device: the GAE view (chunks and rows) on padded caller buffers equals the CPU's; a bad mask is a status") {
   namespace dev = mrr::device;
   const long rows = 37, cols = 1000, stride = 1013;  // rows padded: every view takes a row stride
@@ -293,6 +363,52 @@ TEST_CASE("device: the GAE view (chunks and rows) on padded caller buffers equal
         in(pr), in(pv), in(none), 0.99, 0.95, dev::matrix_view(adv.data(), rows, cols, stride),
         dev::matrix_view(ret.data(), rows, cols, stride), dev::Workspace{ws.data(), ws.size()}, &status, {}, algorithm);
     CHECK_THROWS_WITH_AS(dev::check_gae(&status), doctest::Contains("single element"), std::invalid_argument);
+    // Inputs the CPU refuses are a status naming the lowest one, even where the mask is 0 and even
+    // when the mask then selects nothing; the padding past each row is never read.
+    const auto run = [&](const std::vector<double>& rewards, const std::vector<double>& values,
+                         const std::vector<double>& mask) {
+      dev::compute_gae_advantage_return<double>(in(rewards), in(values), in(mask), 0.99, 0.95,
+                                                dev::matrix_view(adv.data(), rows, cols, stride),
+                                                dev::matrix_view(ret.data(), rows, cols, stride),
+                                                dev::Workspace{ws.data(), ws.size()}, &status, {}, algorithm);
+    };
+    auto bad_r = pr, bad_v = pv, bad_m = pm;
+    bad_r[static_cast<std::size_t>(30 * stride + 999)] = std::numeric_limits<double>::quiet_NaN();
+    bad_r[static_cast<std::size_t>(31 * stride + 2)] = std::numeric_limits<double>::infinity();
+    CHECK(pm[static_cast<std::size_t>(30 * stride + 999)] == 0.0);
+    run(bad_r, pv, pm);
+    CHECK(status.code == dev::status_reward_not_finite);
+    CHECK(status.index == 30 * cols + 999);
+    CHECK_THROWS_WITH_AS(dev::check_gae(&status, {}, cols),
+                         doctest::Contains("'token_level_rewards' has a non-finite value at [30, 999]"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(dev::check_gae(&status), doctest::Contains("at element 30999 (row-major)"),
+                         std::invalid_argument);
+    bad_v[static_cast<std::size_t>(30 * stride + 999)] = -std::numeric_limits<double>::infinity();
+    run(pr, bad_v, pm);
+    CHECK(status.code == dev::status_value_not_finite);
+    CHECK_THROWS_WITH_AS(dev::check_gae(&status, {}, cols),
+                         doctest::Contains("'values' has a non-finite value at [30, 999]"), std::invalid_argument);
+    bad_m[static_cast<std::size_t>(36 * stride + 5)] = 0.5;
+    bad_m[static_cast<std::size_t>(36 * stride + 6)] = 2.0;
+    run(bad_r, bad_v, bad_m);  // the lowest element wins: the reward at [30, 999]
+    CHECK(status.code == dev::status_reward_not_finite);
+    run(pr, pv, bad_m);
+    CHECK(status.code == dev::status_mask_not_binary);
+    CHECK(status.index == 36 * cols + 5);
+    CHECK_THROWS_WITH_AS(dev::check_gae(&status, {}, cols),
+                         doctest::Contains("'response_mask' has a value other than 0 or 1 at [36, 5]"),
+                         std::invalid_argument);
+    std::vector<double> half(pm.size(), 0.0);
+    half[static_cast<std::size_t>(2 * stride + 3)] = 0.5;  // selects "nothing" but is refused first
+    run(pr, pv, half);
+    CHECK(status.code == dev::status_mask_not_binary);
+    CHECK(status.index == 2 * cols + 3);
+    std::vector<double> padded_nan = pr;  // NaN in the padding only: not an input
+    for (long i = 0; i < rows; ++i)
+      padded_nan[static_cast<std::size_t>(i * stride + cols)] = std::numeric_limits<double>::quiet_NaN();
+    run(padded_nan, pv, pm);
+    CHECK(status.code == dev::status_ok);
     // A workspace smaller than asked for is an error before anything runs.
     CHECK_THROWS_WITH_AS(
         dev::compute_gae_advantage_return<double>(

@@ -284,6 +284,15 @@ TEST_CASE("position policy keeps the earliest tokens") {
   CHECK(pr.map(5, 0) == 1);
   CHECK(pr.map(0, 0) == 1);
   CHECK(pr.map(1, 0) == 0);
+  // The probs policy cannot order a NaN (the device form refuses it too); position ignores probs.
+  probs(3, 1) = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH_AS((void)mrr::apply_token_dropping<double>(probs, map, 1, 0.5, mrr::DropPolicy::probs, false),
+                       doctest::Contains("'probs' holds NaN at [3, 1]"), mrr::InvalidArgument);
+  CHECK(mrr::apply_token_dropping<double>(probs, map, 1, 0.5, mrr::DropPolicy::position, false).map(0, 0) == 1);
+  probs(3, 1) = 0;
+  map(4, 1) = 2;
+  CHECK_THROWS_WITH_AS((void)mrr::apply_token_dropping<double>(probs, map, 1, 0.5, mrr::DropPolicy::position, false),
+                       doctest::Contains("'routing_map' has 2 at [4, 1]; a map holds 0 or 1"), mrr::InvalidArgument);
 }
 
 TEST_CASE("bad input is a clear error naming the problem") {

@@ -60,6 +60,14 @@ DenseRouting<T> apply_token_dropping(MatrixRef<T> probs, MaskRef map, int topk, 
   const auto tokens = probs.rows();
   const auto experts = static_cast<int>(probs.cols());
   const std::int64_t capacity = expert_capacity(tokens, topk, experts, capacity_factor);
+  // As the device form: a map holds 0 / 1, and the probs policy cannot order a NaN probability.
+  for (Eigen::Index t = 0; t < tokens; ++t)
+    for (Eigen::Index e = 0; e < experts; ++e) {
+      detail::require(map(t, e) <= 1, fn, "'routing_map' has ", static_cast<int>(map(t, e)), " at [", t, ", ", e,
+                      "]; a map holds 0 or 1");
+      detail::require(policy != DropPolicy::probs || !std::isnan(probs(t, e)), fn, "'probs' holds NaN at [", t, ", ", e,
+                      "]: the probs drop policy cannot order it");
+    }
   DenseRouting<T> out{RowMatrix<T>::Zero(tokens, experts), Mask::Zero(tokens, experts)};
   std::vector<std::uint64_t> scratch(static_cast<std::size_t>(2 * tokens));
   for (int e = 0; e < experts; ++e)

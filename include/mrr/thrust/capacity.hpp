@@ -28,7 +28,7 @@
 // Thrust-vector layer, which device::TopKRouter's capacity step calls.
 // Inputs are checked on the host side of one reduction pass: shapes, capacity_factor (finite,
 // > 0, as expert_capacity), map values 0/1, and (probs policy) no NaN probability, which would
-// leave the order undefined (the CPU's nth_element has no answer for it either).
+// leave the order to the keys' encoding of NaN; the CPU's apply_token_dropping refuses the same.
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -216,12 +216,6 @@ struct ReportRepeatedExpert {
       status->index = *bad;
     }
   }
-};
-
-struct SetLong {
-  long* slot;
-  long value;
-  MRR_HOST_DEVICE void operator()(int) const { *slot = value; }
 };
 
 template <class T>

@@ -104,7 +104,7 @@ struct DeviceStatus {
 inline constexpr std::int32_t status_ok = 0;
 inline constexpr std::int32_t status_expert_out_of_range = 1;  // index: the slot t * k + j
 inline constexpr std::int32_t status_repeated_expert = 4;      // index: the slot t * k + j of the repeat
-// (Codes are unique across the device API: ppo.hpp's masks take 2 and 3.)
+// (Codes are unique across the device API: ppo.hpp's masks take 2 and 3, its token inputs 5 to 7.)
 
 inline constexpr std::size_t kWorkspaceAlignment = 256;  // cudaMalloc's, enough for every type
 
@@ -123,6 +123,13 @@ MRR_HOST_DEVICE inline void atomic_lower(long* slot, long value) {
   }
 #endif
 }
+
+// One work item: *slot = value (a "lowest bad index" slot's start, in stream order).
+struct SetLong {
+  long* slot;
+  long value;
+  MRR_HOST_DEVICE void operator()(int) const { *slot = value; }
+};
 
 }  // namespace kernels
 

@@ -46,9 +46,14 @@ struct AdvantageResult {
   typename Backend::template vector<T> advantages, returns;
 };
 
-// DeviceStatus codes of the GAE view: the mask selects no element, or one (whitening undefined).
+// DeviceStatus codes of the GAE view: the mask selects no element, or one (whitening undefined);
+// an input the host functions refuse (index: the lowest such element, row-major): a mask value
+// other than 0 / 1, a non-finite reward, a non-finite value.
 inline constexpr std::int32_t status_mask_selects_none = 2;
 inline constexpr std::int32_t status_mask_selects_one = 3;
+inline constexpr std::int32_t status_mask_not_binary = 5;
+inline constexpr std::int32_t status_reward_not_finite = 6;
+inline constexpr std::int32_t status_value_not_finite = 7;
 
 namespace kernels {
 
@@ -303,6 +308,60 @@ struct WhitenView {
     const long r = i / cols;
     T& v = values[r * stride + (i - r * cols)];
     v = ppo_kernels::whiten(v, stats[0], stats[1]);
+  }
+};
+
+// The host functions' checks of token inputs (ppo/advantage.hpp), every element (masked or not):
+// 0 when element i of [rows, cols] is valid, else 1 + what is wrong with it, mask first: a mask
+// value other than 0 / 1, a non-finite reward, a non-finite value (values may be null).
+template <class T>
+struct TokenInputFault {
+  const T *rewards, *values, *mask;
+  long rewards_stride, values_stride, mask_stride, cols;
+  MRR_HOST_DEVICE int operator()(long i) const {
+    const long r = i / cols, c = i - r * cols;
+    const T m = mask[r * mask_stride + c];
+    if (m != T(0) && m != T(1)) return 1;
+    if (!ppo_kernels::is_finite(rewards[r * rewards_stride + c])) return 2;
+    if (values != nullptr && !ppo_kernels::is_finite(values[r * values_stride + c])) return 3;
+    return 0;
+  }
+};
+
+// The lowest faulty element as element * 3 + (fault - 1) into *bad (which starts at 3 rows cols),
+// whatever order the work items run in.
+template <class T>
+struct FindTokenInputFault {
+  TokenInputFault<T> fault;
+  long* bad;
+  MRR_HOST_DEVICE void operator()(long i) const {
+    const int f = fault(i);
+    if (f != 0) atomic_lower(bad, i * 3 + (f - 1));
+  }
+};
+
+// As a reduction: the same code, or `none` for a valid element.
+template <class T>
+struct TokenInputFaultCode {
+  TokenInputFault<T> fault;
+  long none;
+  MRR_HOST_DEVICE long operator()(long i) const {
+    const int f = fault(i);
+    return f != 0 ? i * 3 + (f - 1) : none;
+  }
+};
+
+// One work item, the last of the GAE view: a faulty input overrides the whitening's status (a
+// non-binary mask may well select "no element").
+struct ReportTokenInputFault {
+  const long* bad;
+  DeviceStatus* status;
+  long none;
+  MRR_HOST_DEVICE void operator()(int) const {
+    if (*bad < none) {
+      status->code = status_mask_not_binary + static_cast<std::int32_t>(*bad % 3);
+      status->index = *bad / 3;
+    }
   }
 };
 
@@ -594,6 +653,35 @@ auto raw(V& v) {
   return thrust::raw_pointer_cast(v.data());
 }
 
+// Throws, as the host functions do, for the lowest faulty token input (kernels::TokenInputFault)
+// of row-major [rows, cols] vectors, naming it and its value; values may be null.
+template <class T, class Backend>
+void require_token_inputs(const char* fn, const typename Backend::template vector<T>& rewards,
+                          const typename Backend::template vector<T>* values,
+                          const typename Backend::template vector<T>& mask, long cols) {
+  const long n = static_cast<long>(rewards.size()), none = 3 * n;
+  if (n == 0) return;
+  const kernels::TokenInputFault<T> fault{
+      raw(rewards), values != nullptr ? raw(*values) : nullptr, raw(mask), cols, cols, cols, cols};
+  const long bad = thrust::transform_reduce(
+      Backend::policy(), thrust::counting_iterator<long>(0), thrust::counting_iterator<long>(n),
+      kernels::TokenInputFaultCode<T>{fault, none}, none, thrust::minimum<long>());
+  if (bad == none) return;
+  const long i = bad / 3;
+  const auto at = static_cast<std::size_t>(i);
+  switch (bad % 3) {
+    case 0:
+      mrr::detail::throw_invalid_argument(fn, "'response_mask' has ", static_cast<T>(mask[at]), " at [", i / cols, ", ",
+                                          i % cols, "]; a mask holds 0 or 1");
+    case 1:
+      mrr::detail::throw_invalid_argument(fn, "'token_level_rewards' has a non-finite value ",
+                                          static_cast<T>(rewards[at]), " at [", i / cols, ", ", i % cols, "]");
+    default:
+      mrr::detail::throw_invalid_argument(fn, "'values' has a non-finite value ", static_cast<T>((*values)[at]),
+                                          " at [", i / cols, ", ", i % cols, "]");
+  }
+}
+
 // The masked moments of every element (count, mean, M2 about it) by Thrust reductions, in double.
 template <class T, class Backend>
 mrr::kernels::ppo::Moments masked_moments(const typename Backend::template vector<T>& values,
@@ -871,7 +959,7 @@ std::size_t gae_workspace_bytes(long rows, long cols, GaeAlgorithm algorithm = G
   std::size_t bytes = detail::workspace_array_bytes<mrr::kernels::ppo::Moments>(parts) +
                       detail::workspace_array_bytes<mrr::kernels::ppo::Moments>(
                           static_cast<std::size_t>(ppo_detail::moments_tree_size(static_cast<long>(parts))) + 1) +
-                      detail::workspace_array_bytes<T>(2);
+                      detail::workspace_array_bytes<T>(2) + detail::workspace_array_bytes<long>(1);
   if (ppo_detail::gae_by_chunks(resolved)) {
     const auto supers = static_cast<std::size_t>(rows) * static_cast<std::size_t>(ppo_detail::gae_supers_per_row(cols));
     bytes += detail::workspace_array_bytes<mrr::kernels::ppo::GaeChunkMap<T>>(parts) +
@@ -886,7 +974,9 @@ std::size_t gae_workspace_bytes(long rows, long cols, GaeAlgorithm algorithm = G
 // (whitened over the mask, verl's masked_whiten with the unbiased variance) and returns
 // (advantages + values before whitening) [rows, cols] written. Enqueued on x.stream; nothing
 // allocates or waits. A mask selecting no element or one leaves the advantages unwhitened and sets
-// *status (check_gae throws verl's error). `algorithm`: blocks (CUDA's: a thread block per row),
+// *status (check_gae throws verl's error); so does, overriding it, an input the host functions
+// refuse (a mask value other than 0 / 1, a non-finite reward or value, anywhere), whose
+// advantages and returns are then undefined. `algorithm`: blocks (CUDA's: a thread block per row),
 // chunks (rows x chunks of kGaeChunk tokens, the same bits in more launches) or rows (sequential per
 // row, CPU threads'); scan is the owning function's only.
 template <class T>
@@ -928,7 +1018,19 @@ void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const 
   Moments* part = arena.take<Moments>(static_cast<std::size_t>(parts));
   Moments* tree = arena.take<Moments>(static_cast<std::size_t>(ppo_detail::moments_tree_size(parts)) + 1);
   T* stats = arena.take<T>(2);
+  long* bad = arena.take<long>(1);
   using thrust::counting_iterator;
+  // Last in stream order, after the whitening's status: the lowest faulty input, if any.
+  const auto report_faults = [&] {
+    const long none = 3 * rows * cols;
+    thrust::for_each(policy, counting_iterator<int>(0), counting_iterator<int>(1), kernels::SetLong{bad, none});
+    thrust::for_each(
+        policy, counting_iterator<long>(0), counting_iterator<long>(rows * cols),
+        kernels::FindTokenInputFault<T>{
+            {rewards.data, values.data, mask.data, rewards.row_stride, values.row_stride, mask.row_stride, cols}, bad});
+    thrust::for_each(policy, counting_iterator<int>(0), counting_iterator<int>(1),
+                     kernels::ReportTokenInputFault{bad, status, none});
+  };
   // Few long items are spread over more SMs on a GPU (kernels::Spread); one per item elsewhere.
   const auto spread_each = [&](long n, long stride, auto f) {
     if (THRUST_DEVICE_SYSTEM != THRUST_DEVICE_SYSTEM_CUDA || stride <= 1)
@@ -943,6 +1045,7 @@ void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const 
 #if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA && MRR_COMPILING_WITH_NVCC
     if (resolved == GaeAlgorithm::blocks && ppo_detail::gae_blocks_fit<T>(rows, chunks, supers_per_row)) {
       ppo_detail::gae_blocks<T>(g, chunks, supers_per_row, part, parts, tree, stats, status, spread_each, x, fn);
+      report_faults();
       return;
     }
 #endif
@@ -975,12 +1078,22 @@ void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const 
                    kernels::WhiteningStats<T>{level, stats, status});
   thrust::for_each(policy, counting_iterator<long>(0), counting_iterator<long>(rows * cols),
                    kernels::WhitenView<T>{advantages.data, advantages.row_stride, cols, stats, status});
+  report_faults();
 }
 
-// Synchronises x.stream and throws verl's error if the GAE view's mask selected no element or one.
-inline void check_gae(const DeviceStatus* status, Execution x = {}) {
+// Synchronises x.stream and throws if the GAE view found a faulty input (named at [row, col] when
+// `cols` is given, else by its row-major index) or verl's error if its mask selected no element or
+// one.
+inline void check_gae(const DeviceStatus* status, Execution x = {}, long cols = 0) {
   const DeviceStatus s = read_status(status, x);
   constexpr const char* fn = "device::compute_gae_advantage_return";
+  if (s.code == status_mask_not_binary || s.code == status_reward_not_finite || s.code == status_value_not_finite) {
+    const char* what = s.code == status_mask_not_binary     ? "'response_mask' has a value other than 0 or 1"
+                       : s.code == status_reward_not_finite ? "'token_level_rewards' has a non-finite value"
+                                                            : "'values' has a non-finite value";
+    if (cols > 0) mrr::detail::throw_invalid_argument(fn, what, " at [", s.index / cols, ", ", s.index % cols, "]");
+    mrr::detail::throw_invalid_argument(fn, what, " at element ", s.index, " (row-major)");
+  }
   mrr::detail::require(s.code != status_mask_selects_none, fn,
                        "'response_mask' selects no element; whitening is undefined");
   mrr::detail::require(s.code != status_mask_selects_one, fn, "'response_mask' selects a single element; ",
@@ -1001,6 +1114,7 @@ AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend:
   const long n = static_cast<long>(rewards.size());
   mrr::detail::require(cols > 0 && n % cols == 0 && values.size() == rewards.size() && mask.size() == rewards.size(), fn,
                        "rewards, values and mask must all be [rows, ", cols, "]");
+  ppo_detail::require_token_inputs<T, Backend>(fn, rewards, &values, mask, cols);
   AdvantageResult<T, Backend> out{typename Backend::template vector<T>(static_cast<std::size_t>(n)),
                                   typename Backend::template vector<T>(static_cast<std::size_t>(n))};
   const T g = static_cast<T>(gamma), gl = static_cast<T>(gamma * lam);
@@ -1015,7 +1129,7 @@ AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend:
         matrix_view<const T>(raw(rewards), rows, cols), matrix_view<const T>(raw(values), rows, cols),
         matrix_view<const T>(raw(mask), rows, cols), gamma, lam, matrix_view<T>(raw(out.advantages), rows, cols),
         matrix_view<T>(raw(out.returns), rows, cols), workspace.get(), raw(status), {}, resolved);
-    check_gae(raw(status));
+    check_gae(raw(status), {}, cols);
     return out;
   }
   const auto moments = resolved == GaeAlgorithm::scan
@@ -1044,6 +1158,7 @@ AdvantageResult<T, Backend> compute_outcome_advantage(OutcomeEstimator estimator
   mrr::detail::require(cols > 0 && n % cols == 0 && mask.size() == rewards.size() &&
                            static_cast<long>(group.size()) == rows,
                        fn, "rewards and mask must be [rows, ", cols, "] and group [rows]");
+  ppo_detail::require_token_inputs<T, Backend>(fn, rewards, nullptr, mask, cols);
   const auto policy = Backend::policy();
   // Row scores.
   typename Backend::template vector<long> row_keys(static_cast<std::size_t>(rows));
