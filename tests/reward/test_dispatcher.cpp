@@ -311,11 +311,11 @@ TEST_SUITE("reward") {
     ManualClock clock;
     DispatchOptions options;
     options.failures_to_evict = 100;
-    std::map<std::string, int> status{{"a", 500}, {"b", 404}};
+    std::map<std::string, int> status{{"a", 503}, {"b", 404}};
     auto transport = InProcessTransport([&](std::string_view worker, const Request&) {
       return Response{status.at(std::string(worker)), {{"Content-Type", "text/plain"}}, "from " + std::string(worker)};
     });
-    SUBCASE("500 is retried, 404 is relayed") {
+    SUBCASE("503 is retried, 404 is relayed") {
       TestDispatcher d({"a", "b"}, options, clock);
       const auto result = d.dispatch(transport, Request{});
       CHECK(result.outcome == Outcome::answered);
@@ -326,7 +326,7 @@ TEST_SUITE("reward") {
       CHECK(d.stats("b")->successes == 1);
     }
     SUBCASE("when every answer is retryable the request fails with the last status") {
-      status = {{"a", 503}, {"b", 500}};
+      status = {{"a", 503}, {"b", 502}};
       TestDispatcher d({"a", "b"}, options, clock);
       const auto result = d.dispatch(transport, Request{});
       CHECK(result.outcome == Outcome::failed);
@@ -334,12 +334,30 @@ TEST_SUITE("reward") {
       CHECK(result.last_status == 503);  // a again on the third attempt
       CHECK(result.error.find("answered 503: from a") != std::string::npos);
     }
-    SUBCASE("without retry statuses a 500 is relayed as it is") {
+    SUBCASE("500 is the answer by default: one input a reward function throws on evicts no worker") {
+      options.failures_to_evict = 1;
+      status = {{"a", 500}, {"b", 500}};
+      TestDispatcher d({"a", "b"}, options, clock);
+      for (int i = 0; i < 5; ++i) {
+        const auto result = d.dispatch(transport, Request{});
+        CHECK(result.outcome == Outcome::answered);
+        CHECK(result.http_status() == 500);
+        CHECK(result.attempts == 1);
+      }
+      CHECK(healthy(d, "a"));
+      CHECK(healthy(d, "b"));
+      CHECK(d.stats("a")->failures == 0);
+      options.retry_statuses.push_back(500);  // where a 500 means a broken worker, say so
+      TestDispatcher strict({"a", "b"}, options, clock);
+      CHECK(strict.dispatch(transport, Request{}).outcome == Outcome::failed);
+      CHECK_FALSE(healthy(strict, "a"));
+    }
+    SUBCASE("without retry statuses a 503 is relayed as it is") {
       options.retry_statuses.clear();
       TestDispatcher d({"a", "b"}, options, clock);
       const auto result = d.dispatch(transport, Request{});
       CHECK(result.outcome == Outcome::answered);
-      CHECK(result.http_status() == 500);
+      CHECK(result.http_status() == 503);
       CHECK(result.response.body == "from a");
       CHECK(result.attempts == 1);
     }
@@ -379,6 +397,12 @@ TEST_SUITE("reward") {
       CHECK(budgets[0] == 2s);
       CHECK(budgets[1] == 3s - 2500ms - 50ms);  // what was left of the request's budget
       CHECK(d.in_flight() == 0);
+      // a's timeout was its own; b's budget was what the request had left: not b's failure.
+      CHECK(d.stats("a")->failures == 1);
+      CHECK(d.stats("b")->failures == 0);
+      CHECK(d.stats("b")->cut_short == 1);
+      CHECK(d.stats("b")->attempts == 1);
+      CHECK(d.stats("b")->consecutive_failures == 0);
     }
     SUBCASE("no retry is started when the backoff would pass the deadline") {
       options.backoff_initial = 1s;
@@ -438,9 +462,11 @@ TEST_SUITE("reward") {
         auto l = d.acquire(Request{}, deadline);
         reason = l ? "got " + l.worker() : l.unavailable_reason();
       });
+      std::this_thread::sleep_for(50ms);  // the waiter has looked and found both at their cap
       clock.advance(2s);
       waiter.join();
-      CHECK(reason.find("max_in_flight_per_worker = 1") != std::string::npos);
+      CHECK(reason.find("the request deadline passed while waiting: all 2 healthy workers are at "
+                        "max_in_flight_per_worker = 1") != std::string::npos);
     }
     SUBCASE("dispatch reports a wait past the deadline as timed out") {
       auto transport = InProcessTransport([](std::string_view, const Request&) { return ok("x"); });
@@ -458,6 +484,87 @@ TEST_SUITE("reward") {
       CHECK(result.outcome == Outcome::timed_out);
       CHECK(result.attempts == 0);
     }
+  }
+
+  TEST_CASE("no lease at or after the request deadline; overload evicts no worker") {
+    ManualClock clock;
+    DispatchOptions options;
+    options.max_in_flight_per_worker = 1;
+    options.failures_to_evict = 1;
+    options.request_timeout = 1s;
+    TestDispatcher d({"a"}, options, clock);
+    std::atomic<int> calls{0};
+    auto transport = InProcessTransport([&](std::string_view, const Request&) {
+      ++calls;
+      return ok("x");
+    });
+    auto held = d.acquire(Request{}, far_future());
+    REQUIRE(held);
+    mrr::reward::DispatchResult result;
+    std::thread caller([&] { result = d.dispatch(transport, Request{}); });
+    std::this_thread::sleep_for(50ms);  // the caller waits for a's room
+    clock.advance(2s);                  // past its deadline, and then the room comes
+    held.release();
+    caller.join();
+    CHECK(result.outcome == Outcome::timed_out);
+    CHECK(result.http_status() == 504);
+    CHECK(result.error.find("deadline passed while waiting: all 1 healthy workers are at") != std::string::npos);
+    CHECK(calls == 0);  // never sent with no time left
+    CHECK(healthy(d, "a"));
+    CHECK(d.stats("a")->failures == 0);
+    CHECK(d.dispatch(transport, Request{}).outcome == Outcome::answered);
+  }
+
+  TEST_CASE("under the in-flight cap a retry waits for a worker not yet tried") {
+    ManualClock clock;
+    DispatchOptions options;
+    options.max_in_flight_per_worker = 1;
+    options.backoff_initial = 0ms;
+    options.failures_to_evict = 100;
+    TestDispatcher d({"a", "b"}, options, clock);
+    std::mutex order_mutex;
+    std::vector<std::string> order;
+    auto transport = InProcessTransport([&](std::string_view worker, const Request&) -> Reply {
+      {
+        std::lock_guard lock(order_mutex);
+        order.emplace_back(worker);
+      }
+      if (worker == "a") return Reply::failed(Failure::connect, "refused");
+      return Reply::from(ok("from b"));
+    });
+    auto busy_b = d.acquire(Request{}, far_future(), {"a"});  // b, busy elsewhere
+    REQUIRE(busy_b.worker() == "b");
+    mrr::reward::DispatchResult result;
+    std::atomic<bool> done{false};
+    std::thread caller([&] {
+      result = d.dispatch(transport, Request{});
+      done = true;
+    });
+    std::this_thread::sleep_for(100ms);
+    CHECK_FALSE(done.load());  // a failed; the retry waits for b rather than going back to a
+    busy_b.release();
+    caller.join();
+    CHECK(result.outcome == Outcome::answered);
+    CHECK(result.response.body == "from b");
+    CHECK(order == std::vector<std::string>{"a", "b"});
+    CHECK(d.stats("a")->failures == 1);
+  }
+
+  TEST_CASE("stats() reports a worker re-admitted by readmit_after without a request") {
+    ManualClock clock;
+    DispatchOptions options;
+    options.failures_to_evict = 1;
+    options.readmit_after = 10s;
+    TestDispatcher d({"a"}, options, clock);
+    auto lease = d.acquire(Request{}, far_future());
+    lease.failed("refused");
+    lease.release();
+    CHECK_FALSE(healthy(d, "a"));
+    clock.advance(9s);
+    CHECK_FALSE(healthy(d, "a"));
+    clock.advance(2s);
+    CHECK(healthy(d, "a"));  // what the next request would find, before any request
+    CHECK(d.stats("a")->consecutive_failures == options.failures_to_evict - 1);  // on probation
   }
 
   TEST_CASE("failures evict a worker; health probes and time re-admit it on probation") {
@@ -595,6 +702,37 @@ TEST_SUITE("reward") {
       monitor.check_now();
       CHECK(healthy(d, "a"));
       CHECK(probes == 6);
+    }
+    SUBCASE("rounds start `interval` apart, however long a round takes") {
+      // Two probes of 150 ms each, rounds 400 ms apart: waiting `interval` after a round ended
+      // would start them 700 ms apart.
+      std::mutex starts_mutex;
+      std::vector<std::chrono::steady_clock::time_point> starts;
+      auto slow_probe = [&](std::string_view worker) {
+        if (worker == "a") {
+          std::lock_guard lock(starts_mutex);
+          starts.push_back(std::chrono::steady_clock::now());
+        }
+        std::this_thread::sleep_for(150ms);
+        return true;
+      };
+      InProcessTransport<decltype(fn), decltype(slow_probe)> slow(fn, slow_probe);
+      {
+        mrr::reward::HealthMonitor monitor(d, slow, {400ms, 1s});
+        const auto give_up = std::chrono::steady_clock::now() + 20s;
+        for (;;) {
+          {
+            std::lock_guard lock(starts_mutex);
+            if (starts.size() >= 3 || std::chrono::steady_clock::now() > give_up) break;
+          }
+          std::this_thread::sleep_for(10ms);
+        }
+      }
+      std::lock_guard lock(starts_mutex);
+      REQUIRE(starts.size() >= 3);
+      const auto gap = std::chrono::duration_cast<std::chrono::milliseconds>(starts[2] - starts[1]);
+      CHECK(gap >= 390ms);
+      CHECK(gap < 650ms);
     }
     SUBCASE("on its thread") {
       mrr::reward::HealthMonitor monitor(d, transport, {5ms, 1s});

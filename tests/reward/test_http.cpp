@@ -18,6 +18,7 @@
 #include <chrono>
 #include <memory>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -290,7 +291,7 @@ TEST_SUITE("reward") {
   }
 
   TEST_CASE("every attempt failed: 502 with the last error") {
-    SUBCASE("workers answering 500") {
+    SUBCASE("workers answering 503") {
       LocalWorker e1({"e1", "error"});
       LocalWorker e2({"e2", "error"});
       HttpRouter router({e1.url(), e2.url()}, quick_router(false));
@@ -300,8 +301,8 @@ TEST_SUITE("reward") {
       const json j = json::parse(r->body);
       CHECK(j["error"] == "failed");
       CHECK(j["attempts"] == 3);
-      CHECK(j["last_status"] == 500);
-      CHECK(j["detail"].get<std::string>().find("answered 500: worker e1 is broken") != std::string::npos);
+      CHECK(j["last_status"] == 503);
+      CHECK(j["detail"].get<std::string>().find("answered 503: worker e1 is broken") != std::string::npos);
     }
     SUBCASE("a worker that is not there") {
       std::string gone;
@@ -318,7 +319,44 @@ TEST_SUITE("reward") {
     }
   }
 
-  TEST_CASE("a worker answering 500 is retried elsewhere, then evicted") {
+  TEST_CASE("a reward function that throws on one input: its 500 is the answer, and no worker is evicted") {
+    // verl's router neither retries nor evicts on an HTTP error; mrr's default retry statuses
+    // leave 500 out for this reason (a 500 listed there would evict all three workers here).
+    const auto scorer = [](const mrr::reward::Request& r) {
+      if (r.body == "bad") throw std::runtime_error("cannot parse the solution");
+      if (r.body == "odd") throw 7;  // not a std::exception
+      return mrr::reward::Response{200, {{"Content-Type", "application/json"}}, R"({"score": 1})"};
+    };
+    std::vector<std::unique_ptr<mrr::reward::RewardServer>> workers;
+    std::vector<std::string> urls;
+    for (int i = 0; i < 3; ++i) {
+      workers.push_back(std::make_unique<mrr::reward::RewardServer>(scorer, LocalWorker::quick_server()));
+      urls.push_back(workers.back()->url());
+    }
+    auto options = quick_router(false);
+    options.dispatch.failures_to_evict = 1;
+    HttpRouter router(urls, options);
+    auto client = client_of(router.url());
+    for (int i = 0; i < 6; ++i) {
+      const auto bad = client.Post("/score", i % 2 == 0 ? "bad" : "odd", "text/plain");
+      REQUIRE(bad);
+      CHECK(bad->status == 500);
+      CHECK(bad->body.find(i % 2 == 0 ? "reward function failed: cannot parse the solution"
+                                      : "reward function failed: an exception not derived from std::exception") !=
+            std::string::npos);
+      CHECK(bad->get_header_value("X-Mrr-Attempts") == "1");
+    }
+    for (const auto& url : urls) {
+      CHECK(healthy(router, url));
+      CHECK(router.dispatcher().stats(url)->failures == 0);
+    }
+    const auto good = client.Post("/score", "fine", "text/plain");
+    REQUIRE(good);
+    CHECK(good->status == 200);
+    CHECK(status_of(client.Get("/_mrr/health")) == 200);
+  }
+
+  TEST_CASE("a worker answering 503 is retried elsewhere, then evicted") {
     LocalWorker broken({"broken", "error"});
     LocalWorker good({"good"});
     auto options = quick_router(false);

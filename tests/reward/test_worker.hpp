@@ -17,18 +17,18 @@ namespace mrr_test {
 
 struct WorkerBehaviour {
   std::string name = "worker";
-  std::string mode = "normal";  // normal | error (answers 500)
+  std::string mode = "normal";  // normal | error (answers 503: a worker counted as failing)
   int delay_ms = 0;             // before answering
 };
 
 // 200 with a JSON echo {worker, id, method, target, body, headers, score}; "?status=N" in the
-// target answers N instead. Mode "error" answers 500.
+// target answers N instead. Mode "error" answers 503 Service Unavailable.
 inline mrr::reward::Response answer(const WorkerBehaviour& b, const mrr::reward::Request& r) {
   if (b.delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(b.delay_ms));
   mrr::reward::Response out;
   out.headers.emplace_back("X-Worker-Name", b.name);
   if (b.mode == "error") {
-    out.status = 500;
+    out.status = 503;
     out.headers.emplace_back("Content-Type", "text/plain");
     out.body = "worker " + b.name + " is broken";
     return out;

@@ -48,7 +48,10 @@ struct DispatchOptions {
   Duration backoff_max = std::chrono::seconds(2);
   Duration attempt_timeout = std::chrono::seconds(30);  // one attempt on one worker
   Duration request_timeout = std::chrono::seconds(60);  // the whole request, waits and retries included
-  std::vector<int> retry_statuses{500, 502, 503, 504};  // answers counted as the worker's failure
+  // Answers counted as the worker's failure (and retried elsewhere). Not 500 by default: a reward
+  // function that throws on one malformed input answers 500 on every worker, and counting it would
+  // evict them all (verl's router neither retries nor evicts on an HTTP error).
+  std::vector<int> retry_statuses{502, 503, 504};
   int failures_to_evict = 3;                            // consecutive failures (requests or health probes) that evict
   int successes_to_readmit = 2;  // consecutive good health probes that re-admit an evicted worker
   // An evicted worker is re-admitted on probation after this long even without a health probe
@@ -64,9 +67,10 @@ struct WorkerStats {
   std::size_t in_flight = 0;
   bool healthy = true;  // false: evicted, receives no requests
   int consecutive_failures = 0;
-  std::uint64_t attempts = 0;  // attempts dispatched to it
+  std::uint64_t attempts = 0;  // attempts dispatched to it: successes + failures + cut_short
   std::uint64_t successes = 0;
   std::uint64_t failures = 0;
+  std::uint64_t cut_short = 0;  // attempts the request's own deadline ended, counted neither way
   std::uint64_t evictions = 0;
   std::string last_error;
 };
@@ -130,7 +134,7 @@ struct WorkerState {
   int consecutive_failures = 0;
   int consecutive_probe_successes = 0;
   TimePoint evicted_at{};
-  std::uint64_t attempts = 0, successes = 0, failures = 0, evictions = 0;
+  std::uint64_t attempts = 0, successes = 0, failures = 0, cut_short = 0, evictions = 0;
   std::string last_error;
 };
 
@@ -204,6 +208,11 @@ class BasicDispatcher {
     void failed(std::string error) {
       if (owner_ && !std::exchange(reported_, true)) owner_->record_failure(*worker_, std::move(error));
     }
+    // The attempt ended because the request's deadline left it too little time, not through the
+    // worker: counted neither as a success nor as a failure (no eviction for a caller's deadline).
+    void cut_short() {
+      if (owner_ && !std::exchange(reported_, true)) owner_->record_cut_short(*worker_);
+    }
     // Gives the slot back now rather than at destruction.
     void release() noexcept {
       if (owner_) std::exchange(owner_, nullptr)->release_slot(*worker_);
@@ -266,13 +275,21 @@ class BasicDispatcher {
     return out;
   }
 
+  // Applies readmit_after first, so that health reports a cooled-down worker as the next request
+  // would find it (a load balancer that stops sending on an unhealthy answer would otherwise never
+  // see the re-admission).
   [[nodiscard]] std::vector<WorkerStats> stats() const {
-    std::lock_guard lock(mutex_);
     std::vector<WorkerStats> out;
-    out.reserve(workers_.size());
-    for (const auto& w : workers_)
-      out.push_back({w->address, w->in_flight, w->healthy, w->consecutive_failures, w->attempts, w->successes,
-                     w->failures, w->evictions, w->last_error});
+    bool readmitted = false;
+    {
+      std::lock_guard lock(mutex_);
+      readmitted = readmit_cooled_down(clock_.now());
+      out.reserve(workers_.size());
+      for (const auto& w : workers_)
+        out.push_back({w->address, w->in_flight, w->healthy, w->consecutive_failures, w->attempts, w->successes,
+                       w->failures, w->cut_short, w->evictions, w->last_error});
+    }
+    if (readmitted) room_.notify_all();
     return out;
   }
 
@@ -326,14 +343,19 @@ class BasicDispatcher {
     return true;
   }
 
-  // Chooses a worker and takes one of its in-flight slots. Prefers workers least often in `tried`; waits
-  // for room while every usable worker is at its cap, until `deadline`. An empty lease says why.
+  // Chooses a worker and takes one of its in-flight slots. Only workers least often in `tried` are
+  // chosen (a worker at its cap included in that count, so a retry waits for it rather than going
+  // back to the one that failed); waits for room while they are at their cap, until `deadline`,
+  // and never leases at or after it. An empty lease says why.
   [[nodiscard]] Lease acquire(const Request& request, TimePoint deadline, const std::vector<std::string>& tried = {}) {
     std::unique_lock lock(mutex_);
+    std::string reason;  // why the last look found no worker
     for (;;) {
       const TimePoint now = clock_.now();
       readmit_cooled_down(now);
-      std::string reason;
+      if (now >= deadline)
+        return Lease(reason.empty() ? std::string("the request deadline has passed")
+                                    : mrr::detail::str("the request deadline passed while waiting: ", reason));
       bool waiting_helps = false;
       if (auto chosen = choose(request, tried, reason, waiting_helps)) {
         ++chosen->in_flight;
@@ -342,7 +364,7 @@ class BasicDispatcher {
         if (options_.sticky_sessions && !request.session.empty()) pin(request.session, chosen);
         return Lease(this, std::move(chosen));
       }
-      if (!waiting_helps || now >= deadline) return Lease(std::move(reason));
+      if (!waiting_helps) return Lease(std::move(reason));
       // Sliced so that a manual clock moved by another thread is noticed without a notification.
       room_.wait_for(lock, std::min<Duration>(deadline - now, std::chrono::milliseconds(20)));
     }
@@ -368,11 +390,12 @@ class BasicDispatcher {
       }
       Lease lease = acquire(request, deadline, tried);
       if (!lease) {
+        const bool late = clock_.now() >= deadline;
         if (attempt == 1) {
-          result.outcome = clock_.now() >= deadline ? Outcome::timed_out : Outcome::no_worker;
+          result.outcome = late ? Outcome::timed_out : Outcome::no_worker;
           result.error = lease.unavailable_reason();
         } else {
-          result.outcome = Outcome::failed;
+          result.outcome = late ? Outcome::timed_out : Outcome::failed;
           result.error = mrr::detail::str(result.error, "; no worker left to retry on: ", lease.unavailable_reason());
         }
         return result;
@@ -401,7 +424,11 @@ class BasicDispatcher {
       }
       if (reply.failure != Failure::status) result.last_status = 0;
       result.error = mrr::detail::str("worker ", lease.worker(), ": ", to_string(reply.failure), ": ", reply.error);
-      lease.failed(result.error);
+      // A timeout within a budget the request's deadline shortened is the caller's, not the worker's.
+      if (reply.failure == Failure::timeout && budget < options_.attempt_timeout && clock_.now() >= deadline)
+        lease.cut_short();
+      else
+        lease.failed(result.error);
       lease.release();  // before the backoff pause
       if (clock_.now() >= deadline) {
         result.outcome = Outcome::timed_out;
@@ -469,29 +496,37 @@ class BasicDispatcher {
     candidates_.clear();
     std::size_t healthy = 0;
     std::size_t fewest_tries = tried.size();
+    // Retries move on: a worker tried for this request is used again only when every healthy one
+    // was tried as often, so attempts go round the workers. One at its cap counts too: the retry
+    // waits for its room rather than going back to the worker that just failed.
     for (const auto& w : workers_) {
       if (!w->healthy) continue;
       ++healthy;
-      if (options_.max_in_flight_per_worker != 0 && w->in_flight >= options_.max_in_flight_per_worker) continue;
       const auto tries = static_cast<std::size_t>(std::count(tried.begin(), tried.end(), w->address));
       fewest_tries = std::min(fewest_tries, tries);
       candidates_.push_back({&w, tries});
     }
+    std::erase_if(candidates_, [&](const Candidate& c) {
+      return c.tries > fewest_tries ||
+             (options_.max_in_flight_per_worker != 0 && (*c.worker)->in_flight >= options_.max_in_flight_per_worker);
+    });
     if (candidates_.empty()) {
       if (workers_.empty()) {
         reason = "no workers are registered";
       } else if (healthy == 0) {
         reason = mrr::detail::str("all ", workers_.size(), " workers are evicted as unhealthy");
-      } else {
+      } else if (fewest_tries == 0) {
         reason = mrr::detail::str(
             "all ", healthy, " healthy workers are at max_in_flight_per_worker = ", options_.max_in_flight_per_worker);
+        waiting_helps = true;
+      } else {
+        reason = mrr::detail::str(
+            "the healthy workers not yet tried ", fewest_tries,
+            " times for this request are at max_in_flight_per_worker = ", options_.max_in_flight_per_worker);
         waiting_helps = true;
       }
       return nullptr;
     }
-    // Retries move on: a worker tried for this request is used again only when every usable one
-    // was tried as often, so attempts go round the workers.
-    std::erase_if(candidates_, [fewest_tries](const Candidate& c) { return c.tries > fewest_tries; });
 
     if (options_.sticky_sessions && !request.session.empty()) {
       if (const auto it = sessions_.find(detail::session_key(request.session)); it != sessions_.end()) {
@@ -547,6 +582,11 @@ class BasicDispatcher {
     w.consecutive_failures = 0;
   }
 
+  void record_cut_short(detail::WorkerState& w) {
+    std::lock_guard lock(mutex_);
+    ++w.cut_short;
+  }
+
   void record_failure(detail::WorkerState& w, std::string error) {
     std::lock_guard lock(mutex_);
     ++w.failures;
@@ -566,15 +606,22 @@ class BasicDispatcher {
   }
 
   // On probation: one more failure evicts again, so a worker that is still broken costs little.
-  void readmit(detail::WorkerState& w) {
+  // (const: the workers' states are shared, not part of the dispatcher's value; stats() applies it.)
+  void readmit(detail::WorkerState& w) const {
     w.healthy = true;
     w.consecutive_failures = options_.failures_to_evict - 1;
   }
 
-  void readmit_cooled_down(TimePoint now) {
-    if (options_.readmit_after == Duration::zero()) return;
+  // Under mutex_; whether any worker came back.
+  bool readmit_cooled_down(TimePoint now) const {
+    if (options_.readmit_after == Duration::zero()) return false;
+    bool any = false;
     for (const auto& w : workers_)
-      if (!w->healthy && now - w->evicted_at >= options_.readmit_after) readmit(*w);
+      if (!w->healthy && now - w->evicted_at >= options_.readmit_after) {
+        readmit(*w);
+        any = true;
+      }
+    return any;
   }
 
   struct Candidate {
@@ -587,9 +634,9 @@ class BasicDispatcher {
   };
 
   const DispatchOptions options_;
-  Clock clock_;
+  mutable Clock clock_;  // now() from stats() const
   mutable std::mutex mutex_;
-  std::condition_variable room_;  // a slot was released, a worker added or re-admitted
+  mutable std::condition_variable room_;  // a slot was released, a worker added or re-admitted
   std::vector<WorkerPtr> workers_;
   std::size_t total_in_flight_ = 0;
   std::vector<Candidate> candidates_;  // scratch for choose(), reused to avoid allocation

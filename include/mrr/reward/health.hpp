@@ -65,11 +65,13 @@ class HealthMonitor {
     }
   }
 
+  // Rounds start `interval` apart (a round longer than that is followed by the next at once).
   void run(std::stop_token stop) {
     while (!stop.stop_requested()) {
+      const auto start = std::chrono::steady_clock::now();
       check_round(stop);
       std::unique_lock lock(mutex_);
-      wake_.wait_for(lock, stop, options_.interval, [] { return false; });
+      wake_.wait_until(lock, stop, start + options_.interval, [] { return false; });
     }
   }
 

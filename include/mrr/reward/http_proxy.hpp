@@ -49,10 +49,9 @@ struct ProxyOptions {
 namespace detail {
 
 inline nlohmann::json to_json(const WorkerStats& s) {
-  return {{"url", s.address},          {"healthy", s.healthy},
-          {"in_flight", s.in_flight},  {"attempts", s.attempts},
-          {"successes", s.successes},  {"failures", s.failures},
-          {"evictions", s.evictions},  {"consecutive_failures", s.consecutive_failures},
+  return {{"url", s.address},          {"healthy", s.healthy},     {"in_flight", s.in_flight},
+          {"attempts", s.attempts},    {"successes", s.successes}, {"failures", s.failures},
+          {"cut_short", s.cut_short},  {"evictions", s.evictions}, {"consecutive_failures", s.consecutive_failures},
           {"last_error", s.last_error}};
 }
 

@@ -894,6 +894,9 @@ class RewardServer {
     } catch (const std::exception& e) {
       out.status = 500;
       out.set_content(mrr::detail::str("reward function failed: ", e.what()), "text/plain");
+    } catch (...) {
+      out.status = 500;
+      out.set_content("reward function failed: an exception not derived from std::exception", "text/plain");
     }
   }
 
