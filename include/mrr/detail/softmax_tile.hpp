@@ -3,7 +3,8 @@
 // step is an element-wise loop of fixed length over the tile's rows: compilers vectorise it at
 // -O2 and -O3 without -march (Eigen's SSE2 exp is not inlined there and took 40% of replay).
 // On x86 with GCC or Clang the same code is also compiled for AVX2 and picked at run time; both
-// perform the same IEEE operations in the same order (no FMA), so the bits do not depend on it.
+// perform the same IEEE operations in the same order (no FMA), so the bits do not depend on it
+// (a build whose own target has FMA contracts them: vexp.hpp).
 #pragma once
 
 #include <mrr/detail/config.hpp>

@@ -4,6 +4,13 @@
 // PyTorch picks AVX2 at run time. Both variants perform the same IEEE operations in the same order
 // (no FMA: the AVX2 variant does not enable it), so the bits do not depend on the machine.
 // MRR_NO_RUNTIME_DISPATCH turns the dispatch off.
+// A build whose own target has FMA (-march=native on a current x86, -march=x86-64-v3, -mfma) runs
+// neither variant but its own code, and GCC fuses the polynomial's multiply-adds there (its
+// default -ffp-contract=fast holds with -std=c++20 too; GCC 12's __builtin_assoc_barrier does not
+// survive its vectoriser): exp is then within 1.02 ulp, not 1, and about 1% of softmax weights
+// (fewer sigmoid ones) differ from a generic build's in the last bit; the ids do not. Inside such
+// a build every path still agrees (CPU router, host executors, threads, ranks). Build with
+// -ffp-contract=off for a generic build's bits (docs/routing.md).
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -47,7 +54,8 @@ MRR_FORCEINLINE ExpReduction exp_reduce(float x) {
   return {t, (r * r) * q + r + 1.0f};
 }
 
-// exp(x) within 1 ulp of the true value for every float (checked over all of them once;
+// exp(x) within 1 ulp of the true value for every float (1.02 with FMA contraction, above;
+// checked over all of them once;
 // tests/ppo/test_kernels.cpp samples them), exact at +-20 (the k3 clamp); inf above 88.72, gradual
 // underflow to 0 below -87.34, NaN for NaN. Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2,
 // a degree-6 minimax polynomial in r (Cephes' expf), and 2^n built in the exponent bits as
