@@ -4,6 +4,7 @@
 // formula, a bad int64 id (2^32 + e) rejected, and no allocation once the workspace is given
 // (operator new is replaced in this translation unit and counted).
 #include <mrr/router.hpp>
+#include <mrr/thrust/bf16.hpp>
 #include <mrr/thrust/capacity.hpp>
 #include <mrr/thrust/permute.hpp>
 
@@ -11,6 +12,7 @@
 
 #include "permute_views_body.hpp"
 
+#include <omp.h>
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -292,12 +294,24 @@ TEST_CASE_TEMPLATE("device capacity dropping refuses a token listing an expert t
   const dev::PermutationView shape{nullptr, nullptr, nullptr, p.tokens, p.k, p.experts};
   CHECK_THROWS_WITH_AS(dev::check_permutation(&status, shape),
                        doctest::Contains("token 300 slot 3 repeats an expert id"), std::invalid_argument);
-  // An id out of range is reported before a repeat, whatever their slots.
+  // With an id out of range too, the lowest bad slot is reported, as the CPU does.
   std::vector<Id> both = ids;
   both[static_cast<std::size_t>(700 * p.k)] = static_cast<Id>(p.experts);
   status = run(both, weights, kept);
+  CHECK(status.code == dev::status_repeated_expert);
+  CHECK(status.index == 300 * p.k + 3);
+  both[static_cast<std::size_t>(100 * p.k + 2)] = Id{-5};
+  status = run(both, weights, kept);
   CHECK(status.code == dev::status_expert_out_of_range);
-  CHECK(status.index == 700 * p.k);
+  CHECK(status.index == 100 * p.k + 2);
+  mrr::Routing<float> cpu_both = p.routing;
+  for (long i = 0; i < slots; ++i)
+    cpu_both.ids.data()[i] = static_cast<std::int32_t>(both[static_cast<std::size_t>(i)]);
+  CHECK_THROWS_WITH_AS(mrr::drop_over_capacity(cpu_both, p.experts, 0.6, mrr::DropPolicy::probs),
+                       doctest::Contains("row 100 slot 2 has expert id -5"), mrr::InvalidArgument);
+  cpu_both.ids(100, 2) = p.routing.ids(100, 2);
+  CHECK_THROWS_WITH_AS(mrr::drop_over_capacity(cpu_both, p.experts, 0.6, mrr::DropPolicy::probs),
+                       doctest::Contains("row 300 repeats expert id"), mrr::InvalidArgument);
   // The owning layer throws with its own name; k = 1 has nothing to repeat.
   using Omp = mrr::ThrustDeviceBackend;
   const std::vector<std::int32_t> ids32(ids.begin(), ids.end());
@@ -469,6 +483,103 @@ TEST_CASE_TEMPLATE("permute and combine by every executor equal their definition
         CHECK(r.grad_weights(t, j) == dot);
       }
   }
+}
+
+TEST_CASE("device views: bf16 rows are combined in float and rounded, not truncated into their bits") {
+  // static_cast<bf16>(float sum) once meant C++20 aggregate initialisation of the bits.
+  const Problem p = make_problem();
+  const long rows = p.tokens * p.k, h = p.hidden;
+  std::vector<std::int32_t> source(static_cast<std::size_t>(rows)), row_of_slot(source.size()),
+      offsets(static_cast<std::size_t>(p.experts) + 1);
+  const dev::PermutationView perm{source.data(), row_of_slot.data(), offsets.data(), p.tokens, p.k, p.experts};
+  std::vector<std::uint8_t> workspace(dev::permutation_workspace_bytes(p.tokens, p.k, p.experts));
+  dev::DeviceStatus status;
+  dev::make_expert_permutation(dev::matrix_view<const std::int32_t>(p.routing.ids.data(), p.tokens, p.k), nullptr, perm,
+                               dev::Workspace{workspace.data(), workspace.size()}, &status);
+  dev::check_permutation(&status, perm);
+  std::vector<mrr::bf16> y(static_cast<std::size_t>(rows * h)), w(static_cast<std::size_t>(rows));
+  for (std::size_t i = 0; i < y.size(); ++i)
+    y[i] = mrr::bf16::from_float(p.expert_out[i % p.expert_out.size()]);
+  for (std::size_t i = 0; i < w.size(); ++i)
+    w[i] = mrr::bf16::from_float(p.routing.weights.data()[i]);
+  std::vector<mrr::bf16> out(static_cast<std::size_t>(p.tokens * h)), grad_tokens(out.size());
+  dev::combine(dev::matrix_view<const mrr::bf16>(y.data(), rows, h),
+               dev::matrix_view<const mrr::bf16>(w.data(), p.tokens, p.k), perm,
+               dev::matrix_view(out.data(), p.tokens, h));
+  dev::permute_tokens_backward(dev::matrix_view<const mrr::bf16>(y.data(), rows, h), perm,
+                               dev::matrix_view(grad_tokens.data(), p.tokens, h));
+  long worst_combine = 0, worst_backward = 0;
+  for (long t = 0; t < p.tokens; ++t)
+    for (long c = 0; c < h; ++c) {
+      float sum = 0, plain = 0;  // the kernels' float accumulation, in slot order
+      for (int j = 0; j < p.k; ++j) {
+        const long r = row_of_slot[static_cast<std::size_t>(t * p.k + j)];
+        const float v = y[static_cast<std::size_t>(r * h + c)].to_float();
+        sum += w[static_cast<std::size_t>(t * p.k + j)].to_float() * v;
+        plain += v;
+      }
+      const auto at = static_cast<std::size_t>(t * h + c);
+      worst_combine = std::max<long>(worst_combine, std::abs(int(out[at].bits) - int(mrr::bf16::from_float(sum).bits)));
+      worst_backward =
+          std::max<long>(worst_backward, std::abs(int(grad_tokens[at].bits) - int(mrr::bf16::from_float(plain).bits)));
+    }
+  CHECK(worst_combine <= 1);  // the float sum rounded once (an FMA may move it by one bf16 ulp)
+  CHECK(worst_backward == 0);
+  CHECK(static_cast<mrr::bf16>(2.5f).to_float() == 2.5f);
+}
+
+TEST_CASE("device views: an output sharing memory with an input is refused") {
+  const Problem p = make_problem();
+  const long rows = p.tokens * p.k;
+  std::vector<std::int32_t> source(static_cast<std::size_t>(rows)), row_of_slot(source.size()),
+      offsets(static_cast<std::size_t>(p.experts) + 1);
+  const dev::PermutationView perm{source.data(), row_of_slot.data(), offsets.data(), p.tokens, p.k, p.experts};
+  std::vector<std::uint8_t> workspace(dev::permutation_workspace_bytes(p.tokens, p.k, p.experts));
+  dev::DeviceStatus status;
+  dev::make_expert_permutation(dev::matrix_view<const std::int32_t>(p.routing.ids.data(), p.tokens, p.k), nullptr, perm,
+                               dev::Workspace{workspace.data(), workspace.size()}, &status);
+  dev::check_permutation(&status, perm);
+  std::vector<float> big(static_cast<std::size_t>(rows * p.stride), 1.0f);
+  const auto in = dev::matrix_view<const float>(big.data(), rows, p.hidden, p.stride);
+  const auto weights = dev::matrix_view<const float>(p.routing.weights.data(), p.tokens, p.k);
+  CHECK_THROWS_WITH_AS(dev::combine(in, weights, perm, dev::matrix_view(big.data() + 5, p.tokens, p.hidden, p.stride)),
+                       doctest::Contains("'out' shares memory with 'expert_out'"), std::invalid_argument);
+  {  // out starting on the last 3 values of the tokens' last row
+    std::vector<float> buf(static_cast<std::size_t>((p.tokens + rows) * p.stride));
+    const long last = (p.tokens - 1) * p.stride + p.hidden;
+    const auto tokens = dev::matrix_view<const float>(buf.data(), p.tokens, p.hidden, p.stride);
+    CHECK_THROWS_WITH_AS(
+        dev::permute_tokens(tokens, perm, dev::matrix_view(buf.data() + last - 3, rows, p.hidden, p.stride)),
+        doctest::Contains("'out' shares memory with 'tokens'"), std::invalid_argument);
+    dev::permute_tokens(tokens, perm, dev::matrix_view(buf.data() + last, rows, p.hidden, p.stride));  // right after
+  }
+  CHECK_THROWS_WITH_AS(
+      dev::permute_tokens_backward(in, perm, dev::matrix_view(big.data(), p.tokens, p.hidden, p.stride)),
+      doctest::Contains("'grad_tokens' shares memory with 'grad_permuted'"), std::invalid_argument);
+  // Right after the input's last element is not shared.
+  std::vector<float> out(static_cast<std::size_t>(p.tokens * p.stride));
+  dev::combine(in, weights, perm, dev::matrix_view(out.data(), p.tokens, p.hidden, p.stride));
+}
+
+TEST_CASE("device views: a workspace sized once fits whatever the thread count is later") {
+  const Problem p = make_problem();
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(1);
+  std::vector<std::uint8_t> workspace(dev::permutation_workspace_bytes(p.tokens * 200, p.k, p.experts));
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(p.tokens * 200 * p.k));
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    ids[i] = p.routing.ids.data()[i % static_cast<std::size_t>(p.tokens * p.k)];
+  std::vector<std::int32_t> source(ids.size()), row_of_slot(ids.size()),
+      offsets(static_cast<std::size_t>(p.experts) + 1);
+  const dev::PermutationView perm{source.data(), row_of_slot.data(), offsets.data(), p.tokens * 200, p.k, p.experts};
+  omp_set_num_threads(8);
+  CHECK(dev::permutation_workspace_bytes(p.tokens * 200, p.k, p.experts) == workspace.size());
+  dev::DeviceStatus status;
+  dev::make_expert_permutation(dev::matrix_view<const std::int32_t>(ids.data(), p.tokens * 200, p.k), nullptr, perm,
+                               dev::Workspace{workspace.data(), workspace.size()}, &status);
+  dev::check_permutation(&status, perm);
+  omp_set_num_threads(before);
+  CHECK(offsets.back() == p.tokens * 200 * p.k);
 }
 
 TEST_CASE("an empty batch permutes to no rows (CPU and views)") {

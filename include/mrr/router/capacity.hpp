@@ -112,9 +112,14 @@ void drop_over_capacity(Routing<T>& routing, int num_experts, double capacity_fa
   const int k = routing.topk();
   detail::require(routing.weights.rows() == tokens && routing.weights.cols() == k, fn, "routing weights have shape ",
                   detail::shape_of(routing.weights), " for ids of shape ", detail::shape_of(routing.ids));
+  // The first row with an id out of range or repeated, at its first bad slot (as the device form).
   for (Eigen::Index t = 0; t < tokens; ++t) {
     const std::int32_t* row = routing.ids.data() + t * k;
-    if (kernels::repeated_slot(row, k) >= 0) detail::reject_invalid_ids(row, k, num_experts, t, fn);
+    bool bad = kernels::repeated_slot(row, k) >= 0;
+    for (int j = 0; j < k; ++j)
+      bad |= row[j] < 0 || row[j] >= num_experts;
+    if (bad) [[unlikely]]
+      detail::reject_invalid_ids(row, k, num_experts, t, fn);
   }
   detail::drop_over_capacity_unchecked(routing, num_experts, capacity_factor, policy);
 }

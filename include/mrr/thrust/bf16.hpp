@@ -16,6 +16,12 @@ MRR_NAMESPACE_BEGIN
 struct bf16 {
   std::uint16_t bits = 0;
 
+  bf16() = default;
+  // From float, rounded (from_float): what static_cast<bf16>(x) means in the kernels that compute
+  // in float and store T (a combine's sum), rather than C++20's aggregate initialisation of the
+  // bits from the float's integer part.
+  MRR_HOST_DEVICE explicit bf16(float f) : bits(from_float(f).bits) {}
+
   static MRR_HOST_DEVICE bf16 from_bits(std::uint16_t b) {
     bf16 h;
     h.bits = b;

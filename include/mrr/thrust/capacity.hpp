@@ -205,13 +205,15 @@ struct FindRepeatedExpert {
   }
 };
 
-// One work item: a repeat into the status, unless an id out of range was reported first.
+// One work item: a repeat into the status, unless an id out of range was reported at a lower slot
+// (the lowest bad slot is reported, as the CPU does).
 struct ReportRepeatedExpert {
   const long* bad;
   DeviceStatus* status;
   long slots;
   MRR_HOST_DEVICE void operator()(int) const {
-    if (status->code == status_ok && *bad < slots) {
+    if (*bad < slots &&
+        (status->code == status_ok || (status->code == status_expert_out_of_range && *bad < status->index))) {
       status->code = status_repeated_expert;
       status->index = *bad;
     }

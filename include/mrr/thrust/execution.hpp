@@ -88,6 +88,23 @@ void require_view(const MatrixView<T>& m, long rows, long cols, const char* fn, 
                        " columns: rows would overlap");
 }
 
+// Refuses an output view whose memory overlaps an input's: the kernels read inputs while writing
+// outputs, so the result would depend on the order work items run in (the thread count).
+template <class Out, class In>
+void require_disjoint(const MatrixView<Out>& out, const MatrixView<In>& in, const char* fn, const char* out_name,
+                      const char* in_name) {
+  if (out.data == nullptr || in.data == nullptr || out.rows * out.cols == 0 || in.rows * in.cols == 0) return;
+  const auto span = [](const auto& m) {
+    const auto* begin = reinterpret_cast<const unsigned char*>(m.data);
+    const auto* end = reinterpret_cast<const unsigned char*>(m.data + (m.rows - 1) * m.row_stride + m.cols);
+    return std::pair{begin, end};
+  };
+  const auto [ob, oe] = span(out);
+  const auto [ib, ie] = span(in);
+  mrr::detail::require(oe <= ib || ie <= ob, fn, "'", out_name, "' shares memory with '", in_name,
+                       "'; pass a separate output buffer");
+}
+
 // Caller memory for temporaries, `bytes` long, suitably aligned (any cudaMalloc or torch buffer
 // is). On CUDA it is device memory.
 struct Workspace {
@@ -257,6 +274,7 @@ namespace detail {
 
 using device::execution_policy;
 using device::OwnedWorkspace;
+using device::require_disjoint;
 using device::require_view;
 using device::WorkspaceArena;
 

@@ -318,11 +318,12 @@ struct PlaceSorted {
 
 }  // namespace kernels
 
-// Chunks of the counting sort: a few per OpenMP thread (each a long sequential run), or one per
-// 256 slots on a GPU (many independent work items).
+// Chunks of the counting sort: 128 on CPU threads (long sequential runs, a few per thread on up to
+// 32 threads), whatever the thread count, so that the workspace a caller sized once still fits
+// after omp_set_num_threads; or one per 256 slots on a GPU (many independent work items).
 inline int permutation_chunks(long slots) {
 #if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_OMP
-  const long wanted = 4L * omp_get_max_threads();
+  const long wanted = 128;
 #else
   const long wanted = (slots + 255) / 256;
 #endif
@@ -582,6 +583,7 @@ void permute_tokens(MatrixView<const T> tokens, const PermutationView& p, Matrix
   detail::require_permutation(p, fn);
   detail::require_view(tokens, p.tokens, tokens.cols, fn, "tokens");
   detail::require_view(out, p.tokens * p.topk, tokens.cols, fn, "out");
+  detail::require_disjoint(out, tokens, fn, "out", "tokens");
   detail::WorkspaceArena arena({}, 0, fn);
   auto alloc = arena.temporary_allocator();
   detail::gather_rows(detail::execution_policy(x, alloc), tokens, p, out, detail::host_system);
@@ -596,6 +598,8 @@ void combine(MatrixView<const T> expert_out, MatrixView<const W> weights, const 
   detail::require_view(expert_out, p.tokens * p.topk, expert_out.cols, fn, "expert_out");
   detail::require_view(weights, p.tokens, p.topk, fn, "weights");
   detail::require_view(out, p.tokens, expert_out.cols, fn, "out");
+  detail::require_disjoint(out, expert_out, fn, "out", "expert_out");
+  detail::require_disjoint(out, weights, fn, "out", "weights");
   detail::WorkspaceArena arena({}, 0, fn);
   auto alloc = arena.temporary_allocator();
   detail::combine_rows<decltype(detail::execution_policy(x, alloc)), T, W, Accum>(
@@ -611,6 +615,7 @@ void permute_tokens_backward(MatrixView<const T> grad_permuted, const Permutatio
   detail::require_permutation(p, fn);
   detail::require_view(grad_permuted, p.tokens * p.topk, grad_permuted.cols, fn, "grad_permuted");
   detail::require_view(grad_tokens, p.tokens, grad_permuted.cols, fn, "grad_tokens");
+  detail::require_disjoint(grad_tokens, grad_permuted, fn, "grad_tokens", "grad_permuted");
   detail::WorkspaceArena arena({}, 0, fn);
   auto alloc = arena.temporary_allocator();
   const MatrixView<const T> no_weights{nullptr, p.tokens, p.topk, p.topk};
@@ -632,6 +637,12 @@ void combine_backward(MatrixView<const T> grad_out, MatrixView<const T> expert_o
   detail::require_view(weights, p.tokens, p.topk, fn, "weights");
   detail::require_view(grad_expert_out, p.tokens * p.topk, expert_out.cols, fn, "grad_expert_out");
   if (grad_weights.data != nullptr) detail::require_view(grad_weights, p.tokens, p.topk, fn, "grad_weights");
+  detail::require_disjoint(grad_expert_out, grad_out, fn, "grad_expert_out", "grad_out");
+  detail::require_disjoint(grad_expert_out, expert_out, fn, "grad_expert_out", "expert_out");
+  detail::require_disjoint(grad_expert_out, weights, fn, "grad_expert_out", "weights");
+  detail::require_disjoint(grad_weights, grad_out, fn, "grad_weights", "grad_out");
+  detail::require_disjoint(grad_weights, expert_out, fn, "grad_weights", "expert_out");
+  detail::require_disjoint(grad_weights, weights, fn, "grad_weights", "weights");
   detail::WorkspaceArena arena({}, 0, fn);
   auto alloc = arena.temporary_allocator();
   thrust::for_each(detail::execution_policy(x, alloc), thrust::counting_iterator<long>(0),
