@@ -550,6 +550,36 @@ TEST_CASE("vLLM routed_experts .npy ([tokens, layers, k] int32) imports as an R3
   CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(few_experts, 1, dir / "r.npy"),
                        doctest::Contains("is outside [0, 8)"), mrr::InvalidArgument);
 
+  // An id type too narrow for the model is refused, in memory and in a file, before any id is read:
+  // a uint8 array of a 300-expert model can only come from a truncating cast (ids 264 -> 8).
+  {
+    const int wide = 300;
+    const std::vector<std::uint8_t> truncated = {8, 3, 10, 43};  // the rollout routed 264, 3, 10, 299
+    mrr::MemoryRouteStore many({wide, 1, k});
+    CHECK_THROWS_WITH_AS(mrr::import_routed_experts(many, 9, std::span<const std::uint8_t>(truncated), 2, 1, k),
+                         doctest::Contains("routed_experts holds 8-bit unsigned ids, which cannot hold the ids of "
+                                           "the model's 300 experts"),
+                         mrr::InvalidArgument);
+    CHECK_FALSE(many.contains(9));
+    const std::vector<std::int8_t> signed8 = {8, 3, 10, 43};
+    mrr::MemoryRouteStore e200({200, 1, k});
+    CHECK_THROWS_WITH_AS(mrr::import_routed_experts(e200, 9, std::span<const std::int8_t>(signed8), 2, 1, k),
+                         doctest::Contains("8-bit signed ids"), mrr::InvalidArgument);
+    write_npy(dir / "u1.npy", "|u1", {2, 1, k}, std::vector<std::int64_t>(truncated.begin(), truncated.end()), 1);
+    CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(many, 9, dir / "u1.npy"),
+                         doctest::Contains("8-bit unsigned ids"), mrr::InvalidArgument);
+    // 256 experts fit uint8, and the file's own width goes to a route file as it is.
+    mrr::test::TempDir files;
+    auto file = mrr::FileRouteStore::create(files / "u1.mrr", {256, 1, k});
+    mrr::import_routed_experts_npy(file, 9, dir / "u1.npy");
+    const std::vector<mrr::SequenceId> nine = {9};
+    mrr::ExpertIds got;
+    std::vector<std::uint8_t> found;
+    CHECK(file.lookup(0, mrr::TokenLayout::packed(nine, std::vector<std::int64_t>{0, 2}), got, found) == 2);
+    CHECK(got(0, 0) == 8);
+    CHECK(got(1, 1) == 43);
+  }
+
   write_npy(dir / "f.npy", "<i4", {tokens, L, k}, values, 4, true);
   CHECK_THROWS_WITH_AS(mrr::read_npy(dir / "f.npy"), doctest::Contains("Fortran order"), mrr::InvalidArgument);
   write_npy(dir / "x.npy", "<f4", {tokens, L, k}, values, 4);

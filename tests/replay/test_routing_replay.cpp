@@ -137,6 +137,37 @@ TEST_CASE("recompute consumes forwards first-in-first-out across micro-batches (
                        mrr::InvalidArgument);
 }
 
+TEST_CASE("the recompute takes rows its forward routed natively (R3's last position) as the forward did") {
+  const int E = 16, k = 2;
+  mrr::TopKRouter<float> router(mrr::presets::mixtral(E, k));
+  mrr::MemoryRouteStore store({E, 1, k});
+  // The rollout engine's routes for positions 0-4 of sequence 7; none for the last token (5).
+  const std::vector<mrr::SequenceId> seq = {7};
+  store.record(0, mrr::TokenLayout::packed(seq, std::vector<std::int64_t>{0, 5}), router.route(logits(5, E, 1)).ids);
+  // The update's logits and the recompute's differ a little (the nondeterminism the recompute
+  // queue absorbs); at row 5 enough to change a native choice: experts 3 and 4 there, 3 and 5 here.
+  mrr::RowMatrix<float> z = logits(6, E, 2, 0.1f), zr = z;
+  z(5, 3) = 3.0f;
+  z(5, 4) = 2.9f;
+  z(5, 5) = 2.8f;
+  zr(5, 3) = 3.0f;
+  zr(5, 4) = 2.8f;
+  zr(5, 5) = 2.9f;
+  REQUIRE(router.route(zr).ids.row(5) != router.route(z).ids.row(5));
+  for (const auto missing : {mrr::MissingRoutes::native_last_position, mrr::MissingRoutes::native}) {
+    mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R3, store, missing);
+    replay.set_activation_recompute(true);
+    replay.begin_pass(mrr::TrainingPass::actor_update);
+    replay.set_micro_batch(mrr::TokenLayout::packed(seq, std::vector<std::int64_t>{0, 6}));
+    const auto forward = replay.route(router, 0, z);
+    CHECK(forward.ids.row(5) == router.route(z).ids.row(5));  // routed natively in the forward
+    replay.begin_pass(mrr::TrainingPass::actor_recompute);
+    const auto recompute = replay.route(router, 0, zr);
+    CHECK(recompute.ids == forward.ids);  // every row, the natively routed one included
+    CHECK(replay.queued(0) == 0);
+  }
+}
+
 TEST_CASE("a failed recompute keeps its queued ids; revert_route undoes the last route call's queue change") {
   const int E = 16, k = 2;
   mrr::TopKRouter<float> router(mrr::presets::mixtral(E, k));

@@ -13,12 +13,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <bit>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <limits>
+#include <memory>
+#include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -150,7 +155,11 @@ template <class... Args>
 
 }  // namespace detail
 
-inline NpyIntArray read_npy(const std::filesystem::path& path) {
+// Reads a .npy integer array and returns visit(std::span<const Int> values, shape, dtype), Int the
+// file's own type (int8 ... uint64): the values are held once, in their own width (read_npy below
+// widens them to int64: eight times a uint8 file).
+template <class Visit>
+decltype(auto) visit_npy(const std::filesystem::path& path, Visit&& visit) {
   constexpr const char* fn = "read_npy";
   auto fail = [&](auto&&... what) { detail::npy_fail(path, what...); };
   // A FIFO or device would block the first read (or never end): only regular files are read.
@@ -225,20 +234,44 @@ inline NpyIntArray read_npy(const std::filesystem::path& path) {
                                          : "has trailing bytes after the values its 'shape' declares",
          " (", data_bytes, " bytes of values expected, ", size - data_offset, " present)");
 
-  std::vector<unsigned char> raw(static_cast<std::size_t>(data_bytes));
-  if (!read(raw.data(), raw.size())) fail("could not be read to its end");
-  out.values.resize(static_cast<std::size_t>(count));
-  for (std::size_t i = 0; i < out.values.size(); ++i) {
-    const unsigned char* p = raw.data() + i * static_cast<std::size_t>(bytes);
-    std::uint64_t u = 0;
-    for (int b = 0; b < bytes; ++b)
-      u |= std::uint64_t{p[b]} << (8 * b);
-    std::int64_t v = static_cast<std::int64_t>(u);
-    if (kind == 'i' && bytes < 8 && (u >> (8 * bytes - 1)) != 0) v -= std::int64_t{1} << (8 * bytes);  // sign-extend
-    if (kind == 'u' && bytes == 8 && v < 0) fail("holds value ", u, " at flat index ", i, ", beyond int64");
-    out.values[i] = v;
+  const auto as = [&]<class Int>(std::type_identity<Int>) -> decltype(auto) {
+    const auto n = static_cast<std::size_t>(count);
+    const auto values = std::make_unique_for_overwrite<Int[]>(n == 0 ? 1 : n);
+    if (!read(values.get(), static_cast<std::size_t>(data_bytes))) fail("could not be read to its end");
+    if constexpr (std::endian::native == std::endian::big && sizeof(Int) > 1)
+      for (std::size_t i = 0; i < n; ++i) {  // the file is little-endian
+        auto u = static_cast<std::make_unsigned_t<Int>>(values[i]);
+        decltype(u) swapped = 0;
+        for (std::size_t b = 0; b < sizeof(Int); ++b, u >>= 8)
+          swapped = static_cast<decltype(u)>((swapped << 8) | (u & 0xff));
+        values[i] = static_cast<Int>(swapped);
+      }
+    return visit(std::span<const Int>(values.get(), n), std::as_const(out.shape), std::as_const(out.dtype));
+  };
+  switch (bytes) {
+    case 1:
+      return kind == 'i' ? as(std::type_identity<std::int8_t>{}) : as(std::type_identity<std::uint8_t>{});
+    case 2:
+      return kind == 'i' ? as(std::type_identity<std::int16_t>{}) : as(std::type_identity<std::uint16_t>{});
+    case 4:
+      return kind == 'i' ? as(std::type_identity<std::int32_t>{}) : as(std::type_identity<std::uint32_t>{});
+    default:
+      return kind == 'i' ? as(std::type_identity<std::int64_t>{}) : as(std::type_identity<std::uint64_t>{});
   }
-  return out;
+}
+
+// The whole array widened to int64 (a uint64 value past int64's range is an error).
+inline NpyIntArray read_npy(const std::filesystem::path& path) {
+  return visit_npy(path, [&](auto values, const std::vector<std::int64_t>& shape, const std::string& dtype) {
+    NpyIntArray out{shape, std::vector<std::int64_t>(values.size()), dtype};
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      if constexpr (std::is_same_v<typename decltype(values)::value_type, std::uint64_t>)
+        if (values[i] > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+          detail::npy_fail(path, "holds value ", values[i], " at flat index ", i, ", beyond int64");
+      out.values[i] = static_cast<std::int64_t>(values[i]);
+    }
+    return out;
+  });
 }
 
 MRR_NAMESPACE_END

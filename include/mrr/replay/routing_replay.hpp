@@ -272,6 +272,10 @@ class RoutingReplay {
     Queued q = lookup_replayed(layer);  // replay_forward
     auto routing = in.replay(q.ids, replay_mask(q));
     if (queue_) {
+      // The recompute must take every row as this forward routed it: the rows this forward routed
+      // natively (no recorded route: R3's last position, allowed misses) are pinned to the ids it
+      // chose, not routed again from the recompute's logits. Padding rows stay native (zeros).
+      if (!q.all_found) pin_native_rows(q, in.host_ids(routing));
       queues_[static_cast<std::size_t>(layer)].push_back(std::move(q));
       last.kind = LastChange::queued;
     }
@@ -340,6 +344,21 @@ class RoutingReplay {
     check_missing(layer, q.found);
     if (queue_) q.padding = layout_padding_;
     return q;
+  }
+
+  void pin_native_rows(Queued& q, const ExpertIds& routed) const {
+    bool all = true;
+    for (std::size_t r = 0; r < q.found.size(); ++r) {
+      if (q.found[r] != 0) continue;
+      if (layout_[r].is_padding()) {
+        all = false;
+        continue;
+      }
+      const auto row = static_cast<Eigen::Index>(r);
+      q.ids.row(row) = routed.row(row);
+      q.found[r] = 1;
+    }
+    q.all_found = all;
   }
 
   static MissingRoutes default_missing(ReplayMode mode) {

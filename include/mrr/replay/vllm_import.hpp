@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -60,6 +61,13 @@ void import_routed_experts(Store& store, SequenceId uid, std::span<const Int> ro
                   " MoE layers (an array with a row per decoder layer, dense ones included: give moe_layers)");
   detail::require(k == s.topk, fn, "sequence ", uid, ": routed_experts has k = ", k, " but the model routes to ", s.topk,
                   " experts per token");
+  // An id type too narrow for the model (uint8 for 300 experts) can only come from a truncating
+  // cast (verl's uint8 wrapped ids past 255): every id is suspect, in range or not.
+  detail::require(
+      static_cast<std::uint64_t>(std::numeric_limits<Int>::max()) >= static_cast<std::uint64_t>(s.num_experts - 1), fn,
+      "sequence ", uid, ": routed_experts holds ", sizeof(Int) * 8, "-bit ",
+      std::is_signed_v<Int> ? "signed" : "unsigned", " ids, which cannot hold the ids of the model's ", s.num_experts,
+      " experts (a truncating cast?); export wider ids (int16 / int32)");
   std::size_t expect = 0;  // computed without overflow: a huge token count must not wrap to the span's size
   const bool fits = tokens >= 0 && detail::checked_product(expect, tokens, layers, k);
   detail::require(fits && routed_experts.size() == expect, fn, "sequence ", uid, ": routed_experts holds ",
@@ -122,11 +130,13 @@ void import_routed_experts(Store& store, SequenceId uid, std::span<const Int> ro
 template <class Store>
 void import_routed_experts_npy(Store& store, SequenceId uid, const std::filesystem::path& npy,
                                std::int64_t first_position = 0, std::span<const int> moe_layers = {}) {
-  const NpyIntArray a = read_npy(npy);
-  detail::require(a.shape.size() == 3, "import_routed_experts_npy", npy.string(), " has ", a.shape.size(),
-                  " dimensions; routed_experts is [tokens, layers, k]");
-  import_routed_experts<Store, std::int64_t>(store, uid, std::span<const std::int64_t>(a.values), a.shape[0],
-                                             a.shape[1], a.shape[2], first_position, moe_layers);
+  // The ids in the file's own width (a uint8 file is imported as uint8, as from memory).
+  visit_npy(
+      npy, [&]<class Int>(std::span<const Int> values, const std::vector<std::int64_t>& shape, const std::string&) {
+        detail::require(shape.size() == 3, "import_routed_experts_npy", npy.string(), " has ", shape.size(),
+                        " dimensions; routed_experts is [tokens, layers, k]");
+        import_routed_experts<Store, Int>(store, uid, values, shape[0], shape[1], shape[2], first_position, moe_layers);
+      });
 }
 
 MRR_NAMESPACE_END
