@@ -485,18 +485,30 @@ TEST_CASE_TEMPLATE("permute and combine by every executor equal their definition
   }
 }
 
+// The device permutation of a problem's routing, in buffers it owns.
+struct OwnedPermutation {
+  std::vector<std::int32_t> source, row_of_slot, offsets;
+  dev::PermutationView view;
+  explicit OwnedPermutation(const Problem& p)
+      : source(static_cast<std::size_t>(p.tokens * p.k)),
+        row_of_slot(source.size()),
+        offsets(static_cast<std::size_t>(p.experts) + 1),
+        view{source.data(), row_of_slot.data(), offsets.data(), p.tokens, p.k, p.experts} {
+    std::vector<std::uint8_t> workspace(dev::permutation_workspace_bytes(p.tokens, p.k, p.experts));
+    dev::DeviceStatus status;
+    dev::make_expert_permutation(dev::matrix_view<const std::int32_t>(p.routing.ids.data(), p.tokens, p.k), nullptr,
+                                 view, dev::Workspace{workspace.data(), workspace.size()}, &status);
+    dev::check_permutation(&status, view);
+  }
+};
+
 TEST_CASE("device views: bf16 rows are combined in float and rounded, not truncated into their bits") {
   // static_cast<bf16>(float sum) once meant C++20 aggregate initialisation of the bits.
   const Problem p = make_problem();
   const long rows = p.tokens * p.k, h = p.hidden;
-  std::vector<std::int32_t> source(static_cast<std::size_t>(rows)), row_of_slot(source.size()),
-      offsets(static_cast<std::size_t>(p.experts) + 1);
-  const dev::PermutationView perm{source.data(), row_of_slot.data(), offsets.data(), p.tokens, p.k, p.experts};
-  std::vector<std::uint8_t> workspace(dev::permutation_workspace_bytes(p.tokens, p.k, p.experts));
-  dev::DeviceStatus status;
-  dev::make_expert_permutation(dev::matrix_view<const std::int32_t>(p.routing.ids.data(), p.tokens, p.k), nullptr, perm,
-                               dev::Workspace{workspace.data(), workspace.size()}, &status);
-  dev::check_permutation(&status, perm);
+  const OwnedPermutation owned(p);
+  const dev::PermutationView& perm = owned.view;
+  const std::vector<std::int32_t>& row_of_slot = owned.row_of_slot;
   std::vector<mrr::bf16> y(static_cast<std::size_t>(rows * h)), w(static_cast<std::size_t>(rows));
   for (std::size_t i = 0; i < y.size(); ++i)
     y[i] = mrr::bf16::from_float(p.expert_out[i % p.expert_out.size()]);
@@ -531,14 +543,8 @@ TEST_CASE("device views: bf16 rows are combined in float and rounded, not trunca
 TEST_CASE("device views: an output sharing memory with an input is refused") {
   const Problem p = make_problem();
   const long rows = p.tokens * p.k;
-  std::vector<std::int32_t> source(static_cast<std::size_t>(rows)), row_of_slot(source.size()),
-      offsets(static_cast<std::size_t>(p.experts) + 1);
-  const dev::PermutationView perm{source.data(), row_of_slot.data(), offsets.data(), p.tokens, p.k, p.experts};
-  std::vector<std::uint8_t> workspace(dev::permutation_workspace_bytes(p.tokens, p.k, p.experts));
-  dev::DeviceStatus status;
-  dev::make_expert_permutation(dev::matrix_view<const std::int32_t>(p.routing.ids.data(), p.tokens, p.k), nullptr, perm,
-                               dev::Workspace{workspace.data(), workspace.size()}, &status);
-  dev::check_permutation(&status, perm);
+  const OwnedPermutation owned(p);
+  const dev::PermutationView& perm = owned.view;
   std::vector<float> big(static_cast<std::size_t>(rows * p.stride), 1.0f);
   const auto in = dev::matrix_view<const float>(big.data(), rows, p.hidden, p.stride);
   const auto weights = dev::matrix_view<const float>(p.routing.weights.data(), p.tokens, p.k);
