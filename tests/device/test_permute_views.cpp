@@ -562,6 +562,14 @@ TEST_CASE("device views: an output sharing memory with an input is refused") {
   CHECK_THROWS_WITH_AS(
       dev::permute_tokens_backward(in, perm, dev::matrix_view(big.data(), p.tokens, p.hidden, p.stride)),
       doctest::Contains("'grad_tokens' shares memory with 'grad_permuted'"), std::invalid_argument);
+  {  // the column halves of one buffer interleave without sharing a value: accepted
+    std::vector<float> halves(static_cast<std::size_t>(rows * 2 * p.hidden), 1.0f);
+    const auto left = dev::matrix_view<const float>(halves.data(), p.tokens, p.hidden, 2 * p.hidden);
+    dev::permute_tokens(left, perm, dev::matrix_view(halves.data() + p.hidden, rows, p.hidden, 2 * p.hidden));
+    CHECK_THROWS_WITH_AS(  // one value into the left half: shared
+        dev::permute_tokens(left, perm, dev::matrix_view(halves.data() + p.hidden - 1, rows, p.hidden, 2 * p.hidden)),
+        doctest::Contains("'out' shares memory with 'tokens'"), std::invalid_argument);
+  }
   // Right after the input's last element is not shared.
   std::vector<float> out(static_cast<std::size_t>(p.tokens * p.stride));
   dev::combine(in, weights, perm, dev::matrix_view(out.data(), p.tokens, p.hidden, p.stride));

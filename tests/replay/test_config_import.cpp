@@ -550,7 +550,7 @@ TEST_CASE("vLLM routed_experts .npy ([tokens, layers, k] int32) imports as an R3
   CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(few_experts, 1, dir / "r.npy"),
                        doctest::Contains("is outside [0, 8)"), mrr::InvalidArgument);
 
-  // An id type too narrow for the model is refused, in memory and in a file, before any id is read:
+  // An id type too narrow for the model is refused, in memory and in a file, before any id is stored:
   // a uint8 array of a 300-expert model can only come from a truncating cast (ids 264 -> 8).
   {
     const int wide = 300;
@@ -579,6 +579,13 @@ TEST_CASE("vLLM routed_experts .npy ([tokens, layers, k] int32) imports as an R3
     CHECK(got(0, 0) == 8);
     CHECK(got(1, 1) == 43);
   }
+
+  // A uint64 id past int64 is named as the file holds it, not wrapped to -1.
+  write_npy(dir / "u8.npy", "<u8", {1, 1, k}, {-1, 3}, 8);
+  mrr::MemoryRouteStore one_layer({E, 1, k});
+  CHECK_THROWS_WITH_AS(mrr::import_routed_experts_npy(one_layer, 3, dir / "u8.npy"),
+                       doctest::Contains("routed_experts[0, 0, 0] = 18446744073709551615 is outside [0, 16)"),
+                       mrr::InvalidArgument);
 
   write_npy(dir / "f.npy", "<i4", {tokens, L, k}, values, 4, true);
   CHECK_THROWS_WITH_AS(mrr::read_npy(dir / "f.npy"), doctest::Contains("Fortran order"), mrr::InvalidArgument);

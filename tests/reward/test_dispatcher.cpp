@@ -515,6 +515,28 @@ TEST_SUITE("reward") {
     CHECK(d.dispatch(transport, Request{}).outcome == Outcome::answered);
   }
 
+  TEST_CASE("a worker that hangs through a whole budget is evicted, even when the request's budget is the attempt's") {
+    ManualClock clock;
+    DispatchOptions options;
+    options.attempt_timeout = 50ms;
+    options.request_timeout = 40ms;  // each attempt's budget is the request's: 40 ms, never 50
+    options.failures_to_evict = 3;
+    options.readmit_after = 0s;
+    TestDispatcher d({"a", "b"}, options, clock);
+    auto transport = InProcessTransport([&](std::string_view worker, const Request&, Duration budget) {
+      if (worker == "a") clock.advance(budget + 1ms);  // a hangs past whatever it is given
+      return ok(std::string(worker));
+    });
+    for (int i = 0; i < 3; ++i)
+      CHECK(d.dispatch(transport, Request{}).outcome == Outcome::timed_out);  // a, with the whole budget
+    CHECK(d.stats("a")->failures == 3);
+    CHECK(d.stats("a")->cut_short == 0);
+    CHECK_FALSE(healthy(d, "a"));
+    const auto next = d.dispatch(transport, Request{});
+    CHECK(next.outcome == Outcome::answered);
+    CHECK(next.worker == "b");
+  }
+
   TEST_CASE("under the in-flight cap a retry waits for a worker not yet tried") {
     ManualClock clock;
     DispatchOptions options;
@@ -548,6 +570,19 @@ TEST_SUITE("reward") {
     CHECK(result.response.body == "from b");
     CHECK(order == std::vector<std::string>{"a", "b"});
     CHECK(d.stats("a")->failures == 1);
+    // While it waits, the reason names the workers it waits for, not "all at their cap" (a is idle).
+    auto held = d.acquire(Request{}, far_future(), {"a"});
+    REQUIRE(held.worker() == "b");
+    const auto waited = d.acquire(Request{}, clock.now(), {"a"});
+    CHECK_FALSE(waited);
+    clock.advance(1ms);
+    std::string reason;
+    std::thread late([&] { reason = d.acquire(Request{}, clock.now() + 1ms, {"a"}).unavailable_reason(); });
+    std::this_thread::sleep_for(50ms);
+    clock.advance(1s);
+    late.join();
+    CHECK(reason.find("the 1 of 2 healthy workers tried least for this request (0 times) are at "
+                      "max_in_flight_per_worker = 1") != std::string::npos);
   }
 
   TEST_CASE("stats() reports a worker re-admitted by readmit_after without a request") {

@@ -35,10 +35,18 @@ void check_routed_experts(std::span<const Int> routed_experts, std::int64_t laye
   std::vector<std::uint64_t> seen(static_cast<std::size_t>(num_experts), 0);
   for (std::size_t row = 0, i = 0; i < routed_experts.size(); ++row)
     for (std::size_t j = 0; j < kk; ++j, ++i) {
-      const auto v = static_cast<std::int64_t>(routed_experts[i]);
-      if (v < 0 || v >= num_experts)
-        detail::throw_invalid_argument(fn, "sequence ", uid, ": ", where(i), " = ", v, " is outside [0, ", num_experts,
-                                       ")");
+      const Int raw = routed_experts[i];
+      bool in_range = static_cast<std::uint64_t>(raw) < static_cast<std::uint64_t>(num_experts);
+      if constexpr (std::is_signed_v<Int>) in_range = in_range && raw >= 0;
+      if (!in_range) {  // the value as the array holds it (a uint64 past int64 included)
+        if constexpr (std::is_signed_v<Int>)
+          detail::throw_invalid_argument(fn, "sequence ", uid, ": ", where(i), " = ", static_cast<long long>(raw),
+                                         " is outside [0, ", num_experts, ")");
+        else
+          detail::throw_invalid_argument(fn, "sequence ", uid, ": ", where(i), " = ",
+                                         static_cast<unsigned long long>(raw), " is outside [0, ", num_experts, ")");
+      }
+      const auto v = static_cast<std::int64_t>(raw);
       std::uint64_t& stamp = seen[static_cast<std::size_t>(v)];
       if (stamp == row + 1)
         detail::throw_invalid_argument(fn, "sequence ", uid, ": ", where(i), " = ", v,

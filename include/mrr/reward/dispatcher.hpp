@@ -424,8 +424,11 @@ class BasicDispatcher {
       }
       if (reply.failure != Failure::status) result.last_status = 0;
       result.error = mrr::detail::str("worker ", lease.worker(), ": ", to_string(reply.failure), ": ", reply.error);
-      // A timeout within a budget the request's deadline shortened is the caller's, not the worker's.
-      if (reply.failure == Failure::timeout && budget < options_.attempt_timeout && clock_.now() >= deadline)
+      // A timeout in an attempt that the time already spent on the request (waiting for room,
+      // earlier attempts, backoff) left with less than half the budget a first attempt gets is the
+      // request's deadline, not the worker's fault. A worker that hangs through a whole budget is.
+      const Duration fair = std::min(options_.attempt_timeout, options_.request_timeout);
+      if (reply.failure == Failure::timeout && budget < fair / 2 && clock_.now() >= deadline)
         lease.cut_short();
       else
         lease.failed(result.error);
@@ -515,14 +518,20 @@ class BasicDispatcher {
         reason = "no workers are registered";
       } else if (healthy == 0) {
         reason = mrr::detail::str("all ", workers_.size(), " workers are evicted as unhealthy");
-      } else if (fewest_tries == 0) {
+      } else if (tried.empty()) {
         reason = mrr::detail::str(
             "all ", healthy, " healthy workers are at max_in_flight_per_worker = ", options_.max_in_flight_per_worker);
         waiting_helps = true;
       } else {
-        reason = mrr::detail::str(
-            "the healthy workers not yet tried ", fewest_tries,
-            " times for this request are at max_in_flight_per_worker = ", options_.max_in_flight_per_worker);
+        std::size_t least_tried = 0;
+        for (const auto& w : workers_)
+          if (w->healthy &&
+              static_cast<std::size_t>(std::count(tried.begin(), tried.end(), w->address)) == fewest_tries)
+            ++least_tried;
+        reason = mrr::detail::str("the ", least_tried, " of ", healthy,
+                                  " healthy workers tried least for this request (", fewest_tries,
+                                  " times) are at max_in_flight_per_worker = ", options_.max_in_flight_per_worker,
+                                  "; a retry waits for them");
         waiting_helps = true;
       }
       return nullptr;

@@ -25,6 +25,7 @@
 #endif
 #include <thrust/system/cpp/execution_policy.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -88,20 +89,39 @@ void require_view(const MatrixView<T>& m, long rows, long cols, const char* fn, 
                        " columns: rows would overlap");
 }
 
-// Refuses an output view whose memory overlaps an input's: the kernels read inputs while writing
-// outputs, so the result would depend on the order work items run in (the thread count).
+// Refuses an output view that shares an element's bytes with an input's: the kernels read inputs
+// while writing outputs, so the result would depend on the order work items run in (the thread
+// count). Views whose rows interleave without touching (the column halves of one buffer) pass.
 template <class Out, class In>
 void require_disjoint(const MatrixView<Out>& out, const MatrixView<In>& in, const char* fn, const char* out_name,
                       const char* in_name) {
   if (out.data == nullptr || in.data == nullptr || out.rows * out.cols == 0 || in.rows * in.cols == 0) return;
-  const auto span = [](const auto& m) {
-    const auto* begin = reinterpret_cast<const unsigned char*>(m.data);
-    const auto* end = reinterpret_cast<const unsigned char*>(m.data + (m.rows - 1) * m.row_stride + m.cols);
-    return std::pair{begin, end};
+  struct Bytes {
+    std::intptr_t first;   // the first row's address
+    std::intptr_t stride;  // between rows
+    std::intptr_t length;  // of a row
+    long rows;
   };
-  const auto [ob, oe] = span(out);
-  const auto [ib, ie] = span(in);
-  mrr::detail::require(oe <= ib || ie <= ob, fn, "'", out_name, "' shares memory with '", in_name,
+  const auto bytes = [](const auto& m) {
+    constexpr auto size = static_cast<std::intptr_t>(sizeof(*m.data));
+    return Bytes{reinterpret_cast<std::intptr_t>(m.data), m.row_stride * size, m.cols * size, m.rows};
+  };
+  const Bytes o = bytes(out), i = bytes(in);
+  const auto end = [](const Bytes& b) { return b.first + (b.rows - 1) * b.stride + b.length; };
+  if (end(o) <= i.first || end(i) <= o.first) return;  // apart: the common case, no row walk
+  // Row r of `o` meets row j of `i` when i.first + j * i.stride < row + o.length and
+  // row < i.first + j * i.stride + i.length: the integers j strictly between two bounds.
+  const auto floor_div = [](std::intptr_t a, std::intptr_t b) {
+    return a / b - static_cast<std::intptr_t>((a % b != 0) && ((a < 0) != (b < 0)));
+  };
+  bool shared = false;
+  for (long r = 0; r < o.rows && !shared; ++r) {
+    const std::intptr_t row = o.first + r * o.stride;
+    const std::intptr_t lo = floor_div(row - i.first - i.length, i.stride) + 1;   // the smallest j
+    const std::intptr_t hi = -floor_div(i.first - row - o.length, i.stride) - 1;  // the largest j
+    shared = std::max<std::intptr_t>(lo, 0) <= std::min<std::intptr_t>(hi, i.rows - 1);
+  }
+  mrr::detail::require(!shared, fn, "'", out_name, "' shares memory with '", in_name,
                        "'; pass a separate output buffer");
 }
 
