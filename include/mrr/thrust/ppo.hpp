@@ -1112,9 +1112,8 @@ AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend:
                                                          GaeAlgorithm algorithm = GaeAlgorithm::automatic) {
   constexpr const char* fn = "device::compute_gae_advantage_return";
   const long n = static_cast<long>(rewards.size());
-  mrr::detail::require(cols > 0 && n % cols == 0 && values.size() == rewards.size() && mask.size() == rewards.size(), fn,
-                       "rewards, values and mask must all be [rows, ", cols, "]");
-  ppo_detail::require_token_inputs<T, Backend>(fn, rewards, &values, mask, cols);
+  mrr::detail::require(cols > 0 && n % cols == 0 && values.size() == rewards.size() && mask.size() == rewards.size(),
+                       fn, "rewards, values and mask must all be [rows, ", cols, "]");
   AdvantageResult<T, Backend> out{typename Backend::template vector<T>(static_cast<std::size_t>(n)),
                                   typename Backend::template vector<T>(static_cast<std::size_t>(n))};
   const T g = static_cast<T>(gamma), gl = static_cast<T>(gamma * lam);
@@ -1129,9 +1128,14 @@ AdvantageResult<T, Backend> compute_gae_advantage_return(const typename Backend:
         matrix_view<const T>(raw(rewards), rows, cols), matrix_view<const T>(raw(values), rows, cols),
         matrix_view<const T>(raw(mask), rows, cols), gamma, lam, matrix_view<T>(raw(out.advantages), rows, cols),
         matrix_view<T>(raw(out.returns), rows, cols), workspace.get(), raw(status), {}, resolved);
+    // The view checked the inputs in its own pass; a fault is then named with its value, as the CPU does.
+    const std::int32_t code = read_status(raw(status), {}).code;
+    if (code == status_mask_not_binary || code == status_reward_not_finite || code == status_value_not_finite)
+      ppo_detail::require_token_inputs<T, Backend>(fn, rewards, &values, mask, cols);
     check_gae(raw(status), {}, cols);
     return out;
   }
+  ppo_detail::require_token_inputs<T, Backend>(fn, rewards, &values, mask, cols);
   const auto moments = resolved == GaeAlgorithm::scan
                            ? ppo_detail::gae_scan<T, Backend>(rewards, values, mask, cols, g, gl, out)
                            : ppo_detail::gae_rows<T, Backend>(rewards, values, mask, cols, g, gl, out);
