@@ -24,6 +24,21 @@ TEST_CASE("normalize_answer: case, punctuation, articles, whitespace") {
   CHECK(ppo::normalize_answer(std::string("bad\xFFutf8")) == std::string("bad\xFFutf8"));
 }
 
+TEST_CASE("normalize_answer: a capital sigma that ends a word lowers to the final sigma, as str.lower()") {
+  // Expected strings from Python 3's str.lower() (then verl's punctuation removal).
+  CHECK(ppo::normalize_answer("\u03A3\u0391\u03A3") == "\u03C3\u03B1\u03C2");  // ΣΑΣ -> σας
+  CHECK(ppo::normalize_answer("\u039F\u0394\u03A5\u03A3\u03A3\u0395\u03A5\u03A3") ==
+        "\u03BF\u03B4\u03C5\u03C3\u03C3\u03B5\u03C5\u03C2");                     // ΟΔΥΣΣΕΥΣ -> οδυσσευς
+  CHECK(ppo::normalize_answer("\u03A3") == "\u03C3");                            // no letter before it
+  CHECK(ppo::normalize_answer("\u0391\u03A3 \u0392") == "\u03B1\u03C2 \u03B2");  // ΑΣ Β -> ας β
+  CHECK(ppo::normalize_answer("\u0391\u03A31") == "\u03B1\u03C21");              // a digit is not cased
+  // '.' and the apostrophe are case-ignorable: skipped when looking for a cased letter after it.
+  CHECK(ppo::normalize_answer("\u0391\u03A3.\u0392") == "\u03B1\u03C3\u03B2");  // ασ.β, then '.' dropped
+  CHECK(ppo::normalize_answer("\u0391\u03A3'") == "\u03B1\u03C2");
+  const std::string gold = "\u03C3\u03B1\u03C2";
+  CHECK(ppo::compute_exact_match_score("<answer>\u03A3\u0391\u03A3</answer>", gold) == 1.0);
+}
+
 TEST_CASE("extract_answer takes the last tagged answer, stripped") {
   CHECK(ppo::extract_answer("<think>...</think><answer> Paris </answer>") == "Paris");
   CHECK(ppo::extract_answer("<answer>Lyon</answer> then <answer>\nParis\n</answer>") == "Paris");

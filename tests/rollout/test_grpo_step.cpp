@@ -155,4 +155,27 @@ TEST_CASE("logprob_mismatch: k1, k3, max and mean |diff| over valid tokens") {
   CHECK(m.mean_abs_diff == doctest::Approx(abs_sum / 5));
   CHECK(m.max_abs_diff == doctest::Approx(0.5));  // the masked 99 does not count
   CHECK(m.tokens == 5);
+  // verl's rollout-correction pair estimates KL(rollout || train): the other sign, the other ratio.
+  double verl_k3 = 0;
+  for (double x : d)
+    verl_k3 += std::exp(x) - x - 1;
+  CHECK(m.rollout_kl == doctest::Approx(-k1 / 5));
+  CHECK(m.rollout_k3_kl == doctest::Approx(verl_k3 / 5));
+}
+
+TEST_CASE("logprob_mismatch: rollout_kl and rollout_k3_kl are verl's rollout_corr \"kl\" and \"k3_kl\"") {
+  // Values printed by verl's own compute_offpolicy_metrics (verl-project/verl 1dda039b,
+  // verl/trainer/ppo/rollout_corr_helper.py) on these float64 inputs, with torch 1.13.
+  const RowMatrix<double> train = (RowMatrix<double>(2, 3) << -0.5, -1.0, -2.0, -0.1, -3.0, -0.7).finished();
+  const RowMatrix<double> rollout = (RowMatrix<double>(2, 3) << -0.9, -0.8, -2.5, -0.1, -1.0, -0.2).finished();
+  const RowMatrix<double> mask = (RowMatrix<double>(2, 3) << 1, 1, 1, 1, 1, 0).finished();
+  const auto m = ppo::logprob_mismatch<double>(train, rollout, mask);
+  CHECK(m.rollout_kl == doctest::Approx(0.25999999948).epsilon(1e-12));
+  CHECK(m.rollout_k3_kl == doctest::Approx(0.278922400373354).epsilon(1e-12));
+  // mrr's own pair keeps its definitions: k1 = mean(train - rollout), k3 = low_var_kl(train || rollout).
+  CHECK(m.k1 == doctest::Approx(-0.26).epsilon(1e-12));
+  double k3 = 0;
+  for (double x : {0.4, -0.2, 0.5, 0.0, -2.0})  // train - rollout on the counted tokens
+    k3 += std::exp(-x) + x - 1;
+  CHECK(m.k3 == doctest::Approx(k3 / 5).epsilon(1e-12));  // 0.917..., where verl's k3_kl is 0.279
 }

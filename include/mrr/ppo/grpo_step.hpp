@@ -129,13 +129,23 @@ GrpoLossResult<T> grpo_loss(MatrixRef<T> old_log_prob, MatrixRef<T> log_prob, Ma
 }
 
 // How far the training engine's log-probabilities are from the rollout engine's on the same
-// tokens (the mismatch routing replay removes a cause of): masked means of k1 and k3
-// (low_var_kl(train || rollout), verl's rollout_corr "kl" / "k3_kl") and the masked max and mean of
-// |log p_train - log p_rollout|.
+// tokens (the mismatch routing replay removes a cause of), over the tokens whose mask is non-zero
+// (each weighted by its mask value):
+// - k1 = mean(log p_train - log p_rollout) and k3 = mean of low_var_kl(train || rollout) (verl's KL
+//   penalty estimator: exp(log q/p) - log q/p - 1 with log q/p clamped to +-20 and each value to 10),
+//   as mrr's diagnostics (mrr/diagnostics.hpp) and the flagship report them;
+// - rollout_kl and rollout_k3_kl: verl's rollout-correction metrics "kl" and "k3_kl"
+//   (rollout_corr_helper.compute_offpolicy_metrics), the estimators of KL(rollout || train) from the
+//   rollout's samples: masked_mean(log p_rollout - log p_train) (= -k1 up to verl's 1e-8 in the
+//   denominator) and masked_mean(r - log r - 1) with r = p_train / p_rollout, unclamped (not k3: that
+//   one takes the ratio the other way round);
+// - the masked max and mean of |log p_train - log p_rollout|.
 template <class T>
 struct LogProbMismatch {
   T k1 = 0;
   T k3 = 0;
+  T rollout_kl = 0;
+  T rollout_k3_kl = 0;
   T max_abs_diff = 0;
   T mean_abs_diff = 0;
   T tokens = 0;
@@ -147,7 +157,7 @@ LogProbMismatch<T> logprob_mismatch(MatrixRef<T> log_prob, MatrixRef<T> rollout_
   detail::require_same_shape(fn, "log_prob", log_prob, "rollout_log_prob", rollout_log_prob);
   detail::require_same_shape(fn, "log_prob", log_prob, "response_mask", response_mask);
   LogProbMismatch<T> out;
-  double k1 = 0, k3 = 0, abs_sum = 0, weight = 0, max_abs = 0;
+  double k1 = 0, k3 = 0, verl_k3 = 0, abs_sum = 0, weight = 0, max_abs = 0;
   for (Eigen::Index i = 0; i < log_prob.rows(); ++i)
     for (Eigen::Index j = 0; j < log_prob.cols(); ++j) {
       const double m = static_cast<double>(response_mask(i, j));
@@ -156,6 +166,7 @@ LogProbMismatch<T> logprob_mismatch(MatrixRef<T> log_prob, MatrixRef<T> rollout_
       const double d = static_cast<double>(log_prob(i, j)) - static_cast<double>(rollout_log_prob(i, j));
       k1 += m * d;
       k3 += m * static_cast<double>(e.value);
+      verl_k3 += m * (std::exp(d) - d - 1.0);
       abs_sum += m * std::abs(d);
       max_abs = std::max(max_abs, std::abs(d));
       weight += m;
@@ -163,6 +174,9 @@ LogProbMismatch<T> logprob_mismatch(MatrixRef<T> log_prob, MatrixRef<T> rollout_
   if (weight > 0) {
     out.k1 = static_cast<T>(k1 / weight);
     out.k3 = static_cast<T>(k3 / weight);
+    // verl's masked_mean: sum / (mask sum + 1e-8)
+    out.rollout_kl = static_cast<T>(-k1 / (weight + 1e-8));
+    out.rollout_k3_kl = static_cast<T>(verl_k3 / (weight + 1e-8));
     out.mean_abs_diff = static_cast<T>(abs_sum / weight);
   }
   out.max_abs_diff = static_cast<T>(max_abs);

@@ -119,6 +119,44 @@ inline char32_t to_lower(char32_t c) {
   return c;
 }
 
+// Approximations of Unicode's Cased and Case_Ignorable properties over the scripts to_lower
+// handles, for Python's final-sigma rule.
+inline bool is_cased(char32_t c) {
+  if (c < 0x80) return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+  if (c == 0xAA || c == 0xB5 || c == 0xBA) return true;
+  if (c >= 0xC0 && c <= 0x24F) return c != 0xD7 && c != 0xF7;
+  if (c >= 0x370 && c <= 0x3FF)
+    return c != 0x374 && c != 0x375 && c != 0x37E && c != 0x384 && c != 0x385 && c != 0x387 && c != 0x3F6 &&
+           !(c >= 0x378 && c <= 0x379) && !(c >= 0x380 && c <= 0x383) && c != 0x38B && c != 0x38D && c != 0x3A2;
+  if (c >= 0x400 && c <= 0x52F) return !(c >= 0x482 && c <= 0x489);
+  return false;
+}
+
+inline bool is_case_ignorable(char32_t c) {
+  return c == 0x27 || c == 0x2E || c == 0x3A || c == 0x5E || c == 0x60 || c == 0xA8 || c == 0xAD || c == 0xAF ||
+         c == 0xB4 || c == 0xB7 || c == 0xB8 || (c >= 0x2B0 && c <= 0x36F) || c == 0x374 || c == 0x375 || c == 0x37A ||
+         c == 0x384 || c == 0x385 || c == 0x387 || (c >= 0x483 && c <= 0x489) || (c >= 0x200B && c <= 0x200F) ||
+         c == 0x2018 || c == 0x2019 || c == 0x2024 || c == 0x2027;
+}
+
+// Python's str.lower() of cps[i] within its string: to_lower, and a capital sigma that ends a word
+// (a cased letter before it and none after it, case-ignorable characters skipped) becomes the
+// final sigma.
+inline char32_t to_lower_at(const std::vector<char32_t>& cps, std::size_t i) {
+  if (cps[i] != 0x3A3) return to_lower(cps[i]);
+  auto cased_before = [&] {
+    for (std::size_t j = i; j-- > 0;)
+      if (!is_case_ignorable(cps[j])) return is_cased(cps[j]);
+    return false;
+  };
+  auto cased_after = [&] {
+    for (std::size_t j = i + 1; j < cps.size(); ++j)
+      if (!is_case_ignorable(cps[j])) return is_cased(cps[j]);
+    return false;
+  };
+  return cased_before() && !cased_after() ? char32_t{0x3C2} : char32_t{0x3C3};
+}
+
 inline std::string_view strip_python_space(std::string_view s) {
   // Strip whole code points from both ends.
   const auto cps = decode_utf8(s);
@@ -153,8 +191,8 @@ inline std::string normalize_answer(std::string_view text) {
   auto cps = detail::decode_utf8(text);
   std::vector<char32_t> kept;
   kept.reserve(cps.size());
-  for (const char32_t c : cps) {
-    const char32_t lower = detail::to_lower(c);
+  for (std::size_t i = 0; i < cps.size(); ++i) {
+    const char32_t lower = detail::to_lower_at(cps, i);
     if (!detail::is_ascii_punctuation(lower)) kept.push_back(lower);
   }
   // Articles are whole \w runs equal to a, an or the.
