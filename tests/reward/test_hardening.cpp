@@ -242,6 +242,66 @@ TEST_SUITE("reward") {
     CHECK(json_body(response)["error"] == "request_timeout");
   }
 
+  TEST_CASE("a request head ending its lines in a bare LF is refused with 400 at once, not timed out") {
+    CountingWorker worker;
+    HttpRouter router({worker.url()}, router_options());  // header timeout 10 s
+    for (const std::string head : {"GET / HTTP/1.1\nHost: x\n\n", "GET / HTTP/1.1\r\nHost: x\n\r\n"}) {
+      CAPTURE(head);
+      RawClient raw(router.port());
+      const auto start = std::chrono::steady_clock::now();
+      REQUIRE(raw.send(head));
+      const std::string response = raw.read_response();
+      CHECK(status_line(response) == 400);
+      CHECK(json_body(response)["detail"].get<std::string>().find("bare LF") != std::string::npos);
+      CHECK(std::chrono::steady_clock::now() - start < 5s);  // not the 10 s header timeout
+    }
+    CHECK(worker.requests() == 0);
+  }
+
+  TEST_CASE("a stopping server refuses new connections at once while it serves the requests in flight") {
+    std::atomic<bool> entered{false};
+    mrr::reward::RewardServer slow(
+        [&](const mrr::reward::Request& r) {
+          entered = true;
+          std::this_thread::sleep_for(1500ms);
+          return mrr_test::answer({"slow"}, r);
+        },
+        small_server());
+    const int port = slow.port();
+    std::thread in_flight([&] {
+      auto client = client_of(slow.url());
+      CHECK(status_of(client.Post("/score", "{}", "application/json")) == 200);
+    });
+    while (!entered)
+      std::this_thread::sleep_for(5ms);
+    std::thread stopper([&] { slow.stop(); });
+    std::this_thread::sleep_for(300ms);  // stop() is draining the request in flight
+    const auto start = std::chrono::steady_clock::now();
+    RawClient late(port);
+    CHECK_FALSE(late.connected());  // refused, not left in the backlog until the drain ends
+    CHECK(std::chrono::steady_clock::now() - start < 500ms);
+    in_flight.join();
+    stopper.join();
+  }
+
+  TEST_CASE("header and keep-alive timeouts may be the largest values (no limit) without overflow") {
+    mrr::reward::ServerOptions o = small_server();
+    o.header_timeout = mrr::reward::Duration::max();
+    o.keep_alive_timeout = std::chrono::seconds::max();
+    EchoWorker worker(o);
+    const auto port = std::stoi(worker.url().substr(worker.url().rfind(':') + 1));
+    RawClient raw(port);
+    // A head in two parts 300 ms apart (it was answered 408 at once: now + max overflowed).
+    REQUIRE(raw.send("POST /score HTTP/1.1\r\nHost: x\r\n"));
+    std::this_thread::sleep_for(300ms);
+    REQUIRE(raw.send("Content-Length: 2\r\n\r\n{}"));
+    CHECK(status_line(raw.read_response()) == 200);
+    // The connection is kept (it was closed at once), so a second request on it is answered.
+    std::this_thread::sleep_for(300ms);
+    REQUIRE(raw.send("POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"));
+    CHECK(status_line(raw.read_response()) == 200);
+  }
+
   TEST_CASE("a server at its connection cap sheds new connections with 503, and recovers") {
     EchoWorker worker;
     RouterOptions options = router_options();

@@ -12,6 +12,7 @@
 #include <doctest/doctest.h>
 #include <httplib.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -25,6 +26,7 @@
 #endif
 
 using namespace std::chrono_literals;
+using mrr::reward::Duration;
 using mrr::reward::Failure;
 using mrr::reward::HttpTransport;
 using mrr_test::ScriptedWorker;
@@ -442,6 +444,47 @@ TEST_SUITE("reward") {
     CHECK(std::chrono::steady_clock::now() - start < 4s);  // not the 5 s budget
   }
 
+  TEST_CASE("http client: a worker streaming without end is cut at the budget; a budget of 0 sends nothing") {
+    // The worker answers at once and then sends chunk after chunk (each with an extension) until
+    // the client goes: the socket always has bytes, so only a deadline checked before each wait
+    // ends the exchange (it ran 25 s and more on a 1 s budget before).
+    std::atomic<int> requests{0};
+    mrr_test::LoopbackListener listener;
+    listener.start([&](int fd) {
+      std::string in, head;
+      if (read_head(fd, in, head)) {
+        ++requests;
+        send_all(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n");
+        std::string chunk;  // 256 chunks of one byte, each with a 4,000-byte extension, per write
+        for (int i = 0; i < 256; ++i)
+          chunk += "1;" + std::string(4000, 'x') + "\r\nA\r\n";
+        const auto until = std::chrono::steady_clock::now() + 20s;
+        while (!listener.stopping() && std::chrono::steady_clock::now() < until) {
+          if (::send(fd, chunk.data(), chunk.size(), MSG_NOSIGNAL) <= 0) break;
+        }
+      }
+      ::close(fd);
+    });
+    HttpTransport transport;
+    mrr::reward::Request r;
+    r.method = "POST";
+    r.body = "x";
+    const auto start = std::chrono::steady_clock::now();
+    const auto reply = transport.send(listener.url(), r, 1s);
+    const auto took = std::chrono::steady_clock::now() - start;
+    CHECK(reply.failure == Failure::timeout);
+    CHECK_MESSAGE(took < 3s, std::chrono::duration_cast<std::chrono::milliseconds>(took).count(), " ms");
+    CHECK(requests.load() == 1);
+
+    for (const auto budget : {Duration(0), -std::chrono::duration_cast<Duration>(5ms)}) {
+      const auto none = transport.send(listener.url(), r, budget);
+      CHECK(none.failure == Failure::timeout);
+      CHECK(none.error.find("nothing was sent") != std::string::npos);
+    }
+    std::this_thread::sleep_for(100ms);
+    CHECK(requests.load() == 1);  // no request reached the worker
+  }
+
   TEST_CASE("http client: a host name is resolved within the attempt (localhost)") {
     ScriptedWorker worker([](const std::string&, const std::string&) { return ok_answer("by name"); });
     HttpTransport transport;
@@ -498,6 +541,69 @@ TEST_SUITE("reward") {
     }
     std::signal(SIGPIPE, previous);
     CHECK(heads.load() == 1);
+    SSL_CTX_free(ctx);
+  }
+
+  TEST_CASE("https: bytes after an answer never become the next request's answer; hop-by-hop fields dropped") {
+    // A TLS worker that answers each request with its target as the body, and after the first
+    // answer on a connection sends a second, unasked one in the same write. cpp-httplib's client
+    // left it on the kept connection, where it was read as the answer to the next request.
+    const std::string dir = MRR_REWARD_TEST_DATA;
+    SSL_CTX* ctx = SSL_CTX_new(TLS_server_method());
+    REQUIRE(ctx != nullptr);
+    REQUIRE(SSL_CTX_use_certificate_file(ctx, (dir + "/tls_test_cert.pem").c_str(), SSL_FILETYPE_PEM) == 1);
+    REQUIRE(SSL_CTX_use_PrivateKey_file(ctx, (dir + "/tls_test_key.pem").c_str(), SSL_FILETYPE_PEM) == 1);
+    std::atomic<int> interim_mode{0};
+    mrr_test::LoopbackListener listener;
+    listener.start([&](int fd) {
+      SSL* ssl = SSL_new(ctx);
+      SSL_set_fd(ssl, fd);
+      if (SSL_accept(ssl) == 1) {
+        std::string in;
+        char buf[16384];
+        for (int served = 0;; ++served) {
+          std::size_t end;
+          int n = 0;
+          while ((end = in.find("\r\n\r\n")) == std::string::npos && (n = SSL_read(ssl, buf, sizeof buf)) > 0)
+            in.append(buf, static_cast<std::size_t>(n));
+          if (end == std::string::npos) break;
+          const std::string target = in.substr(in.find(' ') + 1, in.find(' ', in.find(' ') + 1) - in.find(' ') - 1);
+          in.erase(0, end + 4);
+          std::string answer = ok_answer(target, "Connection: X-Hop\r\nX-Hop: secret\r\nX-Keep: yes\r\n");
+          if (interim_mode.load() != 0) answer = "HTTP/1.1 103 Early Hints\r\nLink: </style.css>\r\n\r\n" + answer;
+          if (served == 0) answer += ok_answer("UNASKED");
+          SSL_write(ssl, answer.data(), static_cast<int>(answer.size()));
+          if (interim_mode.load() != 0) break;  // and close: cpp-httplib reads the 103's "body" to the end
+        }
+      }
+      SSL_free(ssl);
+      ::close(fd);
+    });
+    ::setenv("SSL_CERT_FILE", (dir + "/tls_test_cert.pem").c_str(), 1);  // trust the test's own certificate
+    {
+      HttpTransport transport;
+      const std::string url = "https://127.0.0.1:" + std::to_string(listener.port());
+      for (const std::string target : {"/1", "/2", "/3", "/4"}) {
+        mrr::reward::Request r;
+        r.method = "POST";
+        r.target = target;
+        r.body = "{}";
+        const auto reply = transport.send(url, r, 10s);
+        REQUIRE_MESSAGE(reply.answered(), reply.error);
+        CHECK(reply.response.body == target);
+        CHECK(header_value(reply.response.headers, "X-Hop") == "<none>");
+        CHECK(header_value(reply.response.headers, "X-Keep") == "yes");
+        std::this_thread::sleep_for(20ms);
+      }
+      // An interim answer other than 100 is an I/O failure, never relayed as the final answer (it
+      // was relayed as a 103 whose body held the real answer).
+      interim_mode = 1;
+      mrr::reward::Request r;
+      r.target = "/early";
+      const auto reply = transport.send(url, r, 1s);
+      CHECK(reply.failure == Failure::io);
+      CHECK(reply.error.find("interim") != std::string::npos);
+    }
     SSL_CTX_free(ctx);
   }
 #endif

@@ -67,19 +67,18 @@ struct ClientError {
   bool stale = false;
 };
 
-// Waits for `events` until `deadline`: the revents, 0 once the deadline passed, -1 on error.
+// Waits for `events` until `deadline`: the revents, 0 once the deadline passed, -1 on error. The
+// deadline is checked before each wait, not only when a wait times out: a peer that always has
+// bytes ready (a worker streaming without end) would otherwise never meet it.
 inline int poll_until(int fd, short events, TimePoint deadline) {
   for (;;) {
     const auto now = std::chrono::steady_clock::now();
-    const long long left = deadline > now ? std::chrono::ceil<std::chrono::milliseconds>(deadline - now).count() : 0;
+    if (now >= deadline) return 0;
+    const long long left = std::chrono::ceil<std::chrono::milliseconds>(deadline - now).count();
     pollfd p{fd, events, 0};
     const int r = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 1 << 30)));
     if (r > 0) return p.revents;
-    if (r == 0) {
-      if (std::chrono::steady_clock::now() >= deadline) return 0;
-      continue;
-    }
-    if (errno != EINTR) return -1;
+    if (r < 0 && errno != EINTR) return -1;
   }
 }
 

@@ -390,6 +390,10 @@ class ServerThread {
                          options.max_body_bytes, ") is over max_buffered_body_bytes (", options.max_buffered_body_bytes,
                          "): a body that large could never be accepted; raise max_buffered_body_bytes too");
     options_ = options;
+    // In the clock's unit without overflow: seconds::max() means "no limit", as Duration::max() does.
+    keep_alive_ = options.keep_alive_timeout >= std::chrono::duration_cast<std::chrono::seconds>(Duration::max())
+                      ? Duration::max()
+                      : std::chrono::duration_cast<Duration>(options.keep_alive_timeout);
     budget_.set_limit(options.max_buffered_body_bytes);
     server.set_keep_alive_max_count(options.keep_alive_max_count);
     server.set_keep_alive_timeout(options.keep_alive_timeout.count());
@@ -431,6 +435,9 @@ class ServerThread {
     }
     wake();
     reactor_.join();
+    // Refused from now on, while the requests that arrived are served: a client connecting during
+    // the drain is turned away at once (and can go elsewhere) instead of waiting in the backlog.
+    server_->close_listening_socket();
     ready_cv_.notify_all();
     for (auto& t : pool_)
       t.join();
@@ -442,7 +449,6 @@ class ServerThread {
     ::close(wake_[1]);
     if (spare_fd_ >= 0) ::close(spare_fd_);
     spare_fd_ = -1;
-    server_->close_listening_socket();
   }
 
   [[nodiscard]] int port() const noexcept { return port_; }
@@ -601,7 +607,7 @@ class ServerThread {
         linger(c, now);
       } else {
         ++open_;
-        c.deadline = now + options_.header_timeout;
+        c.deadline = saturating_add(now, options_.header_timeout);
       }
       watched.push_back(std::move(c));
     }
@@ -625,7 +631,7 @@ class ServerThread {
           break;  // drained and dropped
         case Connection::State::idle:
           c.state = Connection::State::head;
-          c.deadline = now + options_.header_timeout;
+          c.deadline = saturating_add(now, options_.header_timeout);
           [[fallthrough]];
         case Connection::State::head:
           c.buffer.append(bytes);
@@ -636,6 +642,14 @@ class ServerThread {
           break;
       }
     }
+  }
+
+  // Whether `head` holds an empty line ended by a bare LF ("\n\n", or "\n\r\n" after a bare LF).
+  static bool ends_with_bare_lf_blank_line(std::string_view head) noexcept {
+    if (head.find("\n\n") != std::string_view::npos) return true;
+    for (std::size_t at = head.find("\n\r\n"); at != std::string_view::npos; at = head.find("\n\r\n", at + 1))
+      if (at == 0 || head[at - 1] != '\r') return true;
+    return false;
   }
 
   // With a whole head in the buffer: parses and checks it (refusing what it must), then takes the
@@ -653,7 +667,14 @@ class ServerThread {
       refuse(c, {431, "header_too_large", detail}, now);
       return;
     }
-    if (end == std::string::npos) return;
+    if (end == std::string::npos) {
+      // A head whose lines end in a bare LF never holds CRLF CRLF: refused at once, not left to
+      // the header timeout.
+      if (ends_with_bare_lf_blank_line(c.buffer))
+        refuse(c, {400, "bad_request", "the request head ends its lines with a bare LF, not CRLF (RFC 9112 §2.2)"},
+               now);
+      return;
+    }
     auto parsed = parse_request_head(std::string_view(c.buffer).substr(0, end));
     if (const auto* rejection = std::get_if<RequestRejection>(&parsed)) {
       refuse(c, *rejection, now);
@@ -823,10 +844,10 @@ class ServerThread {
       linger(c, now);
     } else if (c.buffer.empty()) {
       c.state = Connection::State::idle;
-      c.deadline = now + options_.keep_alive_timeout;
+      c.deadline = saturating_add(now, keep_alive_);
     } else {  // a pipelined request: the connection loop reads it as soon as it has the connection back
       c.state = Connection::State::head;
-      c.deadline = now + options_.header_timeout;
+      c.deadline = saturating_add(now, options_.header_timeout);
     }
     {
       std::lock_guard lock(mutex_);
@@ -837,6 +858,7 @@ class ServerThread {
 
   Server* server_ = nullptr;
   ServerOptions options_;
+  Duration keep_alive_{};  // options_.keep_alive_timeout, saturated
   BodyBudget budget_;
   std::thread reactor_;
   std::vector<std::thread> pool_;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/str.hpp>
 #include <mrr/error.hpp>
 #include <mrr/reward/detail/tls_transport.hpp>
 #include <mrr/reward/http_client.hpp>
@@ -51,6 +52,11 @@ class HttpTransport {
     } catch (const InvalidArgument& e) {
       return Reply::failed(Failure::connect, e.what());
     }
+    if (timeout <= Duration::zero())  // nothing is sent: no connection, no request the worker would run
+      return Reply::failed(Failure::timeout,
+                           mrr::detail::str("the attempt's budget is ",
+                                            std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count(),
+                                            " ms: nothing was sent"));
 #ifdef CPPHTTPLIB_OPENSSL_SUPPORT
     if (ep->url.scheme == "https") return tls_.send(worker, request, timeout);
 #endif

@@ -13,6 +13,7 @@
 
 #ifdef CPPHTTPLIB_OPENSSL_SUPPORT
 #include <httplib.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <time.h>
@@ -69,16 +70,34 @@ class SigpipeBlocked {
   bool was_pending_ = false;
 };
 
+// cpp-httplib's TLS client, which can also say whether its kept connection is clean.
+class TlsClient final : public httplib::SSLClient {
+ public:
+  using httplib::SSLClient::SSLClient;
+
+  // Whether the connection it keeps holds nothing nobody asked for: no bytes decrypted and left
+  // over, none waiting on the socket, no close from the worker. cpp-httplib reads an answer by its
+  // framing and leaves what follows it where it is, so a worker that sent more (a second answer,
+  // bytes after the body) would have them read as the answer to the next request on the
+  // connection; such a client is not used again. Call between requests only.
+  bool connection_clean() {
+    std::lock_guard lock(socket_mutex_);
+    if (!socket_.is_open()) return true;  // no connection kept: the next request makes one
+    if (socket_.ssl != nullptr && SSL_pending(socket_.ssl) > 0) return false;
+    pollfd p{socket_.sock, POLLIN, 0};
+    return ::poll(&p, 1, 0) == 0;
+  }
+};
+
 struct TlsEndpoint {
   explicit TlsEndpoint(WorkerUrl u) : url(std::move(u)) {}
   WorkerUrl url;
   std::mutex mutex;
-  std::vector<std::unique_ptr<httplib::Client>> idle;
+  std::vector<std::unique_ptr<TlsClient>> idle;
 };
 
-inline std::unique_ptr<httplib::Client> make_client(const WorkerUrl& url) {
-  auto client = url.scheme == "http" ? std::make_unique<httplib::Client>(url.host, url.port)
-                                     : std::make_unique<httplib::Client>(url.origin());
+inline std::unique_ptr<TlsClient> make_client(const WorkerUrl& url) {
+  auto client = std::make_unique<TlsClient>(url.host, url.port);
   client->set_keep_alive(true);
   client->set_url_encode(false);  // the target is forwarded exactly as the client sent it
   client->set_decompress(false);  // the body is relayed with its Content-Encoding untouched
@@ -120,7 +139,7 @@ class ExchangeWatchdog {
   // Watches `client` until end() (or destruction), which says whether its deadline passed.
   class Watch {
    public:
-    Watch(ExchangeWatchdog& dog, httplib::Client& client, Clock::time_point deadline)
+    Watch(ExchangeWatchdog& dog, httplib::ClientImpl& client, Clock::time_point deadline)
         : dog_(&dog), id_(dog.add(client, deadline)) {}
     Watch(const Watch&) = delete;
     Watch& operator=(const Watch&) = delete;
@@ -145,13 +164,13 @@ class ExchangeWatchdog {
   static constexpr auto restop_every = std::chrono::milliseconds(5);
 
   struct Entry {
-    httplib::Client* client;
+    httplib::ClientImpl* client;
     Clock::time_point deadline;
     bool fired = false;     // the deadline passed: the client was stopped
     bool stopping = false;  // the watchdog is calling client->stop() now
   };
 
-  std::uint64_t add(httplib::Client& client, Clock::time_point deadline) {
+  std::uint64_t add(httplib::ClientImpl& client, Clock::time_point deadline) {
     std::unique_lock lock(mutex_);
     const std::uint64_t id = next_id_++;
     entries_.emplace(id, Entry{&client, deadline});
@@ -176,7 +195,7 @@ class ExchangeWatchdog {
 
   void run() {
     std::unique_lock lock(mutex_);
-    std::vector<httplib::Client*> due;
+    std::vector<httplib::ClientImpl*> due;
     while (!stopping_) {
       const auto now = Clock::now();
       next_wake_ = Clock::time_point::max();
@@ -192,7 +211,7 @@ class ExchangeWatchdog {
         // Outside the lock (stop() may wait for a connect in progress, and other exchanges must
         // still come and go); remove() waits for `stopping` to clear before the client is freed.
         lock.unlock();
-        for (httplib::Client* client : due)
+        for (httplib::ClientImpl* client : due)
           client->stop();
         lock.lock();
         due.clear();
@@ -226,7 +245,7 @@ class TlsTransport {
     } catch (const InvalidArgument& e) {
       return Reply::failed(Failure::connect, e.what());
     }
-    std::unique_ptr<httplib::Client> client = take_client(*ep);
+    std::unique_ptr<TlsClient> client = take_client(*ep);
     if (!client->is_valid()) return Reply::failed(Failure::connect, "cannot create a client for this URL");
 
     const auto start = std::chrono::steady_clock::now();
@@ -238,8 +257,9 @@ class TlsTransport {
     httplib::Request out;
     out.method = request.method;
     out.path = ep->url.base_path + (request.target.empty() ? std::string("/") : request.target);
+    const ConnectionOptions request_options(request.headers);  // fields the client named hop-by-hop
     for (const auto& [name, value] : request.headers)
-      if (!is_unforwardable_header(name)) out.headers.emplace(name, value);
+      if (!is_unforwardable_header(name) && !request_options.names(name)) out.headers.emplace(name, value);
     // The body is streamed from the caller's string: no copy per attempt, however large.
     if (!request.body.empty()) {
       const std::string& body = request.body;
@@ -288,10 +308,21 @@ class TlsTransport {
       const auto elapsed = std::chrono::steady_clock::now() - start;
       return Reply::failed(classify(error, elapsed, timeout), httplib::to_string(error));
     }
+    // cpp-httplib skips a 100 Continue only: another interim answer (103 Early Hints) came back as
+    // if final, with the real answer as its "body". An I/O failure, and the connection is dropped.
+    if (in.status < 200)
+      return Reply::failed(Failure::io, mrr::detail::str("the worker sent an interim answer (", in.status,
+                                                         ") that the https client cannot skip; only 100 Continue is"));
     Response response;
     response.status = in.status;
-    for (const auto& [name, value] : in.headers)
-      if (!is_unforwardable_header(name)) response.headers.emplace_back(name, value);
+    Headers received(in.headers.begin(), in.headers.end());
+    const ConnectionOptions response_options(received);  // fields the worker named hop-by-hop
+    const bool head_request = request.method == "HEAD";
+    for (auto& [name, value] : received) {
+      const bool keep = head_request && iequals(name, "Content-Length");  // what GET would send
+      if (keep || (!is_unforwardable_header(name) && !response_options.names(name)))
+        response.headers.emplace_back(std::move(name), std::move(value));
+    }
     response.body = std::move(body);
     if (!stopped) give_back(*ep, std::move(client));  // a stopped one has no connection left
     return Reply::from(std::move(response));
@@ -349,19 +380,24 @@ class TlsTransport {
     return it->second;
   }
 
-  static std::unique_ptr<httplib::Client> take_client(TlsEndpoint& ep) {
-    {
-      std::lock_guard lock(ep.mutex);
-      if (!ep.idle.empty()) {
-        auto client = std::move(ep.idle.back());
+  // An idle client whose connection is still clean (checked now: a worker may have sent bytes or
+  // closed while it sat idle), or a new one.
+  static std::unique_ptr<TlsClient> take_client(TlsEndpoint& ep) {
+    for (;;) {
+      std::unique_ptr<TlsClient> client;
+      {
+        std::lock_guard lock(ep.mutex);
+        if (ep.idle.empty()) break;
+        client = std::move(ep.idle.back());
         ep.idle.pop_back();
-        return client;
       }
+      if (client->connection_clean()) return client;
     }
     return make_client(ep.url);
   }
 
-  void give_back(TlsEndpoint& ep, std::unique_ptr<httplib::Client> client) {
+  void give_back(TlsEndpoint& ep, std::unique_ptr<TlsClient> client) {
+    if (!client->connection_clean()) return;  // bytes after the answer: the connection is not trusted
     std::lock_guard lock(ep.mutex);
     if (ep.idle.size() < options_.max_idle_connections) ep.idle.push_back(std::move(client));
   }
