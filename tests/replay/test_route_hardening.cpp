@@ -8,9 +8,13 @@
 
 #include "temp_dir.hpp"
 
+#include <dlfcn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <fstream>
 #include <limits>
@@ -541,4 +545,77 @@ TEST_CASE_TEMPLATE("a crafted index listing one record many times, or records in
     CHECK(store.recovery().opened_from_index);
     CHECK(hits(store, 7, 999, 0) == 1);
   }
+}
+
+// Fault injection for the sync tests below: this executable's fdatasync fails with EIO while
+// `fail_fdatasync` is set, and its fsync counts the directories it is called on; otherwise both
+// are the C library's (symbol interposition: the library is header-only, so its calls land here).
+namespace {
+std::atomic<bool> fail_fdatasync{false};
+std::atomic<int> directory_fsyncs{0};
+}  // namespace
+
+extern "C" int fdatasync(int fd) {
+  if (fail_fdatasync.load()) {
+    errno = EIO;
+    return -1;
+  }
+  static const auto real = reinterpret_cast<int (*)(int)>(::dlsym(RTLD_NEXT, "fdatasync"));
+  return real(fd);
+}
+
+extern "C" int fsync(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) ++directory_fsyncs;
+  static const auto real = reinterpret_cast<int (*)(int)>(::dlsym(RTLD_NEXT, "fsync"));
+  return real(fd);
+}
+
+TEST_CASE("a failed sync stays failed: a retried close() never reports unsynced records persisted") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{64, 3, 4};
+  const auto path = dir / "sync.mrr";
+  const auto ids = some_ids(12, 64);
+  {
+    auto store = mrr::FileRouteStore::create(path, shape);
+    store.record_sequence(7, 0, 1, 0, 3, ids);
+    fail_fdatasync = true;
+    CHECK_THROWS_WITH_AS(store.close(), doctest::Contains("fdatasync failed"), mrr::RouteFileError);
+    fail_fdatasync = false;
+    // The device may have dropped the pages it could not write, and a second fdatasync can then
+    // succeed without them: the second close() (and sync()) fail as the first did. (Before, the
+    // second close() returned as if the records were persisted.)
+    CHECK_THROWS_WITH_AS(store.close(), doctest::Contains("not known to be on the device"), mrr::RouteFileError);
+    CHECK_THROWS_WITH_AS(store.sync(), doctest::Contains("fdatasync failed"), mrr::RouteFileError);
+  }  // the destructor's close fails too, silently
+  // What was written is still there to read (the sync failed, not the writes).
+  auto reader = mrr::FileRouteStore::open(path, shape);
+  CHECK(reader.num_sequences() == 1);
+  CHECK(hits(reader, 7, 0, 2) == 1);
+}
+
+TEST_CASE("a synced new route file has its directory entry synced too; an appended one needs no directory sync") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{64, 3, 4};
+  const auto path = dir / "named.mrr";
+  const auto ids = some_ids(12, 64);
+  const int before = directory_fsyncs.load();
+  {
+    auto store = mrr::FileRouteStore::create(path, shape);
+    store.record_sequence(1, 0, 1, 0, 3, ids);
+    store.close();  // sync_on_close
+  }
+  CHECK(directory_fsyncs.load() == before + 1);
+  {
+    auto store = mrr::FileRouteStore::append(dir / "appended_new.mrr", shape);  // created by append
+    store.record_sequence(1, 0, 1, 0, 3, ids);
+    store.close();
+  }
+  CHECK(directory_fsyncs.load() == before + 2);
+  {
+    auto store = mrr::FileRouteStore::append(path, shape);  // an existing file: its name is on the device
+    store.record_sequence(2, 0, 1, 0, 3, ids);
+    store.close();
+  }
+  CHECK(directory_fsyncs.load() == before + 2);
 }

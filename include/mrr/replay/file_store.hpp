@@ -444,7 +444,13 @@ class FileRouteStore final {
       file_.check_still_ours("FileRouteStore::close", end_);
       write_index();
       index_dirty_ = false;
-      if (options_.sync_on_close) sync();
+      sync_pending_ = options_.sync_on_close;
+    }
+    // Until a sync succeeds, every close() tries it again (and a failed sync stays failed: see
+    // RouteFileHandle::sync), so a retried close() never reports records persisted that are not.
+    if (sync_pending_) {
+      sync();
+      sync_pending_ = false;
     }
     closed_ = true;
     file_.unlock();
@@ -1143,6 +1149,7 @@ class FileRouteStore final {
   RouteFileRecovery recovery_;
   std::pair<std::uint64_t, std::uint64_t> damaged_index_{0, 0};  // [begin, end) of an index that failed its checks
   bool index_dirty_ = false;
+  bool sync_pending_ = false;  // close() wrote the index and has yet to sync it (sync_on_close)
 };
 
 MRR_NAMESPACE_END

@@ -42,6 +42,8 @@ class RouteFileHandle {
       identity_ = o.identity_;
       writable_ = std::exchange(o.writable_, false);
       header_ = o.header_;
+      name_unsynced_ = std::exchange(o.name_unsynced_, false);
+      sync_error_ = std::move(o.sync_error_);
     }
     return *this;
   }
@@ -53,7 +55,9 @@ class RouteFileHandle {
   static RouteFileHandle create(const std::filesystem::path& path) {
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) throw_create_error(path);
-    return locked(path, fd);
+    RouteFileHandle h = locked(path, fd);
+    h.name_unsynced_ = true;
+    return h;
   }
 
   // An existing regular file, read-only and unlocked: readers never wait for writers.
@@ -67,12 +71,16 @@ class RouteFileHandle {
   // The file at `path`, created (empty) when missing, locked for writing.
   static RouteFileHandle open_for_appending(const std::filesystem::path& path) {
     RegularFile f = open_regular_file(path.c_str(), O_RDWR);
+    bool created = false;
     if (!f.ok() && f.err == ENOENT && !std::filesystem::is_symlink(std::filesystem::symlink_status(path))) {
       f.fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
       if (f.fd < 0 && errno != EEXIST) throw_create_error(path);
+      created = f.fd >= 0;
       if (f.fd < 0) f = open_regular_file(path.c_str(), O_RDWR);  // another process created it meanwhile
     }
-    return locked(path, checked(path, f));
+    RouteFileHandle h = locked(path, checked(path, f));
+    h.name_unsynced_ = created;
+    return h;
   }
 
   const std::filesystem::path& path() const { return path_; }
@@ -163,9 +171,32 @@ class RouteFileHandle {
       throw RouteFileError(str("route file ", path_.string(), ": cannot truncate ", why, ": ", std::strerror(errno)));
   }
 
+  // Asks the device to persist what was written, and, for a file this handle created, the
+  // directory entry that names it (a file synced but not its name can vanish at a power loss). A
+  // failure is sticky: once fdatasync failed, the kernel may have dropped the pages it could not
+  // write and a later fdatasync can succeed without them, so every later call fails the same way.
   void sync() {
-    if (is_open() && writable_ && ::fdatasync(fd_.get()) != 0)
-      throw RouteFileError(str("route file ", path_.string(), ": fdatasync failed: ", std::strerror(errno)));
+    if (!is_open() || !writable_) return;
+    if (!sync_error_.empty()) throw RouteFileError(sync_error_);
+    const auto fail = [&](const char* what) {
+      sync_error_ = str("route file ", path_.string(), ": ", what, " failed: ", std::strerror(errno),
+                        "; what was written since it opened is not known to be on the device (a later sync cannot "
+                        "tell), so every later sync or close fails too: reopen the file to see what it holds");
+      throw RouteFileError(sync_error_);
+    };
+    if (::fdatasync(fd_.get()) != 0) fail("fdatasync");
+    if (name_unsynced_) {
+      std::filesystem::path dir = absolute_path_.empty() ? path_.parent_path() : absolute_path_.parent_path();
+      if (dir.empty()) dir = ".";
+      const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      if (dfd < 0) fail("opening its directory to sync it");
+      const int rc = ::fsync(dfd);
+      const int err = errno;
+      ::close(dfd);
+      errno = err;
+      if (rc != 0 && errno != EINVAL) fail("fsync of its directory");  // EINVAL: a file system without it
+      name_unsynced_ = false;
+    }
   }
 
   // The file's header as this store read or wrote it: what check_unchanged compares against.
@@ -322,6 +353,8 @@ class RouteFileHandle {
   std::pair<dev_t, ino_t> identity_{};   // a writer's file
   bool writable_ = false;
   HeaderBytes header_{};
+  bool name_unsynced_ = false;  // created by this handle; its directory not synced since
+  std::string sync_error_;      // the first failed sync's message: every later sync fails with it
 };
 
 }  // namespace detail
