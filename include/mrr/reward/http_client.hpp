@@ -432,7 +432,8 @@ class HttpExchange {
       return io(mrr::detail::str("the worker's Transfer-Encoding is '", *unreadable_coding,
                                  "'; only chunked alone is decoded"));
     for (auto& [name, value] : fields) {
-      const bool keep = no_body && head_request && iequals(name, "Content-Length");  // what GET would send
+      // A HEAD or 304 answer's length is what a GET's 200 would carry (RFC 9110 §8.6): relayed.
+      const bool keep = no_body && (head_request || out.status == 304) && iequals(name, "Content-Length");
       if (keep || (!is_unforwardable_header(name) && !connection_options.names(name)))
         out.headers.emplace_back(std::move(name), std::move(value));
     }

@@ -87,12 +87,14 @@ struct ServerOptions {
 namespace detail {
 
 // Moves the worker's answer into cpp-httplib's response: the body is not copied. The answer to a
-// HEAD request keeps the Content-Length its GET would carry (cpp-httplib would write 0).
+// HEAD request, and a 304, keep the Content-Length a GET's 200 would carry (cpp-httplib would
+// write 0, which RFC 9110 §8.6 forbids unless it is that length).
 inline void write_response(Response&& in, httplib::Response& out, bool head_request = false) {
   out.status = in.status;
+  const bool length_of_get = head_request || in.status == 304;
   for (auto& [name, value] : in.headers)
     if (!is_unforwardable_header(name) ||
-        (head_request && in.body.empty() && iequals(name, "Content-Length") && parse_content_length(value)))
+        (length_of_get && in.body.empty() && iequals(name, "Content-Length") && parse_content_length(value)))
       out.set_header(name, value);
   out.body = std::move(in.body);
 }

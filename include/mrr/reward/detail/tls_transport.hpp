@@ -319,7 +319,7 @@ class TlsTransport {
     const ConnectionOptions response_options(received);  // fields the worker named hop-by-hop
     const bool head_request = request.method == "HEAD";
     for (auto& [name, value] : received) {
-      const bool keep = head_request && iequals(name, "Content-Length");  // what GET would send
+      const bool keep = (head_request || in.status == 304) && iequals(name, "Content-Length");  // a GET's
       if (keep || (!is_unforwardable_header(name) && !response_options.names(name)))
         response.headers.emplace_back(std::move(name), std::move(value));
     }
