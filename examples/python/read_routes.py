@@ -25,7 +25,8 @@ first recorded position).
 """
 
 import argparse
-import mmap
+import os
+import stat
 import struct
 import sys
 
@@ -246,14 +247,69 @@ class RouteFileError(Exception):
     pass
 
 
+class _FileBytes:
+    """A regular file's bytes, as long as it was when opened, read with positioned reads. Not a
+    memory mapping: a file that shrinks while open (a writer cutting away a torn last record, or a
+    failed write) ended the process with SIGBUS through one; here a read past the end raises."""
+
+    def __init__(self, path):
+        self._path = path
+        try:
+            # O_NONBLOCK: opening a FIFO for reading would wait for a writer for ever.
+            self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise RouteFileError(f"cannot open route file {path}: {e.strerror}") from None
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self._fd)
+            self._fd = -1
+            kind = (
+                "a directory" if stat.S_ISDIR(st.st_mode)
+                else "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "not a regular file"
+            )
+            raise RouteFileError(f"route file {path}: it is {kind}, not a regular file")
+        self._size = st.st_size
+
+    def __del__(self):
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+
+    def __len__(self):
+        return self._size
+
+    def __getitem__(self, key):
+        start, stop, step = key.indices(self._size)
+        if step != 1:
+            raise ValueError("only contiguous byte ranges are read")
+        n = stop - start
+        if n <= 0:
+            return b""
+        parts, got = [], 0
+        while got < n:
+            piece = os.pread(self._fd, n - got, start + got)
+            if not piece:
+                raise RouteFileError(
+                    f"route file {self._path} was truncated or replaced while open: it ends before offset "
+                    f"{start + n}, where it held {self._size} bytes when opened"
+                )
+            parts.append(piece)
+            got += len(piece)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def u64(self, off):
+        return struct.unpack("<Q", self[off : off + 8])[0]
+
+
 class RouteFile:
     """A route file: its shape, and the routes of each sequence it holds."""
 
     def __init__(self, path, verify=True):
         self.path = str(path)
         self.verify = verify
-        with open(self.path, "rb") as f:
-            self._data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if f.seek(0, 2) else b""
+        self._data = _FileBytes(self.path)
         self._read_header()
         self._records = {}  # uid -> [(offset, header fields)]
         self.records = 0
@@ -261,6 +317,7 @@ class RouteFile:
         self.torn_bytes = 0
         self.index_damaged = False
         self._closed = False  # an intact index and tail end the file
+        self._index = None  # (offset, entry bytes, entries) of that index
         self._damaged = {}  # uid -> (offset, what): routes records of a closed file that fail their checksum
         self._scan()
 
@@ -268,7 +325,7 @@ class RouteFile:
         raise RouteFileError(f"route file {self.path} is damaged: {what} at offset {offset}")
 
     def _read_header(self):
-        d = self._data
+        d = self._data[:HEADER_BYTES]
         if len(d) < HEADER_BYTES or d[:8] != FILE_MAGIC:
             raise RouteFileError(f"{self.path} is not an mrr route file")
         if struct.unpack_from("<Q", d, 56)[0] != xxh64(d[:56]):
@@ -298,13 +355,15 @@ class RouteFile:
     def _record_header(self, off):
         """The fields of the record header at `off` when its magic, type and check are right:
         (type, payload, uid, first_position, tokens, first_layer, layers, checksum), else None."""
-        d = self._data
-        if len(d) - off < RECORD_HEADER_BYTES or d[off : off + 4] != RECORD_MAGIC:
+        if len(self._data) - off < RECORD_HEADER_BYTES:
+            return None
+        d = self._data[off : off + RECORD_HEADER_BYTES]
+        if d[:4] != RECORD_MAGIC:
             return None
         rtype, payload, uid, first_pos, tokens, first_layer, layers, checksum, check = struct.unpack_from(
-            "<H2xQQqIHHQI", d, off + 4
+            "<H2xQQqIHHQI", d, 4
         )
-        if rtype not in (ROUTES, INDEX, TAIL) or check != xxh64(d[off : off + HEADER_CHECKED_BYTES]) & 0xFFFFFFFF:
+        if rtype not in (ROUTES, INDEX, TAIL) or check != xxh64(d[:HEADER_CHECKED_BYTES]) & 0xFFFFFFFF:
             return None
         return rtype, payload, uid, first_pos, tokens, first_layer, layers, checksum
 
@@ -325,7 +384,7 @@ class RouteFile:
         th = self._record_header(t)
         if th is None or th[0] != TAIL or th[1] != 8 or th[2] != self._index_uid or not self._checksum_ok(t, 8, th[7]):
             return None
-        at = struct.unpack_from("<Q", self._data, t + RECORD_HEADER_BYTES)[0]
+        at = self._data.u64(t + RECORD_HEADER_BYTES)
         if at < HEADER_BYTES or at > t - RECORD_HEADER_BYTES:
             self.index_damaged = True
             return None
@@ -339,17 +398,83 @@ class RouteFile:
             and at + RECORD_HEADER_BYTES + ((ih[1] + 7) & ~7) == t
             and (ih[1] - 8) % entry == 0
             and self._checksum_ok(at, ih[1], ih[7])
-            and struct.unpack_from("<Q", self._data, at + RECORD_HEADER_BYTES)[0] == (ih[1] - 8) // entry
+            and self._data.u64(at + RECORD_HEADER_BYTES) == (ih[1] - 8) // entry
         )
         if intact:
             self._closed = True
+            self._index = (at, entry, (ih[1] - 8) // entry)
             return None
         self.index_damaged = True
         return at, t
 
+    def _from_index(self):
+        """A closed file's routes records, found through its index as the C++ reader finds them:
+        a record whose header is damaged, disagrees with its entry or fails its checksum is that
+        sequence's damage (routes(uid) raises); the other sequences are read, and nothing between
+        the records (an old index an earlier close left) is looked at."""
+        at, entry, count = self._index
+        table = self._data[at + RECORD_HEADER_BYTES + 8 : at + RECORD_HEADER_BYTES + 8 + count * entry]
+        # As the C++ reader (route_index.hpp, check_entries): the index is trusted only as a list
+        # of distinct, non-overlapping, aligned records before it; each record ends by the next.
+        offsets = sorted(struct.unpack_from("<Q", table, i * entry + 8)[0] for i in range(count))
+        next_of = {}
+        for i, o in enumerate(offsets):
+            nxt = offsets[i + 1] if i + 1 < len(offsets) else at
+            if o % 8 != 0:
+                self._fail(at, f"its index lists a record at offset {o}, not 8-byte aligned")
+            if nxt == o:
+                self._fail(at, f"its index lists the record at offset {o} twice")
+            if nxt - o < RECORD_HEADER_BYTES:
+                self._fail(
+                    at,
+                    f"its index lists records at offsets {o} and {nxt}, which overlap "
+                    f"(a record header alone is {RECORD_HEADER_BYTES} bytes)",
+                )
+            next_of[o] = nxt
+        for i in range(count):
+            if entry == 32:
+                uid, off, e_pos, e_tokens, e_layer, e_layers = struct.unpack_from("<QQqIHH", table, i * entry)
+            else:
+                (uid, off), e_pos = struct.unpack_from("<QQ", table, i * entry), None
+            self._records.setdefault(uid, [])
+
+            def damaged(what, off=off, uid=uid):
+                self._damaged.setdefault(uid, (off, what))
+
+            h = self._record_header(off) if HEADER_BYTES <= off <= at - RECORD_HEADER_BYTES else None
+            if h is None or h[0] != ROUTES:
+                damaged(f"no valid routes record header where the index puts sequence uid {uid}")
+                continue
+            rtype, payload, h_uid, first_pos, tokens, first_layer, layers, checksum = h
+            if h_uid != uid or (e_pos is not None and (first_pos, tokens, first_layer, layers) != (e_pos, e_tokens, e_layer, e_layers)):
+                damaged(f"the record header disagrees with the index entry of sequence uid {uid}")
+                continue
+            if off + RECORD_HEADER_BYTES + ((payload + 7) & ~7) > next_of[off]:
+                damaged(f"a record of sequence uid {uid} is running into the next record at offset {next_of[off]}")
+                continue
+            if layers == 0 or first_layer + layers > self.num_layers:
+                damaged(
+                    f"a record of sequence uid {uid} has first_layer {first_layer} and num_layers {layers}, "
+                    f"outside the file's {self.num_layers} layers"
+                )
+                continue
+            if payload != tokens * layers * self.topk * self.id_width:
+                damaged(f"a record of sequence uid {uid} has an inconsistent size")
+                continue
+            if first_pos < 0 or first_pos + tokens > MAX_POSITIONS:
+                damaged(f"a record of sequence uid {uid} has first_position {first_pos}, outside [0, 2^32)")
+                continue
+            if self.verify and not self._checksum_ok(off, payload, checksum):
+                damaged(f"a routes record (sequence uid {uid}) fails its checksum")
+                continue
+            self._records[uid].append((off, first_pos, tokens, first_layer, layers))
+            self.records += 1
+
     def _scan(self):
         d, n, off = self._data, len(self._data), HEADER_BYTES
         skip = self._damaged_index()
+        if self._closed:
+            return self._from_index()
         while off < n:
             if skip is not None and off == skip[0]:
                 off = skip[1]
@@ -443,9 +568,9 @@ class RouteFile:
         out = np.full((end - start, self.num_layers, self.topk), -1, dtype=np.int32)
         written = np.zeros((end - start, self.num_layers), dtype=bool)
         for off, first_pos, tokens, first_layer, layers in parts:
-            ids = np.frombuffer(
-                self._data, dtype=self._dtype, count=tokens * layers * self.topk, offset=off + RECORD_HEADER_BYTES
-            )
+            count = tokens * layers * self.topk
+            at = off + RECORD_HEADER_BYTES
+            ids = np.frombuffer(self._data[at : at + count * self.id_width], dtype=self._dtype, count=count)
             block = ids.reshape(tokens, layers, self.topk).astype(np.int32)
             if (block >= self.num_experts).any():
                 self._fail(off, f"a record of sequence uid {uid} holds an expert id >= {self.num_experts}")

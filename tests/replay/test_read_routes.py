@@ -118,6 +118,7 @@ def expect_error(rr, fn, text):
 
 def crafted_files(rr):
     """The C++ reader's rules on files crafted byte by byte (found disagreeing with it before)."""
+    import struct
     import tempfile
 
     tmp = tempfile.mkdtemp()
@@ -183,6 +184,40 @@ def crafted_files(rr):
             expect_error(rr, lambda: f.routes(1), "a routes record (sequence uid 1) fails its checksum")
         else:
             expect_error(rr, lambda: rr.RouteFile(path), "a routes record (sequence uid 1) fails its checksum")
+    # A damaged record *header* in a closed file is its sequence's damage too: the index says where
+    # every record is (the whole file was refused before, where the C++ reader reads the others).
+    write_route_file(rr, path, 3, 64, 2, 2, records, close=True)
+    with open(path, "r+b") as fh:
+        fh.seek(64 + 20)  # the first record's uid field: its header check fails
+        fh.write(b"\x7f")
+    f = rr.RouteFile(path)
+    assert f.sequences() == [1, 2] and f.routes(2).reshape(-1).tolist() == list(range(8))
+    expect_error(rr, lambda: f.routes(1), "no valid routes record header where the index puts sequence uid 1")
+    # An index listing one record twice is refused at open, as the C++ reader refuses it.
+    write_route_file(rr, path, 3, 64, 2, 2, [records[0], records[0]], close=True)
+    with open(path, "rb") as fh:
+        data = bytearray(fh.read())
+    index_at = struct.unpack_from("<Q", data, len(data) - 8)[0]
+    struct.pack_into("<Q", data, index_at + 56 + 8 + 32 + 8, 64)  # the second entry points at the first record
+    body = bytes(data[index_at + 56 : index_at + 56 + 8 + 64])
+    struct.pack_into("<Q", data, index_at + 40, rr.record_checksum(3, bytes(data[index_at : index_at + 40]), body))
+    struct.pack_into("<I", data, index_at + 48, rr.xxh64(bytes(data[index_at : index_at + 48])) & 0xFFFFFFFF)
+    with open(path, "wb") as fh:
+        fh.write(data)
+    expect_error(rr, lambda: rr.RouteFile(path), "lists the record at offset 64 twice")
+
+    # A file cut short while open (a writer cutting away a torn last record) is an error, not the
+    # SIGBUS that reading it through a memory mapping ended the process with.
+    write_route_file(rr, path, 3, 64, 2, 2, records, close=False)
+    f = rr.RouteFile(path)
+    os.truncate(path, 64 + 8)
+    expect_error(rr, lambda: f.routes(1), "was truncated or replaced while open")
+    # Not a regular file: a FIFO is refused at once (opening it waited for a writer for ever), a
+    # directory with the reader's error.
+    fifo = os.path.join(tmp, "fifo.mrr")
+    os.mkfifo(fifo)
+    expect_error(rr, lambda: rr.RouteFile(fifo), "it is a FIFO (named pipe), not a regular file")
+    expect_error(rr, lambda: rr.RouteFile(tmp), "it is a directory, not a regular file")
     print("crafted files: overlaps, the sparse bound, start, empty records and damaged indexes as the C++ reader")
 
 
