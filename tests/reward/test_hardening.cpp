@@ -426,6 +426,19 @@ TEST_SUITE("reward") {
     const std::string ok = same.read_response();
     CHECK(status_line(ok) == 200);
     CHECK(json_body(ok)["body"] == "hello");
+    // A chunk-size line holds a size and extensions only: "1 2" was read as a size of 1.
+    RawClient two_sizes(router.port());
+    REQUIRE(
+        two_sizes.send("POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1 2\r\nx\r\n0\r\n\r\n"));
+    const std::string refused = two_sizes.read_response();
+    CHECK(status_line(refused) == 400);
+    CHECK(json_body(refused)["detail"].get<std::string>().find("more than a size") != std::string::npos);
+    RawClient extension(router.port());  // whitespace before an extension is allowed (BWS)
+    REQUIRE(extension.send(
+        "POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1 ;a=b\r\nx\r\n0\r\n\r\n"));
+    const std::string accepted = extension.read_response();
+    CHECK(status_line(accepted) == 200);
+    CHECK(json_body(accepted)["body"] == "x");
   }
 
   TEST_CASE("body slowloris: 70 connections trickling their bodies do not stop normal requests") {

@@ -18,6 +18,8 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <sys/time.h>
 
@@ -490,6 +492,39 @@ TEST_SUITE("reward") {
     }
     std::this_thread::sleep_for(100ms);
     CHECK(requests.load() == 1);  // no request reached the worker
+  }
+
+  TEST_CASE("http client: an absolute-form target reaches the worker in origin form, below its base path") {
+    ScriptedWorker worker([](const std::string&, const std::string&) { return ok_answer("ok"); });
+    HttpTransport transport;
+    mrr::reward::Request r;
+    r.method = "GET";
+    // It was glued to the base path whole: "GET /apihttp://elsewhere/x?y=1".
+    for (const auto& [target, sent] :
+         std::vector<std::pair<std::string, std::string>>{{"http://elsewhere/x?y=1", "GET /api/x?y=1 HTTP/1.1"},
+                                                          {"HTTPS://elsewhere:8443?q", "GET /api/?q HTTP/1.1"},
+                                                          {"http://elsewhere", "GET /api/ HTTP/1.1"},
+                                                          {"/plain", "GET /api/plain HTTP/1.1"}}) {
+      CAPTURE(target);
+      r.target = target;
+      const auto reply = transport.send(worker.url() + "/api", r, 5s);
+      REQUIRE_MESSAGE(reply.answered(), reply.error);
+      CHECK(worker.heads().back().starts_with(sent + "\r\n"));
+    }
+    r.method = "OPTIONS";
+    r.target = "*";
+    auto reply = transport.send(worker.url(), r, 5s);
+    REQUIRE(reply.answered());
+    CHECK(worker.heads().back().starts_with("OPTIONS * HTTP/1.1\r\n"));
+    const auto heads = worker.heads().size();
+    reply = transport.send(worker.url() + "/api", r, 5s);  // no meaning below a base path
+    CHECK(reply.failure == Failure::exception);
+    CHECK(reply.error.find("asterisk") != std::string::npos);
+    r.method = "GET";
+    r.target = "elsewhere/x";
+    reply = transport.send(worker.url(), r, 5s);
+    CHECK(reply.failure == Failure::exception);
+    CHECK(worker.heads().size() == heads);  // neither was sent
   }
 
   TEST_CASE("http client: a host name is resolved within the attempt (localhost)") {

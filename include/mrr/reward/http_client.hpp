@@ -192,6 +192,29 @@ inline std::variant<Socket, ClientError> connect_to(const WorkerUrl& url, TimePo
 // target as the client sent it), Host, the request's end-to-end fields in their order, and the
 // body's Content-Length (also 0 for the methods whose requests carry a body). Refuses what would
 // let a caller's bytes end the head early (a field name that is no token, a value with CR or LF).
+// The target the worker gets: the worker's base path, then the request's target in origin form.
+// A client may send a proxy the absolute form (RFC 9112 §3.2.2, "http://host/path?q"): its path
+// and query go on (they were glued to the base path whole, "/apihttp://host/path"); the asterisk
+// form ("OPTIONS *") only to a worker without a base path.
+inline std::variant<std::string, ClientError> worker_target(const WorkerUrl& url, std::string_view target) {
+  const auto refuse = [](std::string why) { return ClientError{Failure::exception, std::move(why)}; };
+  if (target.empty()) return url.base_path + "/";
+  if (target.front() == '/') return mrr::detail::str(url.base_path, target);
+  if (target == "*") {
+    if (!url.base_path.empty())
+      return refuse("the asterisk-form target '*' has no meaning below the worker's base path " + url.base_path);
+    return std::string("*");
+  }
+  const auto scheme_end = target.find("://");
+  const std::string_view scheme =
+      scheme_end == std::string_view::npos ? std::string_view{} : target.substr(0, scheme_end);
+  if (!iequals(scheme, "http") && !iequals(scheme, "https"))
+    return refuse("the request target is neither origin-form ('/path?query') nor an http(s) absolute-form URL");
+  const auto path = target.find_first_of("/?", scheme_end + 3);
+  if (path == std::string_view::npos) return url.base_path + "/";
+  return mrr::detail::str(url.base_path, target[path] == '?' ? "/" : "", target.substr(path));
+}
+
 inline std::variant<std::string, ClientError> request_head(const WorkerUrl& url, const Request& r,
                                                            std::string_view target) {
   const auto refuse = [](std::string why) { return ClientError{Failure::exception, std::move(why)}; };
@@ -200,8 +223,10 @@ inline std::variant<std::string, ClientError> request_head(const WorkerUrl& url,
   for (const char c : target)
     if (static_cast<unsigned char>(c) <= 0x20 || static_cast<unsigned char>(c) >= 0x7f)
       return refuse("the request target has a control, space or non-ASCII byte");
+  auto sent_target = worker_target(url, target);
+  if (auto* e = std::get_if<ClientError>(&sent_target)) return std::move(*e);
   const bool ipv6 = url.host.find(':') != std::string::npos;
-  std::string head = mrr::detail::str(r.method, " ", url.base_path, target.empty() ? "/" : target, " HTTP/1.1\r\n",
+  std::string head = mrr::detail::str(r.method, " ", std::get<std::string>(sent_target), " HTTP/1.1\r\n",
                                       "Host: ", ipv6 ? "[" : "", url.host, ipv6 ? "]" : "");
   if (url.port != 80) head += mrr::detail::str(":", url.port);
   head += "\r\n";

@@ -546,6 +546,10 @@ class ChunkedDecoder {
         const std::string_view digits = line.substr(0, line.find_first_of("; \t"));
         if (digits.empty() || digits.size() > 15 || !std::all_of(digits.begin(), digits.end(), detail::is_hex))
           return fail(used, "a chunk size is not a hexadecimal number");
+        // After the size only extensions: "1 2" is no size of 1 (RFC 9112 §7.1.1: BWS, then ';').
+        const std::string_view rest = detail::trim_ows(line.substr(digits.size()));
+        if (!rest.empty() && rest.front() != ';')
+          return fail(used, "a chunk-size line holds more than a size and extensions");
         std::uint64_t size = 0;
         for (const char d : digits)
           size = size * 16 + static_cast<std::uint64_t>(detail::is_digit(d) ? d - '0' : (d | 0x20) - 'a' + 10);

@@ -256,7 +256,9 @@ class TlsTransport {
 
     httplib::Request out;
     out.method = request.method;
-    out.path = ep->url.base_path + (request.target.empty() ? std::string("/") : request.target);
+    auto target = worker_target(ep->url, request.target);
+    if (auto* e = std::get_if<ClientError>(&target)) return Reply::failed(e->failure, std::move(e->message));
+    out.path = std::move(std::get<std::string>(target));
     const ConnectionOptions request_options(request.headers);  // fields the client named hop-by-hop
     for (const auto& [name, value] : request.headers)
       if (!is_unforwardable_header(name) && !request_options.names(name)) out.headers.emplace(name, value);
