@@ -39,7 +39,7 @@ RECORD_HEADER_BYTES = 56
 CHECKSUMMED_HEADER_BYTES = 40
 HEADER_CHECKED_BYTES = 48
 # Format versions read: 1 (records checksummed with XXH64), 2 (XXH3-64) and 3 (as 2; its index and
-# tail records carry the file id, which this reader, scanning every record, does not need).
+# tail records carry the file id, which this reader checks as the C++ reader does).
 SUPPORTED_VERSIONS = (1, 2, 3)
 ROUTES, INDEX, TAIL = 1, 2, 3
 MAX_LAYERS = 65535
@@ -407,13 +407,26 @@ class RouteFile:
         self.index_damaged = True
         return at, t
 
-    def _from_index(self):
+    def _index_table(self):
+        """The entries of the closed file's index, or None when one points outside [header, index)
+        or (versions 2 and 3) names no layer: a damaged index, and the file is rescanned, as the
+        C++ reader does (route_index.hpp, read_entries)."""
+        at, entry, count = self._index
+        table = self._data[at + RECORD_HEADER_BYTES + 8 : at + RECORD_HEADER_BYTES + 8 + count * entry]
+        for i in range(count):
+            off = struct.unpack_from("<Q", table, i * entry + 8)[0]
+            if off < HEADER_BYTES or off >= at:
+                return None
+            if entry == 32 and struct.unpack_from("<H", table, i * entry + 30)[0] == 0:
+                return None
+        return table
+
+    def _from_index(self, table):
         """A closed file's routes records, found through its index as the C++ reader finds them:
         a record whose header is damaged, disagrees with its entry or fails its checksum is that
         sequence's damage (routes(uid) raises); the other sequences are read, and nothing between
         the records (an old index an earlier close left) is looked at."""
         at, entry, count = self._index
-        table = self._data[at + RECORD_HEADER_BYTES + 8 : at + RECORD_HEADER_BYTES + 8 + count * entry]
         # As the C++ reader (route_index.hpp, check_entries): the index is trusted only as a list
         # of distinct, non-overlapping, aligned records before it; each record ends by the next.
         offsets = sorted(struct.unpack_from("<Q", table, i * entry + 8)[0] for i in range(count))
@@ -474,7 +487,10 @@ class RouteFile:
         d, n, off = self._data, len(self._data), HEADER_BYTES
         skip = self._damaged_index()
         if self._closed:
-            return self._from_index()
+            table = self._index_table()
+            if table is not None:
+                return self._from_index(table)
+            self.index_damaged, self._closed, self._index = True, False, None
         while off < n:
             if skip is not None and off == skip[0]:
                 off = skip[1]

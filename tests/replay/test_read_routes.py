@@ -107,6 +107,23 @@ def write_route_file(rr, path, version, experts, layers, k, records, close=False
     return len(header), index_at if close else None
 
 
+def patch_index_entry(rr, path, i, field, fmt, value):
+    """Sets a field of index entry i of a closed version-3 file, and makes the index record's
+    checksum and header check right again (the index then passes, whatever it says)."""
+    import struct
+
+    with open(path, "rb") as fh:
+        data = bytearray(fh.read())
+    index_at = struct.unpack_from("<Q", data, len(data) - 8)[0]
+    count = struct.unpack_from("<Q", data, index_at + 56)[0]
+    struct.pack_into(fmt, data, index_at + 56 + 8 + 32 * i + field, value)
+    body = bytes(data[index_at + 56 : index_at + 56 + 8 + 32 * count])
+    struct.pack_into("<Q", data, index_at + 40, rr.record_checksum(3, bytes(data[index_at : index_at + 40]), body))
+    struct.pack_into("<I", data, index_at + 48, rr.xxh64(bytes(data[index_at : index_at + 48])) & 0xFFFFFFFF)
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
 def expect_error(rr, fn, text):
     try:
         fn()
@@ -197,14 +214,19 @@ def crafted_files(rr):
     write_route_file(rr, path, 3, 64, 2, 2, [records[0], records[0]], close=True)
     with open(path, "rb") as fh:
         data = bytearray(fh.read())
-    index_at = struct.unpack_from("<Q", data, len(data) - 8)[0]
-    struct.pack_into("<Q", data, index_at + 56 + 8 + 32 + 8, 64)  # the second entry points at the first record
-    body = bytes(data[index_at + 56 : index_at + 56 + 8 + 64])
-    struct.pack_into("<Q", data, index_at + 40, rr.record_checksum(3, bytes(data[index_at : index_at + 40]), body))
-    struct.pack_into("<I", data, index_at + 48, rr.xxh64(bytes(data[index_at : index_at + 48])) & 0xFFFFFFFF)
-    with open(path, "wb") as fh:
-        fh.write(data)
+    patch_index_entry(rr, path, 1, 8, "<Q", 64)  # the second entry points at the first record
     expect_error(rr, lambda: rr.RouteFile(path), "lists the record at offset 64 twice")
+    # An entry outside [header, index) or naming no layer is a damaged index, and the file is
+    # rescanned (every sequence read), as the C++ reader does (they were refused before).
+    for field, fmt, value in ((8, "<Q", 8), (8, "<Q", None), (8, "<Q", 1 << 40), (30, "<H", 0)):
+        CAPTURE = (field, value)
+        index_at = write_route_file(rr, path, 3, 64, 2, 2, records, close=True)[1]
+        patch_index_entry(rr, path, 0, field, fmt, index_at if value is None else value)
+        f = rr.RouteFile(path)
+        assert f.index_damaged, CAPTURE
+        assert f.sequences() == [1, 2], CAPTURE
+        assert f.routes(1).reshape(-1).tolist() == list(range(12)), CAPTURE
+        assert f.routes(2).reshape(-1).tolist() == list(range(8)), CAPTURE
 
     # A file cut short while open (a writer cutting away a torn last record) is an error, not the
     # SIGBUS that reading it through a memory mapping ended the process with.

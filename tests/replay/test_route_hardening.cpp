@@ -10,12 +10,15 @@
 
 #include <dlfcn.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <optional>
@@ -592,6 +595,15 @@ TEST_CASE("a failed sync stays failed: a retried close() never reports unsynced 
   auto reader = mrr::FileRouteStore::open(path, shape);
   CHECK(reader.num_sequences() == 1);
   CHECK(hits(reader, 7, 0, 2) == 1);
+  // Without sync_on_close, a close() after a failed sync() fails too (it returned normally).
+  mrr::FileStoreOptions no_sync;
+  no_sync.sync_on_close = false;
+  auto store = mrr::FileRouteStore::create(dir / "no_sync.mrr", shape, no_sync);
+  store.record_sequence(8, 0, 1, 0, 3, ids);
+  fail_fdatasync = true;
+  CHECK_THROWS_WITH_AS(store.sync(), doctest::Contains("fdatasync failed"), mrr::RouteFileError);
+  fail_fdatasync = false;
+  CHECK_THROWS_WITH_AS(store.close(), doctest::Contains("not known to be on the device"), mrr::RouteFileError);
 }
 
 TEST_CASE("a synced new route file has its directory entry synced too; an appended one needs no directory sync") {
@@ -618,4 +630,70 @@ TEST_CASE("a synced new route file has its directory entry synced too; an append
     store.close();
   }
   CHECK(directory_fsyncs.load() == before + 2);
+}
+
+// A write that fails part-way (the disk fills): with `failing_write` at 1, this executable's next
+// pwritev writes half of its first piece and sets it to 2, and every pwritev then fails with
+// ENOSPC; its ftruncate fails with EIO while `fail_ftruncate` is set.
+namespace {
+std::atomic<int> failing_write{0};
+std::atomic<bool> fail_ftruncate{false};
+}  // namespace
+
+extern "C" ssize_t pwritev(int fd, const struct iovec* iov, int count, off_t offset) {
+  static const auto real =
+      reinterpret_cast<ssize_t (*)(int, const struct iovec*, int, off_t)>(::dlsym(RTLD_NEXT, "pwritev"));
+  if (failing_write.load() == 1 && count > 0) {
+    failing_write = 2;
+    struct iovec half = iov[0];
+    half.iov_len = std::max<std::size_t>(1, half.iov_len / 2);
+    return real(fd, &half, 1, offset);
+  }
+  if (failing_write.load() == 2) {
+    errno = ENOSPC;
+    return -1;
+  }
+  return real(fd, iov, count, offset);
+}
+
+extern "C" int ftruncate(int fd, off_t length) {
+  if (fail_ftruncate.load()) {
+    errno = EIO;
+    return -1;
+  }
+  static const auto real = reinterpret_cast<int (*)(int, off_t)>(::dlsym(RTLD_NEXT, "ftruncate"));
+  return real(fd, length);
+}
+
+TEST_CASE("a write that fails part-way is cut back; when cutting back fails too, the error says what may remain") {
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{64, 3, 4};
+  const auto ids = some_ids(12, 64);
+  for (const bool cut_fails : {false, true}) {
+    CAPTURE(cut_fails);
+    const auto path = dir / (cut_fails ? "cut_fails.mrr" : "cut.mrr");
+    auto store = mrr::FileRouteStore::create(path, shape);
+    store.record_sequence(1, 0, 1, 0, 3, ids);
+    const auto before = std::filesystem::file_size(path);
+    failing_write = 1;
+    fail_ftruncate = cut_fails;
+    std::string message;
+    try {
+      store.record_sequence(2, 0, 1, 0, 3, ids);
+    } catch (const mrr::RouteFileError& e) {
+      message = e.what();
+    }
+    failing_write = 0;
+    fail_ftruncate = false;
+    CHECK(message.find("write failed at offset") != std::string::npos);
+    CHECK(message.find("No space left on device") != std::string::npos);
+    if (cut_fails) {
+      CHECK(message.find("cutting the file back to offset " + std::to_string(before) + " failed too") !=
+            std::string::npos);
+      CHECK(std::filesystem::file_size(path) > before);  // what went in stayed
+    } else {
+      CHECK(message.find("cutting") == std::string::npos);
+      CHECK(std::filesystem::file_size(path) == before);  // cut back to the last whole record
+    }
+  }
 }

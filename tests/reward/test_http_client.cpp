@@ -613,6 +613,8 @@ TEST_SUITE("reward") {
           in.erase(0, end + 4);
           std::string answer = ok_answer(target, "Connection: X-Hop\r\nX-Hop: secret\r\nX-Keep: yes\r\n");
           if (interim_mode.load() != 0) answer = "HTTP/1.1 103 Early Hints\r\nLink: </style.css>\r\n\r\n" + answer;
+          if (target == "/304") answer = "HTTP/1.1 304 Not Modified\r\nContent-Length: 99\r\nETag: \"v\"\r\n\r\n";
+          if (target == "/204") answer = "HTTP/1.1 204 No Content\r\nX-Done: 1\r\n\r\n";
           if (served == 0) answer += ok_answer("UNASKED");
           SSL_write(ssl, answer.data(), static_cast<int>(answer.size()));
           if (interim_mode.load() != 0) break;  // and close: cpp-httplib reads the 103's "body" to the end
@@ -636,6 +638,28 @@ TEST_SUITE("reward") {
         CHECK(header_value(reply.response.headers, "X-Hop") == "<none>");
         CHECK(header_value(reply.response.headers, "X-Keep") == "yes");
         std::this_thread::sleep_for(20ms);
+      }
+      // A GET answered 304 (with the GET's length) or 204 is taken at its head: cpp-httplib read the
+      // 304's 99 "body" bytes, and the 204's to the end of the connection, so both waited out the
+      // whole budget (the worker keeps the connection open).
+      for (const std::string target : {"/304", "/204"}) {
+        CAPTURE(target);
+        mrr::reward::Request get;
+        get.method = "GET";
+        get.target = target;
+        const auto start = std::chrono::steady_clock::now();
+        const auto reply = transport.send(url, get, 3s);
+        REQUIRE_MESSAGE(reply.answered(), reply.error);
+        CHECK(std::chrono::steady_clock::now() - start < 2s);
+        CHECK(reply.response.body.empty());
+        if (target == "/304") {
+          CHECK(reply.response.status == 304);
+          CHECK(header_value(reply.response.headers, "Content-Length") == "99");  // the GET's length
+          CHECK(header_value(reply.response.headers, "ETag") == "\"v\"");
+        } else {
+          CHECK(reply.response.status == 204);
+          CHECK(header_value(reply.response.headers, "X-Done") == "1");
+        }
       }
       // An interim answer other than 100 is an I/O failure, never relayed as the final answer (it
       // was relayed as a 103 whose body held the real answer).

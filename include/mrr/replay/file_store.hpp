@@ -447,8 +447,9 @@ class FileRouteStore final {
       sync_pending_ = options_.sync_on_close;
     }
     // Until a sync succeeds, every close() tries it again (and a failed sync stays failed: see
-    // RouteFileHandle::sync), so a retried close() never reports records persisted that are not.
-    if (sync_pending_) {
+    // RouteFileHandle::sync), so a retried close() never reports records persisted that are not;
+    // after a failed sync() it fails too, also without sync_on_close.
+    if (sync_pending_ || file_.sync_failed()) {
       sync();
       sync_pending_ = false;
     }

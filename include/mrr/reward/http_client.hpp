@@ -188,10 +188,6 @@ inline std::variant<Socket, ClientError> connect_to(const WorkerUrl& url, TimePo
   return out;
 }
 
-// The request's head as sent to the worker: the request line (the worker's base path, then the
-// target as the client sent it), Host, the request's end-to-end fields in their order, and the
-// body's Content-Length (also 0 for the methods whose requests carry a body). Refuses what would
-// let a caller's bytes end the head early (a field name that is no token, a value with CR or LF).
 // The target the worker gets: the worker's base path, then the request's target in origin form.
 // A client may send a proxy the absolute form (RFC 9112 §3.2.2, "http://host/path?q"): its path
 // and query go on (they were glued to the base path whole, "/apihttp://host/path"); the asterisk
@@ -215,6 +211,11 @@ inline std::variant<std::string, ClientError> worker_target(const WorkerUrl& url
   return mrr::detail::str(url.base_path, target[path] == '?' ? "/" : "", target.substr(path));
 }
 
+// The request's head as sent to the worker: the request line (worker_target: the worker's base
+// path, then the target in origin form), Host, the request's end-to-end fields in their order, and
+// the body's Content-Length (also 0 for the methods whose requests carry a body). Refuses what
+// would let a caller's bytes end the head early (a field name that is no token, a value with CR or
+// LF).
 inline std::variant<std::string, ClientError> request_head(const WorkerUrl& url, const Request& r,
                                                            std::string_view target) {
   const auto refuse = [](std::string why) { return ClientError{Failure::exception, std::move(why)}; };

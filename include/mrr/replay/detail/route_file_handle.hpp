@@ -157,9 +157,14 @@ class RouteFileHandle {
       if (put < 0 && errno == EINTR) continue;
       if (put <= 0) {
         const int err = errno;
-        if (::ftruncate(fd_.get(), static_cast<off_t>(start)) != 0) { /* reopening reports the torn tail */ }
-        throw RouteFileError(str("route file ", path_.string(), ": write failed at offset ", offset, ": ",
-                                 std::strerror(err)));
+        // Cut back what this call wrote; when that fails too, the file may keep whole records of
+        // a call that failed (they are the caller's ids, and reopening reads them): say so.
+        std::string cut;
+        if (::ftruncate(fd_.get(), static_cast<off_t>(start)) != 0 && offset > start)
+          cut = str("; cutting the file back to offset ", start, " failed too (", std::strerror(errno),
+                    "), so records of this write may remain in it: reopen the file to see what it holds");
+        throw RouteFileError(
+            str("route file ", path_.string(), ": write failed at offset ", offset, ": ", std::strerror(err), cut));
       }
       offset += static_cast<std::uint64_t>(put);
       skip_pieces(next, count, static_cast<std::size_t>(put));
@@ -175,6 +180,7 @@ class RouteFileHandle {
   // directory entry that names it (a file synced but not its name can vanish at a power loss). A
   // failure is sticky: once fdatasync failed, the kernel may have dropped the pages it could not
   // write and a later fdatasync can succeed without them, so every later call fails the same way.
+  bool sync_failed() const { return !sync_error_.empty(); }
   void sync() {
     if (!is_open() || !writable_) return;
     if (!sync_error_.empty()) throw RouteFileError(sync_error_);

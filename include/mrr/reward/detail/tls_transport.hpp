@@ -292,13 +292,34 @@ class TlsTransport {
       return true;
     };
 
+    // An answer that has no body whatever its fields say (204, 304) is taken at its head: cpp-httplib
+    // 0.11 reads one by its Content-Length, or to the end of the connection, and so waited out the
+    // whole budget. An interim answer other than 100 (103 Early Hints), which cpp-httplib would take
+    // for the final one, ends the attempt there too.
+    int head_only_status = 0;
+    httplib::Headers head_only_fields;
+    out.response_handler = [&](const httplib::Response& head) {
+      if (head.status != 204 && head.status != 304 && head.status >= 200) return true;
+      head_only_status = head.status;
+      head_only_fields = head.headers;
+      return false;  // cpp-httplib stops reading: Error::Canceled
+    };
+
     httplib::Response in;
     httplib::Error error = httplib::Error::Success;
     ExchangeWatchdog::Watch watch(watchdog_, *client, deadline);
     const SigpipeBlocked no_sigpipe;
     const bool sent = client->send(out, in, error);
     const bool stopped = watch.end();  // the exchange outlived its budget (e.g. a trickled response head)
-    if (!sent) {
+    if (!sent && head_only_status != 0) {  // taken at its head; the connection is not used again
+      if (head_only_status < 200)
+        return Reply::failed(Failure::io,
+                             mrr::detail::str("the worker sent an interim answer (", head_only_status,
+                                              ") that the https client cannot skip; only 100 Continue is"));
+      in.status = head_only_status;
+      in.headers = std::move(head_only_fields);
+      body.clear();
+    } else if (!sent) {
       if (too_large)
         return Reply::failed(Failure::io,
                              mrr::detail::str("the worker's response is over max_response_bytes (", limit, " bytes)"));
@@ -310,11 +331,6 @@ class TlsTransport {
       const auto elapsed = std::chrono::steady_clock::now() - start;
       return Reply::failed(classify(error, elapsed, timeout), httplib::to_string(error));
     }
-    // cpp-httplib skips a 100 Continue only: another interim answer (103 Early Hints) came back as
-    // if final, with the real answer as its "body". An I/O failure, and the connection is dropped.
-    if (in.status < 200)
-      return Reply::failed(Failure::io, mrr::detail::str("the worker sent an interim answer (", in.status,
-                                                         ") that the https client cannot skip; only 100 Continue is"));
     Response response;
     response.status = in.status;
     Headers received(in.headers.begin(), in.headers.end());
@@ -326,7 +342,7 @@ class TlsTransport {
         response.headers.emplace_back(std::move(name), std::move(value));
     }
     response.body = std::move(body);
-    if (!stopped) give_back(*ep, std::move(client));  // a stopped one has no connection left
+    if (sent && !stopped) give_back(*ep, std::move(client));  // a stopped one has no connection left
     return Reply::from(std::move(response));
   }
 
