@@ -247,6 +247,13 @@ class RouteFileError(Exception):
     pass
 
 
+def _pread(fd, n, offset):
+    if hasattr(os, "pread"):
+        return os.pread(fd, n, offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # Windows has no pread (a RouteFile is not shared by threads)
+    return os.read(fd, n)
+
+
 class _FileBytes:
     """A regular file's bytes, as long as it was when opened, read with positioned reads. Not a
     memory mapping: a file that shrinks while open (a writer cutting away a torn last record, or a
@@ -256,7 +263,8 @@ class _FileBytes:
         self._path = path
         try:
             # O_NONBLOCK: opening a FIFO for reading would wait for a writer for ever.
-            self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+            self._fd = os.open(path, flags)
         except OSError as e:
             raise RouteFileError(f"cannot open route file {path}: {e.strerror}") from None
         st = os.fstat(self._fd)
@@ -289,7 +297,7 @@ class _FileBytes:
             return b""
         parts, got = [], 0
         while got < n:
-            piece = os.pread(self._fd, n - got, start + got)
+            piece = _pread(self._fd, n - got, start + got)
             if not piece:
                 raise RouteFileError(
                     f"route file {self._path} was truncated or replaced while open: it ends before offset "
