@@ -393,6 +393,9 @@ def test_layouts_refuse_float_tensors_and_masks_that_are_not_0_1(mt):
     replay = mt.Replay(store)
     with pytest.raises(mt.InvalidArgumentError, match="'uids' has dtype Float"):
         replay.set_micro_batch_padded(torch.tensor([10.7]), torch.ones(1, 3, dtype=torch.long))
+    # A trainer's [B, S] response token ids in place of the [B] sequence ids: named as such.
+    with pytest.raises(mt.InvalidArgumentError, match=r"one sequence id per row, \[B\] \(not the rows' token ids\)"):
+        replay.set_micro_batch_padded(torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long))
     with pytest.raises(mt.InvalidArgumentError, match=r"'attention_mask'\[0, 1\] = 256"):
         replay.set_micro_batch_padded(torch.tensor([10]), torch.tensor([[0, 256, 1, 1]]))
     with pytest.raises(mt.InvalidArgumentError, match="'attention_mask' has dtype Float"):

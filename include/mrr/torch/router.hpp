@@ -134,7 +134,9 @@ inline TokenLayout padded_layout(const at::Tensor& uids, const at::Tensor& atten
   constexpr const char* fn = "torch::padded_layout";
   detail::require_cpu(uids, fn, "uids");
   detail::require_cpu(attention_mask, fn, "attention_mask");
-  mrr::detail::require(uids.dim() == 1 && attention_mask.dim() == 2 && uids.size(0) == attention_mask.size(0), fn,
+  mrr::detail::require(uids.dim() == 1, fn, "'uids' has shape ", detail::text(uids.sizes()),
+                       "; expected one sequence id per row, [B] (not the rows' token ids)");
+  mrr::detail::require(attention_mask.dim() == 2 && uids.size(0) == attention_mask.size(0), fn,
                        "'uids' [B] and 'attention_mask' [B, S] disagree: ", detail::text(uids.sizes()), " and ",
                        detail::text(attention_mask.sizes()));
   detail::require_integral(uids, fn, "uids");
