@@ -87,6 +87,28 @@ std::string header_value(const mrr::reward::Headers& headers, const std::string&
   return "<none>";
 }
 
+#if defined(CPPHTTPLIB_OPENSSL_SUPPORT) && defined(MRR_REWARD_TEST_OPENSSL)
+// The raw TLS workers' server context, with the test's own certificate, which the process's TLS
+// clients are told to trust (SSL_CERT_FILE).
+class TestTlsContext {
+ public:
+  TestTlsContext() : ctx_(SSL_CTX_new(TLS_server_method())) {
+    const std::string dir = MRR_REWARD_TEST_DATA;
+    REQUIRE(ctx_ != nullptr);
+    REQUIRE(SSL_CTX_use_certificate_file(ctx_, (dir + "/tls_test_cert.pem").c_str(), SSL_FILETYPE_PEM) == 1);
+    REQUIRE(SSL_CTX_use_PrivateKey_file(ctx_, (dir + "/tls_test_key.pem").c_str(), SSL_FILETYPE_PEM) == 1);
+    ::setenv("SSL_CERT_FILE", (dir + "/tls_test_cert.pem").c_str(), 1);
+  }
+  TestTlsContext(const TestTlsContext&) = delete;
+  TestTlsContext& operator=(const TestTlsContext&) = delete;
+  ~TestTlsContext() { SSL_CTX_free(ctx_); }
+  [[nodiscard]] SSL_CTX* get() const { return ctx_; }
+
+ private:
+  SSL_CTX* ctx_;
+};
+#endif
+
 }  // namespace
 
 TEST_SUITE("reward") {
@@ -543,11 +565,8 @@ TEST_SUITE("reward") {
     // kernel resets the connection). cpp-httplib's TLS client writes with write(2), which raised
     // SIGPIPE there and ended the process: a trainer's process need not ignore SIGPIPE (httplib::
     // Server sets SIG_IGN when constructed, so this test puts the default back while it runs).
-    const std::string dir = MRR_REWARD_TEST_DATA;
-    SSL_CTX* ctx = SSL_CTX_new(TLS_server_method());
-    REQUIRE(ctx != nullptr);
-    REQUIRE(SSL_CTX_use_certificate_file(ctx, (dir + "/tls_test_cert.pem").c_str(), SSL_FILETYPE_PEM) == 1);
-    REQUIRE(SSL_CTX_use_PrivateKey_file(ctx, (dir + "/tls_test_key.pem").c_str(), SSL_FILETYPE_PEM) == 1);
+    const TestTlsContext tls;
+    SSL_CTX* ctx = tls.get();
     std::atomic<int> heads{0};
     mrr_test::LoopbackListener listener;
     listener.start([&](int fd) {
@@ -568,7 +587,6 @@ TEST_SUITE("reward") {
       ::close(fd);  // the body unread: a reset
     });
     const auto previous = std::signal(SIGPIPE, SIG_DFL);
-    ::setenv("SSL_CERT_FILE", (dir + "/tls_test_cert.pem").c_str(), 1);  // trust the test's own certificate
     {
       HttpTransport transport;
       mrr::reward::Request r;
@@ -583,18 +601,14 @@ TEST_SUITE("reward") {
     }
     std::signal(SIGPIPE, previous);
     CHECK(heads.load() == 1);
-    SSL_CTX_free(ctx);
   }
 
   TEST_CASE("https: bytes after an answer never become the next request's answer; hop-by-hop fields dropped") {
     // A TLS worker that answers each request with its target as the body, and after the first
     // answer on a connection sends a second, unasked one in the same write. cpp-httplib's client
     // left it on the kept connection, where it was read as the answer to the next request.
-    const std::string dir = MRR_REWARD_TEST_DATA;
-    SSL_CTX* ctx = SSL_CTX_new(TLS_server_method());
-    REQUIRE(ctx != nullptr);
-    REQUIRE(SSL_CTX_use_certificate_file(ctx, (dir + "/tls_test_cert.pem").c_str(), SSL_FILETYPE_PEM) == 1);
-    REQUIRE(SSL_CTX_use_PrivateKey_file(ctx, (dir + "/tls_test_key.pem").c_str(), SSL_FILETYPE_PEM) == 1);
+    const TestTlsContext tls;
+    SSL_CTX* ctx = tls.get();
     std::atomic<int> interim_mode{0};
     mrr_test::LoopbackListener listener;
     listener.start([&](int fd) {
@@ -623,7 +637,6 @@ TEST_SUITE("reward") {
       SSL_free(ssl);
       ::close(fd);
     });
-    ::setenv("SSL_CERT_FILE", (dir + "/tls_test_cert.pem").c_str(), 1);  // trust the test's own certificate
     {
       HttpTransport transport;
       const std::string url = "https://127.0.0.1:" + std::to_string(listener.port());
@@ -670,7 +683,6 @@ TEST_SUITE("reward") {
       CHECK(reply.failure == Failure::io);
       CHECK(reply.error.find("interim") != std::string::npos);
     }
-    SSL_CTX_free(ctx);
   }
 #endif
 }
