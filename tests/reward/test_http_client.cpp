@@ -16,6 +16,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -102,11 +103,33 @@ class TestTlsContext {
   TestTlsContext(const TestTlsContext&) = delete;
   TestTlsContext& operator=(const TestTlsContext&) = delete;
   ~TestTlsContext() { SSL_CTX_free(ctx_); }
-  [[nodiscard]] SSL_CTX* get() const { return ctx_; }
+
+  // One connection of a raw TLS worker: the handshake on `fd`, then `session`; closes `fd`.
+  void serve(int fd, const std::function<void(SSL*)>& session) const {
+    SSL* ssl = SSL_new(ctx_);
+    SSL_set_fd(ssl, fd);
+    if (SSL_accept(ssl) == 1) session(ssl);
+    SSL_free(ssl);
+    ::close(fd);
+  }
 
  private:
   SSL_CTX* ctx_;
 };
+
+// Reads through the next request head on `ssl` (what follows it stays in `in`); false if the
+// client went first.
+bool ssl_read_head(SSL* ssl, std::string& in, std::string& head) {
+  std::size_t end;
+  char buf[16384];
+  int n = 0;
+  while ((end = in.find("\r\n\r\n")) == std::string::npos && (n = SSL_read(ssl, buf, sizeof buf)) > 0)
+    in.append(buf, static_cast<std::size_t>(n));
+  if (end == std::string::npos) return false;
+  head = in.substr(0, end + 4);
+  in.erase(0, end + 4);
+  return true;
+}
 #endif
 
 }  // namespace
@@ -566,25 +589,17 @@ TEST_SUITE("reward") {
     // SIGPIPE there and ended the process: a trainer's process need not ignore SIGPIPE (httplib::
     // Server sets SIG_IGN when constructed, so this test puts the default back while it runs).
     const TestTlsContext tls;
-    SSL_CTX* ctx = tls.get();
     std::atomic<int> heads{0};
     mrr_test::LoopbackListener listener;
     listener.start([&](int fd) {
-      SSL* ssl = SSL_new(ctx);
-      SSL_set_fd(ssl, fd);
-      if (SSL_accept(ssl) == 1) {
-        std::string in;
-        char buf[16384];
-        int n = 0;
-        while (in.find("\r\n\r\n") == std::string::npos && (n = SSL_read(ssl, buf, sizeof buf)) > 0)
-          in.append(buf, static_cast<std::size_t>(n));
+      tls.serve(fd, [&](SSL* ssl) {  // closes with the body unread: a reset
+        std::string in, head;
+        if (!ssl_read_head(ssl, in, head)) return;
         ++heads;
         const std::string answer =
             "HTTP/1.1 413 Payload Too Large\r\nContent-Length: 9\r\nConnection: close\r\n\r\ntoo large";
         SSL_write(ssl, answer.data(), static_cast<int>(answer.size()));
-      }
-      SSL_free(ssl);
-      ::close(fd);  // the body unread: a reset
+      });
     });
     const auto previous = std::signal(SIGPIPE, SIG_DFL);
     {
@@ -608,23 +623,14 @@ TEST_SUITE("reward") {
     // answer on a connection sends a second, unasked one in the same write. cpp-httplib's client
     // left it on the kept connection, where it was read as the answer to the next request.
     const TestTlsContext tls;
-    SSL_CTX* ctx = tls.get();
     std::atomic<int> interim_mode{0};
     mrr_test::LoopbackListener listener;
     listener.start([&](int fd) {
-      SSL* ssl = SSL_new(ctx);
-      SSL_set_fd(ssl, fd);
-      if (SSL_accept(ssl) == 1) {
-        std::string in;
-        char buf[16384];
-        for (int served = 0;; ++served) {
-          std::size_t end;
-          int n = 0;
-          while ((end = in.find("\r\n\r\n")) == std::string::npos && (n = SSL_read(ssl, buf, sizeof buf)) > 0)
-            in.append(buf, static_cast<std::size_t>(n));
-          if (end == std::string::npos) break;
-          const std::string target = in.substr(in.find(' ') + 1, in.find(' ', in.find(' ') + 1) - in.find(' ') - 1);
-          in.erase(0, end + 4);
+      tls.serve(fd, [&](SSL* ssl) {
+        std::string in, head;
+        for (int served = 0; ssl_read_head(ssl, in, head); ++served) {
+          const auto space = head.find(' ');
+          const std::string target = head.substr(space + 1, head.find(' ', space + 1) - space - 1);
           std::string answer = ok_answer(target, "Connection: X-Hop\r\nX-Hop: secret\r\nX-Keep: yes\r\n");
           if (interim_mode.load() != 0) answer = "HTTP/1.1 103 Early Hints\r\nLink: </style.css>\r\n\r\n" + answer;
           if (target == "/304") answer = "HTTP/1.1 304 Not Modified\r\nContent-Length: 99\r\nETag: \"v\"\r\n\r\n";
@@ -633,9 +639,7 @@ TEST_SUITE("reward") {
           SSL_write(ssl, answer.data(), static_cast<int>(answer.size()));
           if (interim_mode.load() != 0) break;  // and close: cpp-httplib reads the 103's "body" to the end
         }
-      }
-      SSL_free(ssl);
-      ::close(fd);
+      });
     });
     {
       HttpTransport transport;

@@ -457,12 +457,7 @@ class HttpExchange {
     if (unreadable_coding && !no_body)
       return io(mrr::detail::str("the worker's Transfer-Encoding is '", *unreadable_coding,
                                  "'; only chunked alone is decoded"));
-    for (auto& [name, value] : fields) {
-      // A HEAD or 304 answer's length is what a GET's 200 would carry (RFC 9110 §8.6): relayed.
-      const bool keep = no_body && (head_request || out.status == 304) && iequals(name, "Content-Length");
-      if (keep || (!is_unforwardable_header(name) && !connection_options.names(name)))
-        out.headers.emplace_back(std::move(name), std::move(value));
-    }
+    out.headers = forwardable(fields, /*keep_length=*/head_request || out.status == 304);
     if (no_body) {
       out.reusable = !close && in_.empty();
       return out;

@@ -297,12 +297,16 @@ inline bool connection_ends_after(const ConnectionOptions& options, const Header
   return !http11 && (!options.names("keep-alive") || !header_value(headers, "Transfer-Encoding").empty());
 }
 
-// The end-to-end fields of `headers`, in order.
-inline Headers forwardable(const Headers& headers) {
+// The end-to-end fields of `headers`, in order: not hop-by-hop, not named in their Connection
+// field. `keep_length`: Content-Length too, for an answer without a body whose length is what a
+// GET's 200 would carry (a HEAD's, a 304's: RFC 9110 §8.6).
+inline Headers forwardable(const Headers& headers, bool keep_length = false) {
   const ConnectionOptions options(headers);
   Headers out;
   for (const auto& [name, value] : headers)
-    if (!is_unforwardable_header(name) && !options.names(name)) out.emplace_back(name, value);
+    if ((keep_length && detail::iequals(name, "Content-Length")) ||
+        (!is_unforwardable_header(name) && !options.names(name)))
+      out.emplace_back(name, value);
   return out;
 }
 

@@ -259,9 +259,8 @@ class TlsTransport {
     auto target = worker_target(ep->url, request.target);
     if (auto* e = std::get_if<ClientError>(&target)) return Reply::failed(e->failure, std::move(e->message));
     out.path = std::move(std::get<std::string>(target));
-    const ConnectionOptions request_options(request.headers);  // fields the client named hop-by-hop
-    for (const auto& [name, value] : request.headers)
-      if (!is_unforwardable_header(name) && !request_options.names(name)) out.headers.emplace(name, value);
+    for (auto& [name, value] : forwardable(request.headers))
+      out.headers.emplace(std::move(name), std::move(value));
     // The body is streamed from the caller's string: no copy per attempt, however large.
     if (!request.body.empty()) {
       const std::string& body = request.body;
@@ -333,14 +332,8 @@ class TlsTransport {
     }
     Response response;
     response.status = in.status;
-    Headers received(in.headers.begin(), in.headers.end());
-    const ConnectionOptions response_options(received);  // fields the worker named hop-by-hop
-    const bool head_request = request.method == "HEAD";
-    for (auto& [name, value] : received) {
-      const bool keep = (head_request || in.status == 304) && iequals(name, "Content-Length");  // a GET's
-      if (keep || (!is_unforwardable_header(name) && !response_options.names(name)))
-        response.headers.emplace_back(std::move(name), std::move(value));
-    }
+    response.headers = forwardable(Headers(in.headers.begin(), in.headers.end()),
+                                   /*keep_length=*/request.method == "HEAD" || in.status == 304);
     response.body = std::move(body);
     if (sent && !stopped) give_back(*ep, std::move(client));  // a stopped one has no connection left
     return Reply::from(std::move(response));
