@@ -415,6 +415,19 @@ class RouteFile:
         self.index_damaged = True
         return at, t
 
+    def _routes_record_problem(self, uid, payload, first_pos, tokens, first_layer, layers):
+        """What is wrong with a routes record's header fields for this file, or None."""
+        if layers == 0 or first_layer + layers > self.num_layers:
+            return (
+                f"a record of sequence uid {uid} has first_layer {first_layer} and num_layers {layers}, "
+                f"outside the file's {self.num_layers} layers"
+            )
+        if payload != tokens * layers * self.topk * self.id_width:
+            return f"a record of sequence uid {uid} has an inconsistent size"
+        if first_pos < 0 or first_pos + tokens > MAX_POSITIONS:
+            return f"a record of sequence uid {uid} has first_position {first_pos}, outside [0, 2^32)"
+        return None
+
     def _index_table(self):
         """The entries of the closed file's index, or None when one points outside [header, index)
         or (versions 2 and 3) names no layer: a damaged index, and the file is rescanned, as the
@@ -473,17 +486,9 @@ class RouteFile:
             if off + RECORD_HEADER_BYTES + ((payload + 7) & ~7) > next_of[off]:
                 damaged(f"a record of sequence uid {uid} is running into the next record at offset {next_of[off]}")
                 continue
-            if layers == 0 or first_layer + layers > self.num_layers:
-                damaged(
-                    f"a record of sequence uid {uid} has first_layer {first_layer} and num_layers {layers}, "
-                    f"outside the file's {self.num_layers} layers"
-                )
-                continue
-            if payload != tokens * layers * self.topk * self.id_width:
-                damaged(f"a record of sequence uid {uid} has an inconsistent size")
-                continue
-            if first_pos < 0 or first_pos + tokens > MAX_POSITIONS:
-                damaged(f"a record of sequence uid {uid} has first_position {first_pos}, outside [0, 2^32)")
+            problem = self._routes_record_problem(uid, payload, first_pos, tokens, first_layer, layers)
+            if problem is not None:
+                damaged(problem)
                 continue
             if self.verify and not self._checksum_ok(off, payload, checksum):
                 damaged(f"a routes record (sequence uid {uid}) fails its checksum")
@@ -532,16 +537,9 @@ class RouteFile:
                 off += need
                 continue
             if rtype == ROUTES:
-                if layers == 0 or first_layer + layers > self.num_layers:
-                    self._fail(
-                        off,
-                        f"a record of sequence uid {uid} has first_layer {first_layer} and num_layers {layers}, "
-                        f"outside the file's {self.num_layers} layers",
-                    )
-                if payload != tokens * layers * self.topk * self.id_width:
-                    self._fail(off, f"a record of sequence uid {uid} has an inconsistent size")
-                if first_pos < 0 or first_pos + tokens > MAX_POSITIONS:
-                    self._fail(off, f"a record of sequence uid {uid} has first_position {first_pos}, outside [0, 2^32)")
+                problem = self._routes_record_problem(uid, payload, first_pos, tokens, first_layer, layers)
+                if problem is not None:
+                    self._fail(off, problem)
                 self._records.setdefault(uid, []).append((off, first_pos, tokens, first_layer, layers))
                 self.records += 1
             off += need
