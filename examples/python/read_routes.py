@@ -247,11 +247,12 @@ class RouteFileError(Exception):
     pass
 
 
-def _pread(fd, n, offset):
-    if hasattr(os, "pread"):
-        return os.pread(fd, n, offset)
+def _seek_and_read(fd, n, offset):
     os.lseek(fd, offset, os.SEEK_SET)  # Windows has no pread (a RouteFile is not shared by threads)
     return os.read(fd, n)
+
+
+_pread = getattr(os, "pread", _seek_and_read)
 
 
 class _FileBytes:
@@ -295,7 +296,10 @@ class _FileBytes:
         n = stop - start
         if n <= 0:
             return b""
-        parts, got = [], 0
+        whole = _pread(self._fd, n, start)
+        if len(whole) == n:  # the common case: one read
+            return whole
+        parts, got = [whole], len(whole)
         while got < n:
             piece = _pread(self._fd, n - got, start + got)
             if not piece:
@@ -376,9 +380,10 @@ class RouteFile:
         return rtype, payload, uid, first_pos, tokens, first_layer, layers, checksum
 
     def _checksum_ok(self, off, payload, checksum):
-        d = self._data
-        body = d[off + RECORD_HEADER_BYTES : off + RECORD_HEADER_BYTES + payload]
-        return record_checksum(self.version, d[off : off + CHECKSUMMED_HEADER_BYTES], body) == checksum
+        record = self._data[off : off + RECORD_HEADER_BYTES + payload]  # header and payload in one read
+        return (
+            record_checksum(self.version, record[:CHECKSUMMED_HEADER_BYTES], record[RECORD_HEADER_BYTES:]) == checksum
+        )
 
     def _damaged_index(self):
         """[start, end) of the index record that an intact tail points at, when that index is
