@@ -697,3 +697,47 @@ TEST_CASE("a write that fails part-way is cut back; when cutting back fails too,
     }
   }
 }
+
+TEST_CASE("at a real size (48 layers, 256 experts, 768 KiB records) a write failing part-way loses nothing recorded") {
+  // Records past every buffer of the writer and the reader (256 KiB reads): the failed one is cut
+  // away, the store goes on recording, and what a reader then finds is exactly what was recorded.
+  mrr::test::TempDir dir;
+  const mrr::RouteShape shape{256, 48, 8};
+  const std::int64_t tokens = 2048;
+  const auto path = dir / "large.mrr";
+  const auto ids_of = [&](int uid) { return some_ids(static_cast<std::size_t>(tokens) * 48 * 8, 256 - uid); };
+  {
+    auto store = mrr::FileRouteStore::create(path, shape);
+    store.record_sequence(1, 0, tokens, 0, 48, ids_of(1));
+    const auto before = std::filesystem::file_size(path);
+    failing_write = 1;
+    CHECK_THROWS_WITH_AS(store.record_sequence(2, 0, tokens, 0, 48, ids_of(2)),
+                         doctest::Contains("No space left on device"), mrr::RouteFileError);
+    failing_write = 0;
+    CHECK(std::filesystem::file_size(path) == before);
+    store.record_sequence(3, 0, tokens, 0, 48, ids_of(3));
+    store.close();
+  }
+  auto reader = mrr::FileRouteStore::open(path, shape);
+  CHECK(reader.num_sequences() == 2);
+  CHECK(reader.recovery().records == 2);
+  for (const int uid : {1, 3}) {
+    CAPTURE(uid);
+    std::vector<mrr::TokenKey> keys;
+    for (std::int64_t p = 0; p < tokens; ++p)
+      keys.push_back(mrr::TokenKey{static_cast<mrr::SequenceId>(uid), p});
+    const mrr::TokenLayout layout(keys);
+    const auto want = ids_of(uid);
+    for (const int layer : {0, 23, 47}) {
+      mrr::ExpertIds got;
+      std::vector<std::uint8_t> found;
+      CHECK(reader.lookup(layer, layout, got, found) == static_cast<std::size_t>(tokens));
+      bool same = true;
+      for (std::int64_t p = 0; p < tokens && same; ++p)
+        for (int j = 0; j < 8; ++j)
+          same = same && got(p, j) == want[static_cast<std::size_t>((p * 48 + layer) * 8 + j)];
+      CHECK(same);
+    }
+  }
+  CHECK(hits(reader, 2, 0, 0) == 0);  // the failed record is not there
+}
