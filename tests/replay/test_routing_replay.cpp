@@ -383,6 +383,81 @@ TEST_CASE("activation recompute is off by default: update passes queue nothing, 
   CHECK(replay.queued(0) == 1);
 }
 
+TEST_CASE(
+    "partial recompute (48 layers, 64 experts, the first 16 recomputed): only those layers queue, and their "
+    "recomputes replay the update forwards exactly") {
+  const int E = 64, k = 8, L = 48, recomputed = 16, micro_batches = 8;
+  const mrr::TopKRouter<float> router(mrr::presets::qwen3_moe(E, k));
+  mrr::MemoryRouteStore store({E, L, k});
+  mrr::RoutingReplay<mrr::MemoryRouteStore> replay(mrr::ReplayMode::R2, store);
+  std::vector<int> layers;
+  for (int l = 0; l < recomputed; ++l)
+    layers.push_back(l);  // Megatron's recompute_method "block"
+  const auto layout = [](int mb) {
+    const std::vector<mrr::SequenceId> uids = {static_cast<mrr::SequenceId>(1000 + mb)};
+    return mrr::TokenLayout::packed(uids, std::vector<std::int64_t>{0, 96});
+  };
+  const auto z = [](int mb, int l, unsigned engine) {
+    return perturbed(logits(96, E, 7000u + static_cast<unsigned>(mb * L + l)), engine + static_cast<unsigned>(l));
+  };
+  replay.begin_pass(mrr::TrainingPass::old_log_prob);
+  for (int mb = 0; mb < micro_batches; ++mb) {
+    replay.set_micro_batch(layout(mb));
+    for (int l = 0; l < L; ++l)
+      replay.route(router, l, z(mb, l, 1));
+  }
+  replay.set_activation_recompute(layers);
+  CHECK(replay.activation_recompute());
+  CHECK(replay.activation_recompute(0));
+  CHECK(replay.activation_recompute(recomputed - 1));
+  CHECK_FALSE(replay.activation_recompute(recomputed));
+  // Update forwards of every micro-batch (no recompute in between, as a pipeline's warm-up).
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  std::vector<mrr::ExpertIds> update_ids;
+  for (int mb = 0; mb < micro_batches; ++mb) {
+    replay.set_micro_batch(layout(mb));
+    for (int l = 0; l < L; ++l)
+      update_ids.push_back(replay.route(router, l, z(mb, l, 2)).ids);
+  }
+  for (int l = 0; l < L; ++l)
+    CHECK(replay.queued(l) == (l < recomputed ? micro_batches : 0u));
+  // The recomputes, in forward order, route each micro-batch as its update forward did although
+  // a third engine's logits would route many rows otherwise.
+  replay.begin_pass(mrr::TrainingPass::actor_recompute);
+  int rerouted_natively = 0;
+  for (int mb = 0; mb < micro_batches; ++mb)
+    for (int l = 0; l < recomputed; ++l) {
+      const auto third = z(mb, l, 3);
+      CHECK(replay.route(router, l, third).ids == update_ids[static_cast<std::size_t>(mb * L + l)]);
+      rerouted_natively += differing_rows(router.route(third).ids, update_ids[static_cast<std::size_t>(mb * L + l)]);
+    }
+  CHECK(rerouted_natively > 0);
+  for (int l = 0; l < L; ++l)
+    CHECK(replay.queued(l) == 0);
+  // A recompute of a layer that was not named says so.
+  CHECK_THROWS_WITH_AS(replay.route(router, recomputed, z(0, recomputed, 3)),
+                       doctest::Contains("not among those set_activation_recompute(layers) named"),
+                       mrr::RouteStoreError);
+  // Layers outside the store are refused before anything changes; an empty list switches it off,
+  // true switches every layer on.
+  const std::vector<int> outside = {3, L};
+  CHECK_THROWS_WITH_AS(replay.set_activation_recompute(outside),
+                       doctest::Contains("layer 48 outside the store's [0, 48)"), mrr::InvalidArgument);
+  CHECK(replay.activation_recompute(3));
+  CHECK_FALSE(replay.activation_recompute(20));
+  replay.set_activation_recompute(std::vector<int>{});
+  CHECK_FALSE(replay.activation_recompute());
+  CHECK_FALSE(replay.activation_recompute(3));
+  replay.set_activation_recompute(true);
+  CHECK(replay.activation_recompute(L - 1));
+  replay.begin_pass(mrr::TrainingPass::actor_update);
+  replay.set_micro_batch(layout(0));
+  for (int l = 0; l < L; ++l)
+    replay.route(router, l, z(0, l, 4));
+  for (int l = 0; l < L; ++l)
+    CHECK(replay.queued(l) == 1);
+}
+
 TEST_CASE("replay passes no mask when every row has a route, and the masked path when padding or a miss needs it") {
   const int E = 32, k = 4;
   const mrr::TopKRouter<float> router(mrr::presets::qwen3_moe(E, k));

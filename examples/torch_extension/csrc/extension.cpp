@@ -653,6 +653,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "set_activation_recompute", [](Replay& r, bool on) { r.replay.set_activation_recompute(on); }, py::arg("on"))
       .def(
+          "set_activation_recompute",
+          [](Replay& r, const std::vector<int>& layers) { r.replay.set_activation_recompute(layers); },
+          py::arg("layers"))
+      .def(
+          "activation_recompute",
+          [](const Replay& r, std::optional<int> layer) {
+            return layer ? r.replay.activation_recompute(*layer) : r.replay.activation_recompute();
+          },
+          py::arg("layer") = py::none())
+      .def(
           "set_micro_batch_padded",
           [](Replay& r, const at::Tensor& uids, const at::Tensor& attention_mask) {
             r.replay.set_micro_batch(mrr::torch::padded_layout(uids, attention_mask));

@@ -432,6 +432,30 @@ def test_activation_recompute_switched_on_inside_the_update_pass(mt):
     assert torch.equal(replay.route(router, 0, torch.randn(4, E))[1], rec)
 
 
+def test_activation_recompute_for_some_layers_only(mt):
+    router = mt.Router(E, K)
+    store = memory_store(mt, "R2")
+    replay = mt.Replay(store)
+    replay.begin_pass("old_log_prob")
+    replay.set_micro_batch_packed(torch.tensor([3]), torch.tensor([0, 4]))
+    recorded = [replay.route(router, layer, torch.randn(4, E))[1] for layer in range(L)]
+    replay.set_activation_recompute([0])  # Megatron's partial recompute: layer 0 only
+    assert replay.activation_recompute() and replay.activation_recompute(0)
+    assert not replay.activation_recompute(1)
+    replay.begin_pass("actor_update")
+    for layer in range(L):
+        replay.route(router, layer, torch.randn(4, E))
+    assert [replay.queued(layer) for layer in range(L)] == [1] + [0] * (L - 1)
+    replay.begin_pass("actor_recompute")
+    assert torch.equal(replay.route(router, 0, torch.randn(4, E))[1], recorded[0])
+    with pytest.raises(mt.RouteStoreError, match="not among those set_activation_recompute"):
+        replay.route(router, 1, torch.randn(4, E))
+    with pytest.raises(mt.InvalidArgumentError, match="outside the store"):
+        replay.set_activation_recompute([L])
+    replay.set_activation_recompute([])
+    assert not replay.activation_recompute()
+
+
 def test_wrong_dtype_and_shape_name_the_argument(mt):
     router = mt.Router(E, K)
     logits = torch.randn(3, E)

@@ -105,12 +105,32 @@ class RoutingReplay {
   // update forward queues its replayed ids for the recompute that follows. Off by default, so a
   // trainer that keeps activations queues nothing (with it on, every update micro-batch's ids
   // would pile up until the next old-log-prob pass); a recompute with it off is a clear error.
-  // Takes effect at once, also inside an actor_update pass already begun.
+  // Takes effect at once, also inside an actor_update pass already begun. `true` means every MoE
+  // layer recomputes.
   void set_activation_recompute(bool on) {
     recompute_ = on;
+    recomputed_.clear();
     if (in_update_pass_) queue_ = on;
   }
+  // Only these layers' backwards recompute (Megatron's partial recomputation,
+  // `recompute_num_layers` with `recompute_method` uniform or block): only they queue their ids,
+  // so a layer that keeps its activations holds none between old-log-prob passes. An empty list
+  // is set_activation_recompute(false). The list applies to set_action's queue_for_recompute too.
+  void set_activation_recompute(std::span<const int> layers) {
+    std::vector<std::uint8_t> recomputed(queues_.size(), 0);
+    for (const int layer : layers) {
+      check_layer(layer, "RoutingReplay::set_activation_recompute");
+      recomputed[static_cast<std::size_t>(layer)] = 1;
+    }
+    set_activation_recompute(!layers.empty());
+    if (!layers.empty()) recomputed_ = std::move(recomputed);
+  }
   bool activation_recompute() const { return recompute_; }
+  // Whether `layer` queues its replayed ids in the actor update (activation recompute on for it).
+  bool activation_recompute(int layer) const {
+    check_layer(layer, "RoutingReplay::activation_recompute");
+    return recompute_ && recomputes(layer);
+  }
   void clear_queues() {
     for (auto& q : queues_) q.clear();
     for (auto& l : last_)
@@ -269,9 +289,9 @@ class RoutingReplay {
       stats_.recorded_rows += layout_.real_tokens();
       return routing;
     }
-    Queued q = lookup_replayed(layer);  // replay_forward
+    Queued q = lookup_replayed(layer, queue_ && recomputes(layer));  // replay_forward
     auto routing = in.replay(q.ids, replay_mask(q));
-    if (queue_) {
+    if (queue_ && recomputes(layer)) {
       // The recompute must take every row as this forward routed it: the rows this forward routed
       // natively (no recorded route: R3's last position, allowed misses) are pinned to the ids it
       // chose, not routed again from the recompute's logits. Padding rows stay native (zeros).
@@ -324,9 +344,12 @@ class RoutingReplay {
           "mrr::", fn, ": layer ", layer,
           " has no queued routes to recompute with: replay_backward consumes, in order, the ids of earlier "
           "replay_forward calls of the same layer",
-          recompute_ ? ""
-                     : "; activation recompute is off (the default), so the actor update queued nothing: call "
-                       "set_activation_recompute(true) before the actor_update pass when the backward recomputes"));
+          !recompute_ ? "; activation recompute is off (the default), so the actor update queued nothing: call "
+                        "set_activation_recompute(true) before the actor_update pass when the backward recomputes"
+          : !recomputes(layer)
+              ? "; this layer is not among those set_activation_recompute(layers) named, so it queued nothing: "
+                "name every layer whose backward recomputes"
+              : ""));
     detail::require(queue.front().ids.rows() == rows, fn, "layer ", layer, ": the recomputed forward has ", rows,
                     " rows but the forward it replays had ", queue.front().ids.rows(),
                     " (recompute must follow the forward order)");
@@ -338,11 +361,11 @@ class RoutingReplay {
   }
 
   // replay_forward: the micro-batch's recorded ids in `layer` (a miss is an error unless allowed).
-  Queued lookup_replayed(int layer) {
+  Queued lookup_replayed(int layer, bool queued) {
     Queued q;
     q.all_found = store_->lookup(layer, layout_, q.ids, q.found) == layout_.size();
     check_missing(layer, q.found);
-    if (queue_) q.padding = layout_padding_;
+    if (queued) q.padding = layout_padding_;
     return q;
   }
 
@@ -386,12 +409,16 @@ class RoutingReplay {
     }
   }
 
+  // Whether `layer` queues when queue_ is set: every layer, or those named to recompute.
+  bool recomputes(int layer) const { return recomputed_.empty() || recomputed_[static_cast<std::size_t>(layer)] != 0; }
+
   ReplayMode mode_;
   Store* store_;
   MissingRoutes missing_;
   RouterAction action_ = RouterAction::native;
   bool queue_ = true;
   bool recompute_ = false;
+  std::vector<std::uint8_t> recomputed_;  // per layer, 1: recomputes; empty: every layer does
   bool in_update_pass_ = false;  // the action came from begin_pass(actor_update)
   TokenLayout layout_;
   std::vector<std::uint8_t> layout_padding_;  // layout_'s padding rows (1), empty when none
