@@ -92,10 +92,22 @@ bool run_masked(const GoldenCase& c, OutputChecker<T>& check) {
   if (c.fn == "masked_mean") {
     if (!c.has_param("axis")) {
       check.scalar("out", static_cast<double>(mrr::device::masked_mean<T>(values, mask)));
-    } else {
-      const auto m = mrr::device::masked_row_mean<T>(values, mask, cols);
-      check.matrix("out", as_matrix(m, static_cast<long>(m.size())));
+      return true;
     }
+    const auto axis = c.param<int>("axis");
+    if (axis == 0 || axis == -2) {  // a mean per column: the row means of the transposes
+      const auto transposed = [&](const std::string& key) {
+        const mrr::RowMatrix<T> t = c.input(key).matrix<T>().transpose();
+        return dvec<T>(t.data(), t.data() + t.size());
+      };
+      const auto m = mrr::device::masked_row_mean<T>(transposed("values"), transposed("mask"),
+                                                     static_cast<long>(c.input("values").rows()));
+      check.matrix("out", as_matrix(m, static_cast<long>(m.size())));
+      return true;
+    }
+    if (axis != 1 && axis != -1) return false;
+    const auto m = mrr::device::masked_row_mean<T>(values, mask, cols);
+    check.matrix("out", as_matrix(m, static_cast<long>(m.size())));
     return true;
   }
   if (c.fn == "masked_var") {

@@ -121,7 +121,7 @@ void for_each_case(const std::string& file, Run&& run) {
         FAIL_CHECK("fn '" << c.fn << "' is not handled by the test");
       }
     } catch (const std::exception& e) {
-      FAIL_CHECK("threw: " << e.what());
+      FAIL_CHECK("threw: " << std::string(e.what()));
     }
   }
   MESSAGE(file << ": " << completed << " of " << cases.size() << " cases run in " << std::string(type_name<T>()) << ", "

@@ -22,7 +22,7 @@ std::string error_of(F&& f) {
   } catch (const InvalidArgument& e) {
     return e.what();
   } catch (const std::exception& e) {
-    FAIL("threw something other than mrr::InvalidArgument: " << e.what());
+    FAIL("threw something other than mrr::InvalidArgument: " << std::string(e.what()));
   }
   FAIL("did not throw");
   return {};

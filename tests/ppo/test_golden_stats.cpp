@@ -28,7 +28,14 @@ bool run_masked(const GoldenCase& c, OutputChecker<T>& check) {
       check.scalar("out", static_cast<double>(ppo::masked_mean<T>(values, mask)));
       return true;
     }
+    // axis 0 (a mean per column): the row means of the transposes, summed in torch's order for
+    // dim 0 of a [B, L] tensor (row after row).
     const auto axis = c.param<int>("axis");
+    if (axis == 0 || axis == -2) {
+      const RowMatrix<T> values_t = values.transpose(), mask_t = mask.transpose();
+      check.matrix("out", ppo::masked_row_mean<T>(values_t, mask_t));
+      return true;
+    }
     if (axis != 1 && axis != -1) return false;
     check.matrix("out", ppo::masked_row_mean<T>(values, mask));
     return true;
