@@ -447,3 +447,23 @@ TEST_CASE("float: token-sum and seq-mean aggregation of 131,072 terms is the dou
     CHECK(std::abs(got - want) <= 1e-6 * std::abs(want));
   }
 }
+
+TEST_CASE("sequence-level IS fractions as verl computes them: a float32 log threshold and a float32 mean") {
+  // verl compares each sequence's log-ratio with torch.log(torch.tensor(2.0)), a float32 value
+  // (0.69314718246...), above double's log 2 (0.69314718056...), and takes (cond).float().mean().
+  const double between = 0.6931471815;  // above double's log 2, below float32's
+  REQUIRE(between > std::log(2.0));
+  REQUIRE(between < static_cast<double>(std::log(2.0f)));
+  RowMatrix<double> log_ratio(3, 2);
+  log_ratio << between, 0.0, 1.0, 0.0, 0.0, 0.0;
+  const RowMatrix<double> mask = RowMatrix<double>::Ones(3, 2);
+  ppo::RolloutIsOptions options;
+  options.level = ppo::RolloutIsLevel::sequence;
+  options.threshold = ppo::RolloutIsThreshold::truncate_at(2.0);
+  const auto out = ppo::compute_rollout_correction_weights<double>(log_ratio, mask, options);
+  // One sequence of three exceeds the float32 threshold (the borderline one does not), and the
+  // fraction is float32's 1 / 3.
+  CHECK(out.metrics.at("rollout_is_ratio_fraction_high") == static_cast<double>(1.0f / 3.0f));
+  CHECK(out.metrics.at("rollout_is_ratio_fraction_high") != 1.0 / 3.0);
+  CHECK(out.metrics.at("rollout_is_ratio_fraction_low") == 0.0);
+}
