@@ -51,6 +51,8 @@ inline constexpr std::string_view clip_ratio = "actor_rollout_ref.actor.clip_rat
 inline constexpr std::string_view clip_ratio_low = "actor_rollout_ref.actor.clip_ratio_low";
 inline constexpr std::string_view clip_ratio_high = "actor_rollout_ref.actor.clip_ratio_high";
 inline constexpr std::string_view kl_loss_coef = "actor_rollout_ref.actor.kl_loss_coef";
+inline constexpr std::string_view kl_cov_ratio = "actor_rollout_ref.actor.policy_loss.kl_cov_ratio";
+inline constexpr std::string_view ppo_kl_coef = "actor_rollout_ref.actor.policy_loss.ppo_kl_coef";
 inline constexpr std::string_view experts = "actor_rollout_ref.model.num_experts";
 inline constexpr std::string_view topk = "actor_rollout_ref.model.moe_topk";
 inline constexpr std::string_view hidden = "actor_rollout_ref.model.hidden_size";
@@ -155,6 +157,7 @@ struct TrainConfig {
     const auto& policy = grpo.policy;
     mix(policy.clip_ratio), mix_optional(policy.clip_ratio_low), mix_optional(policy.clip_ratio_high);
     mix(policy.clip_ratio_c), mix(policy.tau_pos), mix(policy.tau_neg), mix_optional(policy.dro_beta);
+    mix(policy.kl_cov_ratio), mix(policy.ppo_kl_coef);
     mix(grpo.use_kl_loss), mix(grpo.kl_loss_coef);
     return (h ^ (h >> 24) ^ (h >> 48)) & 0xffffffull;
   }
@@ -216,6 +219,9 @@ struct TrainConfig {
     if (policy.clip_ratio_high)
       require_option(std::isfinite(*policy.clip_ratio_high) && *policy.clip_ratio_high > 0, keys::clip_ratio_high,
                      "finite and > 0", *policy.clip_ratio_high);
+    require_option(policy.kl_cov_ratio > 0 && policy.kl_cov_ratio <= 1, keys::kl_cov_ratio, "in (0, 1]",
+                   policy.kl_cov_ratio);
+    require_option(std::isfinite(policy.ppo_kl_coef), keys::ppo_kl_coef, "finite", policy.ppo_kl_coef);
   }
 
   void validate_model() const {

@@ -4,6 +4,7 @@
 
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -178,6 +179,20 @@ TEST_CASE("loss configuration errors") {
   CHECK(contains(
       error_of([&] { ppo::compute_policy_loss_vanilla<double>(z, z, z, ones, ppo::LossAggMode::token_mean, config); }),
       "'clip_ratio_c'"));
+  for (const double ratio : {0.0, -0.1, 1.5, std::nan("")}) {
+    CAPTURE(ratio);
+    ppo::PolicyLossConfig kl_cov;
+    kl_cov.kl_cov_ratio = ratio;
+    CHECK(contains(
+        error_of([&] { ppo::compute_policy_loss_kl_cov<double>(z, z, z, ones, ppo::LossAggMode::token_mean, kl_cov); }),
+        "mrr::ppo::compute_policy_loss_kl_cov: 'kl_cov_ratio' (the share of valid tokens to penalise) "
+        "must be in (0, 1]"));
+  }
+  ppo::PolicyLossConfig kl_coef;
+  kl_coef.ppo_kl_coef = std::numeric_limits<double>::infinity();
+  CHECK(contains(
+      error_of([&] { ppo::compute_policy_loss_kl_cov<double>(z, z, z, ones, ppo::LossAggMode::token_mean, kl_coef); }),
+      "'ppo_kl_coef' must be finite, got inf"));
   ppo::GlobalBatchInfo info;
   info.dp_size = 2;
   CHECK(contains(error_of([&] { ppo::agg_loss<double>(z, ones, ppo::LossAggMode::token_mean, info); }),
@@ -234,7 +249,8 @@ TEST_CASE("mask values other than 0 and 1 are rejected, naming the argument and 
       CHECK(contains(msg, at));
       CHECK(contains(msg, " at [1, 2]; a mask holds 0 or 1"));
     };
-    for (const auto name : {"vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro"}) {
+    for (const auto name :
+         {"vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro", "kl_cov"}) {
       CAPTURE(name);
       names_index(error_of([&] { ppo::compute_policy_loss<double>(name, z, z, z, mask, "token-mean"); }),
                   std::string("ppo::compute_policy_loss_") + name);

@@ -86,6 +86,8 @@ bool run_policy_loss(const GoldenCase& c, OutputChecker<T>& check) {
   config.tau_pos = c.param<double>("tau_pos", config.tau_pos);
   config.tau_neg = c.param<double>("tau_neg", config.tau_neg);
   if (c.has_param("dro_beta")) config.dro_beta = c.param<double>("dro_beta");
+  config.kl_cov_ratio = c.param<double>("kl_cov_ratio", config.kl_cov_ratio);
+  config.ppo_kl_coef = c.param<double>("ppo_kl_coef", config.ppo_kl_coef);
   config.global_batch_info = batch_info(c);
 
   const RowMatrix<T> old_log_prob = c.input("old_log_prob").matrix<T>();

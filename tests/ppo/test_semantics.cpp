@@ -5,6 +5,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -261,6 +262,47 @@ TEST_CASE("vanilla: asymmetric clip and dual clip on hand-made tokens") {
   CHECK(out.grad_log_prob.isZero());  // every token is clipped
   CHECK(*out.metric("actor/pg_clipfrac") == doctest::Approx(2.0 / 3.0));
   CHECK(*out.metric("actor/pg_clipfrac_lower") == doctest::Approx(1.0 / 3.0));
+}
+
+TEST_CASE("kl_cov: the tokens whose advantage and log-probability covary most carry coef |log-ratio|") {
+  // Means: A 0, log p -1.625; covariances A (log p + 1.625) = 0.625, 0.375, -1.375, -1.125.
+  RowMatrix<double> lp(1, 4), old(1, 4), adv(1, 4), mask = RowMatrix<double>::Ones(1, 4);
+  lp << -1.0, -2.0, -3.0, -0.5;
+  const double log_ratio[4] = {0.1, -0.2, 0.3, 0.05};
+  for (int j = 0; j < 4; ++j)
+    old(0, j) = lp(0, j) - log_ratio[j];
+  adv << 1.0, -1.0, 1.0, -1.0;
+  const auto expect = [&](const ppo::PolicyLossResult<double>& out, std::vector<int> selected, double coef) {
+    double loss = 0;
+    for (int j = 0; j < 4; ++j) {
+      const bool s = std::find(selected.begin(), selected.end(), j) != selected.end();
+      const double plain = -adv(0, j) * std::exp(lp(0, j) - old(0, j));
+      loss += plain + (s ? coef * std::abs(log_ratio[j]) : 0.0);
+      CAPTURE(j);
+      CHECK(out.grad_log_prob(0, j) ==
+            doctest::Approx(plain + (s ? coef * (log_ratio[j] > 0 ? 1.0 : -1.0) : 0.0)).epsilon(1e-12));
+    }
+    CHECK(out.loss == doctest::Approx(loss).epsilon(1e-12));
+    CHECK(out.metrics.size() == 1);  // verl reports actor/ppo_kl only: the masked mean |log-ratio|
+    CHECK(*out.metric("actor/ppo_kl") == doctest::Approx((0.1 + 0.2 + 0.3 + 0.05) / (4 + 1e-8)).epsilon(1e-12));
+  };
+  ppo::PolicyLossConfig config;  // verl's defaults: 0.0002 of 4 tokens rounds to 0, so one token
+  config.ppo_kl_coef = 2.0;
+  expect(ppo::compute_policy_loss_kl_cov<double>(old, lp, adv, mask, ppo::LossAggMode::token_sum, config), {0}, 2.0);
+  config.kl_cov_ratio = 0.5;  // two tokens
+  expect(ppo::compute_policy_loss<double>("kl_cov", old, lp, adv, mask, "token-sum", config), {0, 1}, 2.0);
+  config.kl_cov_ratio = 1.0;  // every valid token
+  expect(ppo::compute_policy_loss<double>("kl_cov", old, lp, adv, mask, "token-sum", config), {0, 1, 2, 3}, 2.0);
+  // Equal advantages: every covariance is 0, and the tie goes to the lowest valid index (torch.topk
+  // leaves it to its selection algorithm; docs/ppo.md).
+  adv.setConstant(0.5);
+  config.kl_cov_ratio = 0.25;
+  expect(ppo::compute_policy_loss_kl_cov<double>(old, lp, adv, mask, ppo::LossAggMode::token_sum, config), {0}, 2.0);
+  mask(0, 0) = 0;
+  const auto masked = ppo::compute_policy_loss_kl_cov<double>(old, lp, adv, mask, ppo::LossAggMode::token_sum, config);
+  CHECK(masked.grad_log_prob(0, 0) == 0.0);
+  CHECK(masked.grad_log_prob(0, 1) == doctest::Approx(-0.5 * std::exp(-0.2) - 2.0).epsilon(1e-12));
+  CHECK(masked.grad_log_prob(0, 2) == doctest::Approx(-0.5 * std::exp(0.3)).epsilon(1e-12));
 }
 
 TEST_CASE("rollout IS weights: TIS, IcePop, batch normalisation and diagnostics") {

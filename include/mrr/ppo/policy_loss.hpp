@@ -1,11 +1,12 @@
 // Policy-gradient losses with verl's names (vanilla PPO with asymmetric and dual clip, gspo,
-// sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro), their metrics under verl's metric names,
+// sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov), their metrics under verl's metric names,
 // and the analytic gradient of the loss w.r.t. the current log-probabilities.
 #pragma once
 
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
+#include <mrr/kernels/ppo/advantage.hpp>
 #include <mrr/kernels/ppo/policy_loss.hpp>
 #include <mrr/ppo/aggregate.hpp>
 #include <mrr/ppo/detail/validate.hpp>
@@ -15,17 +16,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 MRR_NAMESPACE_BEGIN
 namespace ppo {
 
-enum class PolicyLossKind { vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro };
+enum class PolicyLossKind { vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov };
 
 inline PolicyLossKind parse_policy_loss(std::string_view name) {
   if (name == "vanilla") return PolicyLossKind::vanilla;
@@ -37,12 +40,14 @@ inline PolicyLossKind parse_policy_loss(std::string_view name) {
   if (name == "dppo_tv") return PolicyLossKind::dppo_tv;
   if (name == "dppo_kl") return PolicyLossKind::dppo_kl;
   if (name == "dro") return PolicyLossKind::dro;
-  if (name == "clip_cov" || name == "kl_cov" || name == "bypass_mode")
+  if (name == "kl_cov") return PolicyLossKind::kl_cov;
+  if (name == "clip_cov" || name == "bypass_mode")
     mrr::detail::throw_invalid_argument("ppo::parse_policy_loss", "policy loss '", name,
                                         "' is one of verl's that mrr does not provide; mrr provides: vanilla, gspo, "
-                                        "sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro");
-  mrr::detail::throw_invalid_argument("ppo::parse_policy_loss", "unknown policy loss '", name,
-                                      "'; expected vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl or dro");
+                                        "sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov");
+  mrr::detail::throw_invalid_argument(
+      "ppo::parse_policy_loss", "unknown policy loss '", name,
+      "'; expected vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro or kl_cov");
 }
 
 inline std::string_view to_string(PolicyLossKind kind) {
@@ -65,6 +70,8 @@ inline std::string_view to_string(PolicyLossKind kind) {
       return "dppo_kl";
     case PolicyLossKind::dro:
       return "dro";
+    case PolicyLossKind::kl_cov:
+      return "kl_cov";
   }
   return "?";
 }
@@ -79,6 +86,8 @@ struct PolicyLossConfig {
   double tau_pos = 1.0;                   // sapo gate temperature for positive advantages
   double tau_neg = 1.05;                  // sapo gate temperature for other advantages
   std::optional<double> dro_beta;         // dro quadratic penalty; required (> 0) by dro
+  double kl_cov_ratio = 0.0002;           // kl_cov: share of valid tokens that get the KL penalty, (0, 1]
+  double ppo_kl_coef = 1.0;               // kl_cov: coefficient of |log p - log p_old| on those tokens
   GlobalBatchInfo global_batch_info;
 
   double low() const { return clip_ratio_low.value_or(clip_ratio); }
@@ -569,6 +578,83 @@ PolicyLossResult<T> compute_policy_loss_dro(MatrixRef<T> old_log_prob, MatrixRef
       [&](Eigen::Index, Eigen::Index, T lp, T old, T a) { return kernels::ppo::dro_token(lp, old, a, beta); });
 }
 
+namespace detail {
+
+// kl_cov's choice of tokens, as verl makes it: over the valid tokens (mask > 0) in row-major order,
+// cov = (A - mean A) (log p - mean log p) with torch.mean's summation order; the
+// max(1, int(n kl_cov_ratio)) largest covariances are selected (none when no token is valid).
+// torch.topk leaves the choice among covariances tied at the k-th value to its selection
+// algorithm; mrr takes the lowest flat index (deterministic for any thread count or build).
+template <class T>
+std::vector<std::uint8_t> kl_cov_selection(const MatrixRef<T>& log_prob, const MatrixRef<T>& advantages,
+                                           const MatrixRef<T>& response_mask, double kl_cov_ratio) {
+  const Eigen::Index rows = log_prob.rows(), cols = log_prob.cols();
+  std::vector<std::uint8_t> selected(static_cast<std::size_t>(rows * cols), 0);
+  std::vector<long> valid;
+  std::vector<T> adv, lp;
+  for (Eigen::Index i = 0; i < rows; ++i)
+    for (Eigen::Index j = 0; j < cols; ++j)
+      if (response_mask(i, j) > T(0)) {
+        valid.push_back(static_cast<long>(i * cols + j));
+        adv.push_back(advantages(i, j));
+        lp.push_back(log_prob(i, j));
+      }
+  const long n = static_cast<long>(valid.size());
+  if (n == 0) return selected;
+  std::vector<long> order(static_cast<std::size_t>(n));
+  for (long t = 0; t < n; ++t)
+    order[static_cast<std::size_t>(t)] = t;
+  const T mean_adv = kernels::ppo::group_mean(adv.data(), order.data(), n);
+  const T mean_lp = kernels::ppo::group_mean(lp.data(), order.data(), n);
+  std::vector<T> cov(static_cast<std::size_t>(n));
+  for (long t = 0; t < n; ++t) {
+    const auto u = static_cast<std::size_t>(t);
+    cov[u] = (adv[u] - mean_adv) * (lp[u] - mean_lp);
+  }
+  const long k = std::max(1L, static_cast<long>(static_cast<double>(n) * kl_cov_ratio));
+  // torch.topk(largest=True) ranks NaN above every number.
+  const auto before = [&](long x, long y) {
+    const T a = cov[static_cast<std::size_t>(x)], b = cov[static_cast<std::size_t>(y)];
+    const bool a_nan = a != a, b_nan = b != b;
+    if (a_nan != b_nan) return a_nan;
+    if (!a_nan && a != b) return a > b;
+    return x < y;
+  };
+  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
+  for (long t = 0; t < k; ++t)
+    selected[static_cast<std::size_t>(valid[static_cast<std::size_t>(order[static_cast<std::size_t>(t)])])] = 1;
+  return selected;
+}
+
+}  // namespace detail
+
+// verl "kl_cov" (Cui et al. 2025, the entropy mechanism of RL for reasoning models): the
+// unclipped -A r, r = exp(log p - log p_old), with ppo_kl_coef |log p - log p_old| added on the
+// max(1, int(n kl_cov_ratio)) valid tokens whose advantage and log-probability covary most (see
+// detail::kl_cov_selection). Reports actor/ppo_kl = masked mean of |log p - log p_old|, as verl.
+template <class T>
+PolicyLossResult<T> compute_policy_loss_kl_cov(MatrixRef<T> old_log_prob, MatrixRef<T> log_prob,
+                                               MatrixRef<T> advantages, MatrixRef<T> response_mask,
+                                               LossAggMode loss_agg_mode = LossAggMode::token_mean,
+                                               const PolicyLossConfig& config = {},
+                                               OptionalMatrixView<T> rollout_is_weights = {}) {
+  constexpr std::string_view fn = "ppo::compute_policy_loss_kl_cov";
+  detail::check_policy_inputs<T>(fn, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights);
+  mrr::detail::require(config.kl_cov_ratio > 0 && config.kl_cov_ratio <= 1, fn,
+                       "'kl_cov_ratio' (the share of valid tokens to penalise) must be in (0, 1], got ",
+                       config.kl_cov_ratio);
+  mrr::detail::require(std::isfinite(config.ppo_kl_coef), fn, "'ppo_kl_coef' must be finite, got ", config.ppo_kl_coef);
+  const std::vector<std::uint8_t> selected =
+      detail::kl_cov_selection<T>(log_prob, advantages, response_mask, config.kl_cov_ratio);
+  const T coef = static_cast<T>(config.ppo_kl_coef);
+  const Eigen::Index cols = log_prob.cols();
+  return detail::token_policy_loss<T>(
+      fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config.global_batch_info,
+      rollout_is_weights, detail::MetricSet::kl_only, [&](Eigen::Index i, Eigen::Index j, T lp, T old, T a) {
+        return kernels::ppo::kl_cov_token(lp, old, a, selected[static_cast<std::size_t>(i * cols + j)] != 0, coef);
+      });
+}
+
 // GMPO (verl "geo_mean", arXiv 2507.20673): the per-sequence geometric mean of token ratios, each
 // log-ratio clipped to [-low, high] on the side the advantage sign makes pessimistic, times the
 // sequence's mean advantage; the loss is the plain mean over sequences (loss_agg_mode and the
@@ -668,6 +754,9 @@ PolicyLossResult<T> compute_policy_loss(PolicyLossKind kind, MatrixRef<T> old_lo
     case PolicyLossKind::dro:
       return compute_policy_loss_dro<T>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                                         rollout_is_weights);
+    case PolicyLossKind::kl_cov:
+      return compute_policy_loss_kl_cov<T>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                                           rollout_is_weights);
   }
   mrr::detail::throw_invalid_argument("ppo::compute_policy_loss", "invalid PolicyLossKind ", static_cast<int>(kind));
 }
