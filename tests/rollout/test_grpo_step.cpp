@@ -136,6 +136,20 @@ TEST_CASE("grpo_loss and config: errors name the problem") {
                        doctest::Contains("ref_log_prob"), mrr::InvalidArgument);
   config.adv_estimator = "grpoo";
   CHECK_THROWS_AS(config.validate(), mrr::InvalidArgument);
+  ppo::GrpoStepConfig kl_cov;
+  kl_cov.policy_loss = "kl_cov";
+  kl_cov.policy.kl_cov_ratio = 0;  // caught before the first rollout, not at the first update
+  CHECK_THROWS_WITH_AS(kl_cov.validate(), doctest::Contains("policy.kl_cov_ratio must be in (0, 1], got 0"),
+                       mrr::InvalidArgument);
+  kl_cov.policy.kl_cov_ratio = 0.5;
+  kl_cov.validate();
+  const RowMatrix<double> signed_adv = RowMatrix<double>::Constant(b.mask.rows(), b.mask.cols(), 0.25);
+  const auto got = ppo::grpo_loss<double>(b.old_log_prob, b.log_prob, signed_adv, b.mask, std::nullopt, kl_cov);
+  const auto pg = ppo::compute_policy_loss_kl_cov<double>(b.old_log_prob, b.log_prob, signed_adv, b.mask,
+                                                          ppo::LossAggMode::token_mean, kl_cov.policy);
+  CHECK(got.loss == pg.loss);
+  CHECK(got.grad_log_prob == pg.grad_log_prob);
+  CHECK_FALSE(got.metric("actor/pg_clipfrac").has_value());  // verl's kl_cov reports actor/ppo_kl only
 }
 
 TEST_CASE("logprob_mismatch: k1, k3, max and mean |diff| over valid tokens") {
