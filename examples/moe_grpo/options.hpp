@@ -111,8 +111,6 @@ inline void set_option(RunOptions& o, std::string_view key, std::string_view v) 
       {keys::clip_ratio, [&] { t.grpo.policy.clip_ratio = parse_number<double>(key, v); }},
       {keys::clip_ratio_low, [&] { t.grpo.policy.clip_ratio_low = parse_number<double>(key, v); }},
       {keys::clip_ratio_high, [&] { t.grpo.policy.clip_ratio_high = parse_number<double>(key, v); }},
-      {keys::kl_cov_ratio, [&] { t.grpo.policy.kl_cov_ratio = parse_number<double>(key, v); }},
-      {keys::ppo_kl_coef, [&] { t.grpo.policy.ppo_kl_coef = parse_number<double>(key, v); }},
       {"actor_rollout_ref.actor.use_kl_loss", [&] { t.grpo.use_kl_loss = detail::parse_flag(key, v); }},
       {keys::kl_loss_coef, [&] { t.grpo.kl_loss_coef = parse_number<double>(key, v); }},
       {"actor_rollout_ref.actor.kl_loss_type", [&] { t.grpo.kl_loss_type = std::string(v); }},

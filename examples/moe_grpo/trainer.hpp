@@ -51,8 +51,6 @@ inline constexpr std::string_view clip_ratio = "actor_rollout_ref.actor.clip_rat
 inline constexpr std::string_view clip_ratio_low = "actor_rollout_ref.actor.clip_ratio_low";
 inline constexpr std::string_view clip_ratio_high = "actor_rollout_ref.actor.clip_ratio_high";
 inline constexpr std::string_view kl_loss_coef = "actor_rollout_ref.actor.kl_loss_coef";
-inline constexpr std::string_view kl_cov_ratio = "actor_rollout_ref.actor.policy_loss.kl_cov_ratio";
-inline constexpr std::string_view ppo_kl_coef = "actor_rollout_ref.actor.policy_loss.ppo_kl_coef";
 inline constexpr std::string_view experts = "actor_rollout_ref.model.num_experts";
 inline constexpr std::string_view topk = "actor_rollout_ref.model.moe_topk";
 inline constexpr std::string_view hidden = "actor_rollout_ref.model.hidden_size";
@@ -157,7 +155,6 @@ struct TrainConfig {
     const auto& policy = grpo.policy;
     mix(policy.clip_ratio), mix_optional(policy.clip_ratio_low), mix_optional(policy.clip_ratio_high);
     mix(policy.clip_ratio_c), mix(policy.tau_pos), mix(policy.tau_neg), mix_optional(policy.dro_beta);
-    mix(policy.kl_cov_ratio), mix(policy.ppo_kl_coef);
     mix(grpo.use_kl_loss), mix(grpo.kl_loss_coef);
     return (h ^ (h >> 24) ^ (h >> 48)) & 0xffffffull;
   }
@@ -219,9 +216,14 @@ struct TrainConfig {
     if (policy.clip_ratio_high)
       require_option(std::isfinite(*policy.clip_ratio_high) && *policy.clip_ratio_high > 0, keys::clip_ratio_high,
                      "finite and > 0", *policy.clip_ratio_high);
-    require_option(policy.kl_cov_ratio > 0 && policy.kl_cov_ratio <= 1, keys::kl_cov_ratio, "in (0, 1]",
-                   policy.kl_cov_ratio);
-    require_option(std::isfinite(policy.ppo_kl_coef), keys::ppo_kl_coef, "finite", policy.ppo_kl_coef);
+    // kl_cov and clip_cov choose tokens by statistics of the whole micro-batch; this example forms
+    // the loss sequence by sequence (so any rank count gives the same bits), where they would
+    // choose per sequence instead: refused rather than computed differently from verl.
+    if (grpo.policy_loss == "kl_cov" || grpo.policy_loss == "clip_cov")
+      throw mrr::ConfigError(mrr::detail::str(
+          "actor_rollout_ref.actor.policy_loss.loss_mode: '", grpo.policy_loss,
+          "' selects tokens across a whole micro-batch, and this example computes its loss sequence by sequence "
+          "(the same bits for any rank count); mrr::ppo::compute_policy_loss provides it on whole micro-batches"));
   }
 
   void validate_model() const {

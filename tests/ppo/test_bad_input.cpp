@@ -147,8 +147,8 @@ TEST_CASE("unknown names are rejected with the list of known ones") {
                  "advantage estimator 'gdpo' is one of verl's that mrr does not provide"));
   msg = error_of([] { ppo::parse_policy_loss("ppo"); });
   CHECK(contains(msg, "unknown policy loss 'ppo'"));
-  CHECK(contains(error_of([] { ppo::parse_policy_loss("clip_cov"); }),
-                 "policy loss 'clip_cov' is one of verl's that mrr does not provide"));
+  CHECK(contains(error_of([] { ppo::parse_policy_loss("bypass_mode"); }),
+                 "policy loss 'bypass_mode' is one of verl's that mrr does not provide"));
   CHECK(contains(error_of([] { ppo::parse_kl_penalty("k4"); }), "unknown kl_penalty 'k4'"));
   CHECK(contains(error_of([] { ppo::parse_kl_penalty("full"); }), "'full'"));
   CHECK(contains(error_of([] { ppo::parse_loss_agg_mode("token_mean"); }), "unknown loss_agg_mode 'token_mean'"));
@@ -188,6 +188,19 @@ TEST_CASE("loss configuration errors") {
         "mrr::ppo::compute_policy_loss_kl_cov: 'kl_cov_ratio' (the share of valid tokens to penalise) "
         "must be in (0, 1]"));
   }
+  for (const double ratio : {0.0, 2.0}) {
+    ppo::PolicyLossConfig clip_cov;
+    clip_cov.clip_cov_ratio = ratio;
+    CHECK(contains(error_of([&] {
+                     ppo::compute_policy_loss_clip_cov<double>(z, z, z, ones, ppo::LossAggMode::token_mean, clip_cov);
+                   }),
+                   "'clip_cov_ratio' (the most of the valid tokens to drop) must be in (0, 1]"));
+  }
+  ppo::PolicyLossConfig bounds;
+  bounds.clip_cov_lb = 5;
+  CHECK(contains(
+      error_of([&] { ppo::compute_policy_loss_clip_cov<double>(z, z, z, ones, ppo::LossAggMode::token_mean, bounds); }),
+      "'clip_cov_lb' (5) must be below 'clip_cov_ub' (5)"));
   ppo::PolicyLossConfig kl_coef;
   kl_coef.ppo_kl_coef = std::numeric_limits<double>::infinity();
   CHECK(contains(
@@ -250,7 +263,7 @@ TEST_CASE("mask values other than 0 and 1 are rejected, naming the argument and 
       CHECK(contains(msg, " at [1, 2]; a mask holds 0 or 1"));
     };
     for (const auto name :
-         {"vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro", "kl_cov"}) {
+         {"vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro", "kl_cov", "clip_cov"}) {
       CAPTURE(name);
       names_index(error_of([&] { ppo::compute_policy_loss<double>(name, z, z, z, mask, "token-mean"); }),
                   std::string("ppo::compute_policy_loss_") + name);

@@ -88,6 +88,9 @@ bool run_policy_loss(const GoldenCase& c, OutputChecker<T>& check) {
   if (c.has_param("dro_beta")) config.dro_beta = c.param<double>("dro_beta");
   config.kl_cov_ratio = c.param<double>("kl_cov_ratio", config.kl_cov_ratio);
   config.ppo_kl_coef = c.param<double>("ppo_kl_coef", config.ppo_kl_coef);
+  config.clip_cov_ratio = c.param<double>("clip_cov_ratio", config.clip_cov_ratio);
+  config.clip_cov_lb = c.param<double>("clip_cov_lb", config.clip_cov_lb);
+  config.clip_cov_ub = c.param<double>("clip_cov_ub", config.clip_cov_ub);
   config.global_batch_info = batch_info(c);
 
   const RowMatrix<T> old_log_prob = c.input("old_log_prob").matrix<T>();

@@ -118,7 +118,7 @@ TEST_CASE("policy loss gradients match finite differences") {
   using ppo::PolicyLossKind;
   for (const auto kind : {PolicyLossKind::vanilla, PolicyLossKind::sapo, PolicyLossKind::gpg, PolicyLossKind::geo_mean,
                           PolicyLossKind::cispo, PolicyLossKind::dppo_tv, PolicyLossKind::dppo_kl, PolicyLossKind::dro,
-                          PolicyLossKind::kl_cov}) {
+                          PolicyLossKind::kl_cov, PolicyLossKind::clip_cov}) {
     for (const auto& agg : agg_cases()) {
       for (const bool with_weights : {false, true}) {
         for (const unsigned seed : {1u, 2u}) {
@@ -127,6 +127,8 @@ TEST_CASE("policy loss gradients match finite differences") {
           config.clip_ratio_high = 0.28;
           config.dro_beta = 0.1;
           config.kl_cov_ratio = 0.3;  // a third of the tokens carry the |log-ratio| term
+          config.clip_cov_ratio = 0.3;  // clip_cov drops up to a third, covariances in (0.1, 5)
+          config.clip_cov_lb = 0.1;
           config.global_batch_info = agg.info;
           ppo::OptionalMatrixView<double> weights;
           if (with_weights) weights = b.weights;

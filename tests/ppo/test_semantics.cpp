@@ -305,6 +305,80 @@ TEST_CASE("kl_cov: the tokens whose advantage and log-probability covary most ca
   CHECK(masked.grad_log_prob(0, 2) == doctest::Approx(-0.5 * std::exp(0.3)).epsilon(1e-12));
 }
 
+TEST_CASE("clip_cov: drops candidates of high covariance the clip left alone; the seed picks among more") {
+  // 1 x 4: A = 1, -1, 1, -1 (mean 0), log p = -1, -2, -3, -0.5 (mean -1.625): covariances 0.625,
+  // 0.375, -1.375, -1.125. Ratios 1.1, 0.9, 1.3, 1.05: token 2 (A > 0, r > 1.2) is clipped.
+  RowMatrix<double> lp(1, 4), old(1, 4), adv(1, 4), mask = RowMatrix<double>::Ones(1, 4);
+  lp << -1.0, -2.0, -3.0, -0.5;
+  const double ratio[4] = {1.1, 0.9, 1.3, 1.05};
+  for (int j = 0; j < 4; ++j)
+    old(0, j) = lp(0, j) - std::log(ratio[j]);
+  adv << 1.0, -1.0, 1.0, -1.0;
+  ppo::PolicyLossConfig config;
+  config.clip_cov_ratio = 0.5;  // up to 2 of 4 tokens
+  config.clip_cov_lb = 0.3;     // candidates: tokens 0 and 1
+  const auto out = ppo::compute_policy_loss_clip_cov<double>(old, lp, adv, mask, ppo::LossAggMode::token_sum, config);
+  CHECK(out.grad_log_prob(0, 0) == 0.0);  // dropped
+  CHECK(out.grad_log_prob(0, 1) == 0.0);  // dropped
+  CHECK(out.grad_log_prob(0, 2) == 0.0);  // clipped at 1.2: no gradient either
+  CHECK(out.grad_log_prob(0, 3) == doctest::Approx(1.05).epsilon(1e-12));
+  CHECK(out.loss == doctest::Approx(-1.2 + 1.05).epsilon(1e-12));
+  CHECK(out.metrics.size() == 2);
+  CHECK(*out.metric("actor/pg_clipfrac") == doctest::Approx(2 / (4 + 1e-8)).epsilon(1e-12));
+  CHECK(out.metric("actor/ppo_kl").has_value());
+  config.clip_cov_ratio = 0.25;  // one of the two candidates, chosen by the seed
+  int dropped_first = 0;
+  for (std::uint64_t seed = 0; seed < 64; ++seed) {
+    config.clip_cov_seed = seed;
+    const auto one = ppo::compute_policy_loss_clip_cov<double>(old, lp, adv, mask, ppo::LossAggMode::token_sum, config);
+    const bool first = one.grad_log_prob(0, 0) == 0.0, second = one.grad_log_prob(0, 1) == 0.0;
+    CHECK(first != second);
+    dropped_first += first ? 1 : 0;
+  }
+  CHECK(dropped_first > 16);  // each about half of the time
+  CHECK(dropped_first < 48);
+
+  // Many candidates: exactly the allowed number is dropped, all of them candidates, the same set
+  // for the same seed, and over seeds every candidate alike (no preference by position).
+  const auto big_lp = random_matrix<double>(16, 64, 31, 0.8), big_old = random_matrix<double>(16, 64, 32, 0.8);
+  const auto big_adv = random_matrix<double>(16, 64, 33);
+  const RowMatrix<double> big_mask = RowMatrix<double>::Ones(16, 64);
+  ppo::PolicyLossConfig many;
+  many.clip_cov_ratio = 0.01;  // 10 of 1,024
+  many.clip_cov_lb = 0.3;
+  const double lo = 1 - many.low(), hi = 1 + many.high();
+  const double mean_adv = big_adv.mean(), mean_lp = big_lp.mean();
+  std::vector<long> candidates;
+  for (long t = 0; t < big_lp.size(); ++t) {
+    const double a = big_adv.data()[t], r = std::exp(big_lp.data()[t] - big_old.data()[t]);
+    const double cov = (a - mean_adv) * (big_lp.data()[t] - mean_lp);
+    if (!(-a * std::clamp(r, lo, hi) > -a * r) && cov > 0.3 && cov < 5.0) candidates.push_back(t);
+  }
+  REQUIRE(candidates.size() > 40);
+  std::vector<int> times(static_cast<std::size_t>(big_lp.size()), 0);
+  const int seeds = 400;
+  for (int seed = 0; seed < seeds; ++seed) {
+    many.clip_cov_seed = static_cast<std::uint64_t>(seed) * 7919;
+    const auto dropped = ppo::detail::clip_cov_selection<double>(big_old, big_lp, big_adv, big_mask, lo, hi, many);
+    int count = 0;
+    for (long t = 0; t < big_lp.size(); ++t)
+      if (dropped[static_cast<std::size_t>(t)] != 0) {
+        ++count;
+        ++times[static_cast<std::size_t>(t)];
+        CHECK(std::find(candidates.begin(), candidates.end(), t) != candidates.end());
+      }
+    CHECK(count == 10);
+    if (seed < 3)
+      CHECK(dropped == ppo::detail::clip_cov_selection<double>(big_old, big_lp, big_adv, big_mask, lo, hi, many));
+  }
+  const double expected = seeds * 10.0 / static_cast<double>(candidates.size());
+  for (const long t : candidates) {
+    CAPTURE(t);
+    CHECK(times[static_cast<std::size_t>(t)] > 0.4 * expected);
+    CHECK(times[static_cast<std::size_t>(t)] < 1.8 * expected);
+  }
+}
+
 TEST_CASE("rollout IS weights: TIS, IcePop, batch normalisation and diagnostics") {
   RowMatrix<double> log_ratio(2, 3), mask(2, 3);
   log_ratio << std::log(0.25), std::log(1.0), std::log(4.0), std::log(2.0), 0.7, 30.0;

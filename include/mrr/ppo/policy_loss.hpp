@@ -1,9 +1,10 @@
 // Policy-gradient losses with verl's names (vanilla PPO with asymmetric and dual clip, gspo,
-// sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov), their metrics under verl's metric names,
+// sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov), their metrics under verl's metric names,
 // and the analytic gradient of the loss w.r.t. the current log-probabilities.
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/counter_rng.hpp>
 #include <mrr/detail/parallel.hpp>
 #include <mrr/error.hpp>
 #include <mrr/kernels/ppo/advantage.hpp>
@@ -23,12 +24,13 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
 namespace ppo {
 
-enum class PolicyLossKind { vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov };
+enum class PolicyLossKind { vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov };
 
 inline PolicyLossKind parse_policy_loss(std::string_view name) {
   if (name == "vanilla") return PolicyLossKind::vanilla;
@@ -41,13 +43,14 @@ inline PolicyLossKind parse_policy_loss(std::string_view name) {
   if (name == "dppo_kl") return PolicyLossKind::dppo_kl;
   if (name == "dro") return PolicyLossKind::dro;
   if (name == "kl_cov") return PolicyLossKind::kl_cov;
-  if (name == "clip_cov" || name == "bypass_mode")
+  if (name == "clip_cov") return PolicyLossKind::clip_cov;
+  if (name == "bypass_mode")
     mrr::detail::throw_invalid_argument("ppo::parse_policy_loss", "policy loss '", name,
                                         "' is one of verl's that mrr does not provide; mrr provides: vanilla, gspo, "
-                                        "sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov");
+                                        "sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov");
   mrr::detail::throw_invalid_argument(
       "ppo::parse_policy_loss", "unknown policy loss '", name,
-      "'; expected vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro or kl_cov");
+      "'; expected vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov or clip_cov");
 }
 
 inline std::string_view to_string(PolicyLossKind kind) {
@@ -72,6 +75,8 @@ inline std::string_view to_string(PolicyLossKind kind) {
       return "dro";
     case PolicyLossKind::kl_cov:
       return "kl_cov";
+    case PolicyLossKind::clip_cov:
+      return "clip_cov";
   }
   return "?";
 }
@@ -88,6 +93,10 @@ struct PolicyLossConfig {
   std::optional<double> dro_beta;         // dro quadratic penalty; required (> 0) by dro
   double kl_cov_ratio = 0.0002;           // kl_cov: share of valid tokens that get the KL penalty, (0, 1]
   double ppo_kl_coef = 1.0;               // kl_cov: coefficient of |log p - log p_old| on those tokens
+  double clip_cov_ratio = 0.0002;         // clip_cov: at most this share of valid tokens is dropped, (0, 1]
+  double clip_cov_lb = 1.0;               // clip_cov: drop candidates have a covariance in (lb, ub)
+  double clip_cov_ub = 5.0;
+  std::uint64_t clip_cov_seed = 0;  // clip_cov: picks among the candidates; vary it per micro-batch
   GlobalBatchInfo global_batch_info;
 
   double low() const { return clip_ratio_low.value_or(clip_ratio); }
@@ -122,7 +131,7 @@ using kernels::ppo::minimum;
 using kernels::ppo::TokenTerms;
 using kernels::ppo::ValueGrad;
 
-enum class MetricSet { clip_and_kl, kl_only, none };
+enum class MetricSet { clip_and_kl, clip_without_lower_and_kl, kl_only, none };
 
 template <class T>
 void check_policy_inputs(std::string_view function, const MatrixRef<T>& old_log_prob, const MatrixRef<T>& log_prob,
@@ -183,10 +192,9 @@ PolicyLossResult<T> token_policy_loss(std::string_view function, const MatrixRef
       out.grad_log_prob(i, j) = kernels::ppo::aggregated_grad(token_grad(i, j), response_mask(i, j), row_weights[i]);
     }
   const T denominator = response_mask.sum() + T(kMaskCountEpsilon);
-  if (metric_set == MetricSet::clip_and_kl) {
+  if (metric_set == MetricSet::clip_and_kl || metric_set == MetricSet::clip_without_lower_and_kl)
     out.metrics["actor/pg_clipfrac"] = clip_sum / denominator;
-    out.metrics["actor/pg_clipfrac_lower"] = lower_sum / denominator;
-  }
+  if (metric_set == MetricSet::clip_and_kl) out.metrics["actor/pg_clipfrac_lower"] = lower_sum / denominator;
   if (metric_set != MetricSet::none) out.metrics["actor/ppo_kl"] = kl_sum / denominator;
   return out;
 }
@@ -655,6 +663,81 @@ PolicyLossResult<T> compute_policy_loss_kl_cov(MatrixRef<T> old_log_prob, Matrix
       });
 }
 
+namespace detail {
+
+// clip_cov's dropped tokens. verl's candidates are the valid tokens the PPO clip leaves alone
+// (-A clip(r) <= -A r) whose covariance (A - masked mean A)(log p - masked mean log p) lies in
+// (clip_cov_lb, clip_cov_ub); it drops max(1, int(clip_cov_ratio x valid tokens)) of them, chosen
+// by torch.randperm from torch's global generator. mrr chooses them with a keyed hash instead: the
+// candidates with the smallest CounterRng::bits(seed, flat index, 0), a uniformly random subset for
+// a random seed and the same subset for the same seed, thread count and build. When there are no
+// more candidates than that number, every candidate is dropped, in verl as here.
+template <class T>
+std::vector<std::uint8_t> clip_cov_selection(const MatrixRef<T>& old_log_prob, const MatrixRef<T>& log_prob,
+                                             const MatrixRef<T>& advantages, const MatrixRef<T>& response_mask, T lo,
+                                             T hi, const PolicyLossConfig& config) {
+  using std::exp;
+  const Eigen::Index rows = log_prob.rows(), cols = log_prob.cols();
+  std::vector<std::uint8_t> dropped(static_cast<std::size_t>(rows * cols), 0);
+  const T mean_adv = masked_mean<T>(advantages, response_mask);
+  const T mean_lp = masked_mean<T>(log_prob, response_mask);
+  const T lb = static_cast<T>(config.clip_cov_lb), ub = static_cast<T>(config.clip_cov_ub);
+  std::vector<std::pair<std::uint64_t, long>> candidates;  // (key, flat index)
+  T tokens = 0;
+  for (Eigen::Index i = 0; i < rows; ++i)
+    for (Eigen::Index j = 0; j < cols; ++j) {
+      if (!(response_mask(i, j) > T(0))) continue;
+      tokens += response_mask(i, j);
+      const T a = advantages(i, j), ratio = exp(log_prob(i, j) - old_log_prob(i, j));
+      if (-a * kernels::ppo::clamp(ratio, lo, hi) > -a * ratio) continue;  // clipped by PPO already
+      const T cov = (a - mean_adv) * (log_prob(i, j) - mean_lp);
+      if (!(cov > lb && cov < ub)) continue;
+      const auto flat = static_cast<long>(i * cols + j);
+      candidates.emplace_back(mrr::detail::CounterRng::bits(config.clip_cov_seed, static_cast<std::uint64_t>(flat), 0),
+                              flat);
+    }
+  const auto count =
+      static_cast<std::size_t>(std::max(1L, static_cast<long>(config.clip_cov_ratio * static_cast<double>(tokens))));
+  if (candidates.size() > count)
+    std::nth_element(candidates.begin(), candidates.begin() + static_cast<std::ptrdiff_t>(count - 1), candidates.end());
+  for (std::size_t c = 0; c < std::min(count, candidates.size()); ++c)
+    dropped[static_cast<std::size_t>(candidates[c].second)] = 1;
+  return dropped;
+}
+
+}  // namespace detail
+
+// verl "clip_cov" (Cui et al. 2025, as kl_cov): PPO's max(-A r, -A clip(r, 1 - low, 1 + high)),
+// r = exp(log p - log p_old) (unclamped, no dual clip), with the loss and gradient of up to
+// max(1, int(clip_cov_ratio x valid tokens)) tokens set to 0: tokens the clip leaves alone whose
+// covariance of advantage and log-probability lies in (clip_cov_lb, clip_cov_ub), picked by
+// clip_cov_seed where there are more (detail::clip_cov_selection). Metrics: actor/pg_clipfrac (the
+// dropped share of valid tokens) and actor/ppo_kl, as verl.
+template <class T>
+PolicyLossResult<T> compute_policy_loss_clip_cov(MatrixRef<T> old_log_prob, MatrixRef<T> log_prob,
+                                                 MatrixRef<T> advantages, MatrixRef<T> response_mask,
+                                                 LossAggMode loss_agg_mode = LossAggMode::token_mean,
+                                                 const PolicyLossConfig& config = {},
+                                                 OptionalMatrixView<T> rollout_is_weights = {}) {
+  constexpr std::string_view fn = "ppo::compute_policy_loss_clip_cov";
+  detail::check_policy_inputs<T>(fn, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights);
+  mrr::detail::require(config.clip_cov_ratio > 0 && config.clip_cov_ratio <= 1, fn,
+                       "'clip_cov_ratio' (the most of the valid tokens to drop) must be in (0, 1], got ",
+                       config.clip_cov_ratio);
+  mrr::detail::require(config.clip_cov_lb < config.clip_cov_ub, fn, "'clip_cov_lb' (", config.clip_cov_lb,
+                       ") must be below 'clip_cov_ub' (", config.clip_cov_ub, ")");
+  const T lo = static_cast<T>(1.0 - config.low()), hi = static_cast<T>(1.0 + config.high());
+  const std::vector<std::uint8_t> dropped =
+      detail::clip_cov_selection<T>(old_log_prob, log_prob, advantages, response_mask, lo, hi, config);
+  const Eigen::Index cols = log_prob.cols();
+  return detail::token_policy_loss<T>(
+      fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config.global_batch_info,
+      rollout_is_weights, detail::MetricSet::clip_without_lower_and_kl,
+      [&](Eigen::Index i, Eigen::Index j, T lp, T old, T a) {
+        return kernels::ppo::clip_cov_token(lp, old, a, lo, hi, dropped[static_cast<std::size_t>(i * cols + j)] != 0);
+      });
+}
+
 // GMPO (verl "geo_mean", arXiv 2507.20673): the per-sequence geometric mean of token ratios, each
 // log-ratio clipped to [-low, high] on the side the advantage sign makes pessimistic, times the
 // sequence's mean advantage; the loss is the plain mean over sequences (loss_agg_mode and the
@@ -757,6 +840,9 @@ PolicyLossResult<T> compute_policy_loss(PolicyLossKind kind, MatrixRef<T> old_lo
     case PolicyLossKind::kl_cov:
       return compute_policy_loss_kl_cov<T>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                                            rollout_is_weights);
+    case PolicyLossKind::clip_cov:
+      return compute_policy_loss_clip_cov<T>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                                             rollout_is_weights);
   }
   mrr::detail::throw_invalid_argument("ppo::compute_policy_loss", "invalid PolicyLossKind ", static_cast<int>(kind));
 }

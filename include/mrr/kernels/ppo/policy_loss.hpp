@@ -1,5 +1,5 @@
 // The policy-gradient losses of verl (vanilla PPO with asymmetric and dual clip, gspo, sapo, gpg,
-// cispo, dppo_tv, dppo_kl, dro, kl_cov) one token at a time: the loss, d loss / d log_prob and the token's
+// cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov) one token at a time: the loss, d loss / d log_prob and the token's
 // contribution to verl's metrics; and the vanilla loss over one row (the Thrust path runs one row
 // per work item). The one definition of this math: ppo/policy_loss.hpp and thrust/policy_loss.hpp
 // call it; the host's vectorised vanilla row (ppo/policy_loss.hpp, vanilla_row) is a documented
@@ -159,6 +159,21 @@ MRR_HOST_DEVICE inline TokenTerms<T> kl_cov_token(T log_prob, T old_log_prob, T 
   const T loss = -a * ratio;
   if (!selected) return {loss, loss, T(0), T(0), abs_kl};
   return {loss + coef * abs_kl, loss + coef * sign, T(0), T(0), abs_kl};
+}
+
+// verl "clip_cov" (the same paper), per token: max(-A r, -A clip(r, lo, hi)), r = exp(log p -
+// log p_old) (not clamped, no dual clip), times 0 on the tokens the caller dropped (a detached
+// factor: they get no gradient). Metric terms: dropped (actor/pg_clipfrac), log p_old - log p.
+template <class T>
+MRR_HOST_DEVICE inline TokenTerms<T> clip_cov_token(T log_prob, T old_log_prob, T a, T lo, T hi, bool dropped) {
+  using std::exp;
+  const T ratio = exp(log_prob - old_log_prob);
+  const ValueGrad<T> loss1{-a * ratio, -a * ratio};
+  const ValueGrad<T> clipped = clamp(ValueGrad<T>{ratio, ratio}, lo, hi);
+  const ValueGrad<T> loss2{-a * clipped.value, -a * clipped.grad};
+  const ValueGrad<T> chosen = maximum(loss1, loss2);
+  const T keep = dropped ? T(0) : T(1);
+  return {chosen.value * keep, chosen.grad * keep, T(dropped ? 1 : 0), T(0), old_log_prob - log_prob};
 }
 
 // The gradient through the aggregation: row weight x mask x the token's gradient; 0 where masked
