@@ -141,21 +141,23 @@ TEST_SUITE("golden") {
   TEST_CASE("device: router_capacity.json token_dropping cases equal the CPU apply_token_dropping bit for bit") {
     int cases = 0;
     for (const auto& c : load_golden("router_capacity.json", "token_dropping")) {
-      CAPTURE(c.name);
-      const auto probs = c.input("routing_probs").matrix<double>();
-      const auto map = c.input("routing_map").matrix<std::uint8_t>();
-      const int topk = c.param<int>("topk");
-      const double cf = c.param<double>("capacity_factor");
-      const auto policy = mrr::parse_drop_policy(c.param<std::string>("drop_policy"));
-      const bool pad = c.param<bool>("pad_to_capacity");
-      const auto d = compare<double>(probs, map, topk, cf, policy, pad);
-      CHECK(d.differing_map == 0);
-      CHECK(d.differing_probs == 0);
-      const mrr::RowMatrix<float> pf = probs.cast<float>();
-      const auto f = compare<float>(pf, map, topk, cf, policy, pad);
-      CHECK(f.differing_map == 0);
-      CHECK(f.differing_probs == 0);
-      ++cases;
+      mrr::test::guarded(c, [&] {
+        CAPTURE(c.name);
+        const auto probs = c.input("routing_probs").matrix<double>();
+        const auto map = c.input("routing_map").matrix<std::uint8_t>();
+        const int topk = c.param<int>("topk");
+        const double cf = c.param<double>("capacity_factor");
+        const auto policy = mrr::parse_drop_policy(c.param<std::string>("drop_policy"));
+        const bool pad = c.param<bool>("pad_to_capacity");
+        const auto d = compare<double>(probs, map, topk, cf, policy, pad);
+        CHECK(d.differing_map == 0);
+        CHECK(d.differing_probs == 0);
+        const mrr::RowMatrix<float> pf = probs.cast<float>();
+        const auto f = compare<float>(pf, map, topk, cf, policy, pad);
+        CHECK(f.differing_map == 0);
+        CHECK(f.differing_probs == 0);
+        ++cases;
+      });
     }
     MESSAGE("token_dropping golden cases: " << cases);
     CHECK(cases > 0);

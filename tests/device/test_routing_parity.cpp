@@ -174,27 +174,32 @@ mrr::RowMatrix<float> random_logits(long rows, int experts, unsigned seed, int d
 TEST_SUITE("golden") {
   TEST_CASE("device: router.json routing and replay equal the CPU router (ids exact, weights exact or within 8 ulps)") {
     for (const auto& c : load_golden("router.json")) {
-      CAPTURE(c.name);
-      golden_router_case<float>(c);
-      golden_router_case<double>(c);
+      mrr::test::guarded(c, [&] {
+        CAPTURE(c.name);
+        golden_router_case<float>(c);
+        golden_router_case<double>(c);
+      });
     }
   }
 
   TEST_CASE("device: hf_gate.json gates equal the CPU router and the golden ids") {
     for (const auto& c : load_golden("hf_gate.json")) {
-      CAPTURE(c.name);
-      const auto logits = c.input("router_logits").matrix<float>();
-      const auto cfg = hf_config(c);
-      const bool with_bias = c.has_input("e_score_correction_bias");
-      const mrr::Vector<float> bias = with_bias ? c.input("e_score_correction_bias").vector<float>() : mrr::Vector<float>();
-      const auto r = compare<float>(cfg, logits, with_bias ? &bias : nullptr);
-      CHECK(r.differing_rows == 0);
-      CHECK(r.worst_ulps <= ulp_bound(cfg));
-      // The golden lists each token's experts by id (HF's unsorted top-k); the device's ids, sorted so.
-      mrr::ExpertIds by_id = r.device_ids;
-      for (Eigen::Index t = 0; t < by_id.rows(); ++t)
-        std::sort(by_id.row(t).begin(), by_id.row(t).end());
-      CHECK(mrr::test::check_close(by_id, c.output("indices"), 0, 0, c.name + " device indices"));
+      mrr::test::guarded(c, [&] {
+        CAPTURE(c.name);
+        const auto logits = c.input("router_logits").matrix<float>();
+        const auto cfg = hf_config(c);
+        const bool with_bias = c.has_input("e_score_correction_bias");
+        const mrr::Vector<float> bias =
+            with_bias ? c.input("e_score_correction_bias").vector<float>() : mrr::Vector<float>();
+        const auto r = compare<float>(cfg, logits, with_bias ? &bias : nullptr);
+        CHECK(r.differing_rows == 0);
+        CHECK(r.worst_ulps <= ulp_bound(cfg));
+        // The golden lists each token's experts by id (HF's unsorted top-k); the device's ids, sorted so.
+        mrr::ExpertIds by_id = r.device_ids;
+        for (Eigen::Index t = 0; t < by_id.rows(); ++t)
+          std::sort(by_id.row(t).begin(), by_id.row(t).end());
+        CHECK(mrr::test::check_close(by_id, c.output("indices"), 0, 0, c.name + " device indices"));
+      });
     }
   }
 }

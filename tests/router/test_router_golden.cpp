@@ -88,97 +88,109 @@ void run_router_case(const GoldenCase& c, double rtol, double atol) {
 TEST_SUITE("golden") {
   TEST_CASE("router.json: Megatron top-k routing and replay (double; exact ids, probs to the fp32 reference)") {
     for (const auto& c : load_golden("router.json")) {
-      CAPTURE(c.name);
-      run_router_case<double>(c, c.rtol, c.atol);
+      mrr::test::guarded(c, [&] {
+        CAPTURE(c.name);
+        run_router_case<double>(c, c.rtol, c.atol);
+      });
     }
   }
 
   TEST_CASE("router.json: float routing picks the same experts, weights within rtol 1e-5") {
     for (const auto& c : load_golden("router.json")) {
-      CAPTURE(c.name);
-      run_router_case<float>(c, 1e-5, 1e-6);
+      mrr::test::guarded(c, [&] {
+        CAPTURE(c.name);
+        run_router_case<float>(c, 1e-5, 1e-6);
+      });
     }
   }
 
   TEST_CASE("router_loss.json: switch load-balancing loss and z-loss with gradients") {
     for (const auto& c : load_golden("router_loss.json")) {
-      CAPTURE(c.name);
-      const auto logits = c.input("logits").matrix<double>();
-      if (c.fn == "switch_load_balancing_loss") {
-        const int topk = c.param<int>("topk");
-        REQUIRE(c.param<int>("num_experts") == logits.cols());
-        const auto sf = mrr::parse_score_function(c.param<std::string>("score_function"));
-        const double coeff = c.param<double>("coeff");
-        const auto s = mrr::routing_scores_for_aux_loss<double>(logits, topk, sf);
-        CHECK(check_close(s.routing_map, c.output("routing_map"), 0, 0, c.name + " routing_map"));
-        // Scores, loss and grad_scores come from Megatron's float32 score path (its softmax over
-        // the whole row); `rounded`: the same on Megatron's float32-rounded inputs.
-        const int experts = static_cast<int>(logits.cols());
-        const auto rounded =
-            mrr::routing_scores_for_aux_loss<double>(megatron_fp32_inputs(logits, sf, nullptr), topk, sf);
-        CHECK(mrr::test::check_close_fp32_reference(s.scores, rounded.scores, c.output("scores"), c.rtol, c.atol,
-                                                    experts, c.name + " scores"));
-        CHECK(check_close(s.tokens_per_expert.transpose(), c.output("tokens_per_expert"), 0, 0,
-                          c.name + " tokens_per_expert"));
-        const double total = static_cast<double>(logits.rows());
-        const double loss = mrr::switch_load_balancing_loss<double>(s.scores, s.tokens_per_expert, total, topk, coeff);
-        Eigen::Matrix<double, 1, 1> loss_m, rounded_loss;
-        loss_m(0, 0) = loss;
-        rounded_loss(0, 0) =
-            mrr::switch_load_balancing_loss<double>(rounded.scores, s.tokens_per_expert, total, topk, coeff);
-        CHECK(mrr::test::check_close_fp32_reference(loss_m, rounded_loss, c.output("loss"), c.rtol, c.atol, experts,
-                                                    c.name + " loss"));
-        // The gradient w.r.t. the scores does not depend on them: nothing of the inputs is rounded.
-        const auto grad = mrr::switch_load_balancing_loss_grad_scores<double>(logits.rows(), s.tokens_per_expert,
-                                                                              total, topk, coeff);
-        CHECK(mrr::test::check_close_fp32_reference(grad, grad, c.output("grad_scores"), c.rtol, c.atol, experts,
-                                                    c.name + " grad_scores"));
-        // The full loss from logits agrees with the pieces.
-        CHECK(mrr::switch_aux_loss<double>(logits, topk, sf, coeff).loss == doctest::Approx(loss).epsilon(1e-12));
-      } else if (c.fn == "z_loss") {
-        const auto z = mrr::z_loss<double>(logits, c.param<double>("coeff"));
-        CHECK(check_close(z.loss, c.output("loss"), c.rtol, c.atol, c.name + " loss"));
-        CHECK(check_close(z.grad_logits, c.output("grad_logits"), c.rtol, c.atol, c.name + " grad_logits"));
-      } else {
-        FAIL("router_loss.json case " << c.name << " has unhandled fn " << c.fn);
-      }
+      mrr::test::guarded(c, [&] {
+        CAPTURE(c.name);
+        const auto logits = c.input("logits").matrix<double>();
+        if (c.fn == "switch_load_balancing_loss") {
+          const int topk = c.param<int>("topk");
+          REQUIRE(c.param<int>("num_experts") == logits.cols());
+          const auto sf = mrr::parse_score_function(c.param<std::string>("score_function"));
+          const double coeff = c.param<double>("coeff");
+          const auto s = mrr::routing_scores_for_aux_loss<double>(logits, topk, sf);
+          CHECK(check_close(s.routing_map, c.output("routing_map"), 0, 0, c.name + " routing_map"));
+          // Scores, loss and grad_scores come from Megatron's float32 score path (its softmax over
+          // the whole row); `rounded`: the same on Megatron's float32-rounded inputs.
+          const int experts = static_cast<int>(logits.cols());
+          const auto rounded =
+              mrr::routing_scores_for_aux_loss<double>(megatron_fp32_inputs(logits, sf, nullptr), topk, sf);
+          CHECK(mrr::test::check_close_fp32_reference(s.scores, rounded.scores, c.output("scores"), c.rtol, c.atol,
+                                                      experts, c.name + " scores"));
+          CHECK(check_close(s.tokens_per_expert.transpose(), c.output("tokens_per_expert"), 0, 0,
+                            c.name + " tokens_per_expert"));
+          const double total = static_cast<double>(logits.rows());
+          const double loss =
+              mrr::switch_load_balancing_loss<double>(s.scores, s.tokens_per_expert, total, topk, coeff);
+          Eigen::Matrix<double, 1, 1> loss_m, rounded_loss;
+          loss_m(0, 0) = loss;
+          rounded_loss(0, 0) =
+              mrr::switch_load_balancing_loss<double>(rounded.scores, s.tokens_per_expert, total, topk, coeff);
+          CHECK(mrr::test::check_close_fp32_reference(loss_m, rounded_loss, c.output("loss"), c.rtol, c.atol, experts,
+                                                      c.name + " loss"));
+          // The gradient w.r.t. the scores does not depend on them: nothing of the inputs is rounded.
+          const auto grad = mrr::switch_load_balancing_loss_grad_scores<double>(logits.rows(), s.tokens_per_expert,
+                                                                                total, topk, coeff);
+          CHECK(mrr::test::check_close_fp32_reference(grad, grad, c.output("grad_scores"), c.rtol, c.atol, experts,
+                                                      c.name + " grad_scores"));
+          // The full loss from logits agrees with the pieces.
+          CHECK(mrr::switch_aux_loss<double>(logits, topk, sf, coeff).loss == doctest::Approx(loss).epsilon(1e-12));
+        } else if (c.fn == "z_loss") {
+          const auto z = mrr::z_loss<double>(logits, c.param<double>("coeff"));
+          CHECK(check_close(z.loss, c.output("loss"), c.rtol, c.atol, c.name + " loss"));
+          CHECK(check_close(z.grad_logits, c.output("grad_logits"), c.rtol, c.atol, c.name + " grad_logits"));
+        } else {
+          FAIL("router_loss.json case " << c.name << " has unhandled fn " << c.fn);
+        }
+      });
     }
   }
 
   TEST_CASE("router_capacity.json: expert bias update") {
     for (const auto& c : load_golden("router_capacity.json", "expert_bias_update")) {
-      CAPTURE(c.name);
-      const auto counts = c.input("tokens_per_expert").vector<double>();
-      const auto bias = c.input("expert_bias").vector<double>();
-      const auto updated =
-          mrr::TopKRouter<double>::updated_expert_bias<double>(counts, bias, c.param<double>("update_rate"));
-      CHECK(check_close(updated.transpose(), c.output("expert_bias"), c.rtol, c.atol, c.name + " expert_bias"));
+      mrr::test::guarded(c, [&] {
+        CAPTURE(c.name);
+        const auto counts = c.input("tokens_per_expert").vector<double>();
+        const auto bias = c.input("expert_bias").vector<double>();
+        const auto updated =
+            mrr::TopKRouter<double>::updated_expert_bias<double>(counts, bias, c.param<double>("update_rate"));
+        CHECK(check_close(updated.transpose(), c.output("expert_bias"), c.rtol, c.atol, c.name + " expert_bias"));
+      });
     }
   }
 
   TEST_CASE("permute.json: expert-major permute and weighted unpermute") {
     for (const auto& c : load_golden("permute.json")) {
-      CAPTURE(c.name);
-      const auto map = c.input("routing_map").matrix<std::uint8_t>();
-      const auto probs = c.input("probs").matrix<double>();
-      if (c.fn == "permute") {
-        const auto tokens = c.input("tokens").matrix<double>();
-        const auto p = mrr::permute<double>(tokens, map, mrr::MatrixRef<double>(probs));
-        CHECK(static_cast<long>(p.sorted_indices.size()) == c.param<long>("num_out_tokens"));
-        CHECK(check_close(p.tokens, c.output("permuted_tokens"), c.rtol, c.atol, c.name + " permuted_tokens"));
-        CHECK(check_close(p.probs.transpose(), c.output("permuted_probs"), c.rtol, c.atol, c.name + " permuted_probs"));
-        Eigen::Map<const Eigen::Matrix<std::int64_t, 1, Eigen::Dynamic>> idx(p.sorted_indices.data(),
-                                                                            static_cast<long>(p.sorted_indices.size()));
-        CHECK(check_close(idx, c.output("sorted_indices"), 0, 0, c.name + " sorted_indices"));
-      } else if (c.fn == "unpermute") {
-        const auto permuted = c.input("permuted_tokens").matrix<double>();
-        const auto sorted = c.input("sorted_indices").values<std::int64_t>();
-        const auto out = mrr::unpermute<double>(permuted, sorted, map.rows(), mrr::MatrixRef<double>(probs),
-                                                mrr::MaskRef(map));
-        CHECK(check_close(out, c.output("tokens"), c.rtol, c.atol, c.name + " tokens"));
-      } else {
-        FAIL("permute.json case " << c.name << " has unhandled fn " << c.fn);
-      }
+      mrr::test::guarded(c, [&] {
+        CAPTURE(c.name);
+        const auto map = c.input("routing_map").matrix<std::uint8_t>();
+        const auto probs = c.input("probs").matrix<double>();
+        if (c.fn == "permute") {
+          const auto tokens = c.input("tokens").matrix<double>();
+          const auto p = mrr::permute<double>(tokens, map, mrr::MatrixRef<double>(probs));
+          CHECK(static_cast<long>(p.sorted_indices.size()) == c.param<long>("num_out_tokens"));
+          CHECK(check_close(p.tokens, c.output("permuted_tokens"), c.rtol, c.atol, c.name + " permuted_tokens"));
+          CHECK(
+              check_close(p.probs.transpose(), c.output("permuted_probs"), c.rtol, c.atol, c.name + " permuted_probs"));
+          Eigen::Map<const Eigen::Matrix<std::int64_t, 1, Eigen::Dynamic>> idx(
+              p.sorted_indices.data(), static_cast<long>(p.sorted_indices.size()));
+          CHECK(check_close(idx, c.output("sorted_indices"), 0, 0, c.name + " sorted_indices"));
+        } else if (c.fn == "unpermute") {
+          const auto permuted = c.input("permuted_tokens").matrix<double>();
+          const auto sorted = c.input("sorted_indices").values<std::int64_t>();
+          const auto out =
+              mrr::unpermute<double>(permuted, sorted, map.rows(), mrr::MatrixRef<double>(probs), mrr::MaskRef(map));
+          CHECK(check_close(out, c.output("tokens"), c.rtol, c.atol, c.name + " tokens"));
+        } else {
+          FAIL("permute.json case " << c.name << " has unhandled fn " << c.fn);
+        }
+      });
     }
   }
 }
@@ -228,10 +240,12 @@ void run_hf_case(const GoldenCase& c) {
 TEST_SUITE("golden") {
   TEST_CASE("hf_gate.json: DeepSeek-V3, Qwen3-MoE, Qwen2-MoE and Mixtral gates (float and double)") {
     for (const auto& c : load_golden("hf_gate.json")) {
-      CAPTURE(c.name);
-      REQUIRE(c.fn == "hf_gate");
-      run_hf_case<float>(c);
-      run_hf_case<double>(c);
+      mrr::test::guarded(c, [&] {
+        CAPTURE(c.name);
+        REQUIRE(c.fn == "hf_gate");
+        run_hf_case<float>(c);
+        run_hf_case<double>(c);
+      });
     }
   }
 }

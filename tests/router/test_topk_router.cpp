@@ -345,6 +345,27 @@ TEST_CASE("RouterConfig and TopKRouter refuse what Megatron refuses or a [tokens
   CHECK_THROWS_WITH_AS(post.validate(), doctest::Contains("use pre_softmax with topk = 1"), mrr::InvalidArgument);
   post.pre_softmax = true;
   CHECK_NOTHROW(post.validate());
+  // What Megatron-Core accepts: pre_softmax with sigmoid (DeepSeek-V3 recipes set it; only softmax
+  // reads it) routes as without it; num_groups without group_topk routes ungrouped; group_topk
+  // without num_groups is refused with its reason.
+  {
+    const mrr::RowMatrix<double> z = random_logits(64, 16, 91);
+    auto sig = mrr::presets::megatron_deepseek_v3(16, 4, 4, 2, 2.5);
+    auto sig_pre = sig;
+    sig_pre.pre_softmax = true;
+    const auto a = mrr::TopKRouter<double>(sig).route(z), b = mrr::TopKRouter<double>(sig_pre).route(z);
+    CHECK(a.ids == b.ids);
+    CHECK(a.weights == b.weights);
+    auto plain = mrr::presets::megatron(16, 4), groups_only = plain;
+    groups_only.num_groups = 4;
+    const auto c = mrr::TopKRouter<double>(plain).route(z), d = mrr::TopKRouter<double>(groups_only).route(z);
+    CHECK(c.ids == d.ids);
+    CHECK(c.weights == d.weights);
+    groups_only.num_groups = 0;
+    groups_only.group_topk = 2;
+    CHECK_THROWS_WITH_AS(groups_only.validate(), doctest::Contains("group_topk (2) needs num_groups"),
+                         mrr::InvalidArgument);
+  }
   // A negative group_score_topk was replaced by the default.
   auto grouped = mrr::presets::megatron_deepseek_v3(16, 4, 4, 2, 1.0);
   grouped.group_score_topk = -3;

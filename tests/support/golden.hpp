@@ -106,6 +106,17 @@ struct GoldenCase {
   }
 };
 
+// Runs one case's checks; a case that throws (a parameter the library refuses, a missing key)
+// fails alone, named with its message, and the cases after it still run.
+template <class Body>
+void guarded(const GoldenCase& c, Body&& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    FAIL_CHECK(c.file << " case '" << c.name << "' (fn " << c.fn << ") threw: " << std::string(e.what()));
+  }
+}
+
 inline std::vector<GoldenCase> load_golden(const std::string& file) {
   const auto path = golden_dir() / file;
   std::ifstream in(path);

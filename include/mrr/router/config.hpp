@@ -54,6 +54,7 @@ struct RouterConfig {
 
   // softmax only: true = softmax over all experts, then top-k (Megatron moe_router_pre_softmax,
   // HF Mixtral/Qwen); false = top-k on logits, then softmax over the k (Megatron's default).
+  // Ignored by sigmoid and sqrt-softplus, as by Megatron-Core (DeepSeek-V3 recipes set it there).
   bool pre_softmax = false;
   // Divide the k weights by their sum (+1e-20): HF norm_topk_prob. Unset means Megatron's rule:
   // sigmoid and sqrt-softplus weights are normalised when k > 1, softmax ones never (post-softmax
@@ -90,7 +91,7 @@ struct RouterConfig {
   double seq_aux_loss_coeff = 0.0;
   double z_loss_coeff = 0.0;
 
-  int experts_per_group() const { return num_groups > 0 ? num_experts / num_groups : num_experts; }
+  int experts_per_group() const { return grouped() ? num_experts / num_groups : num_experts; }
   int effective_group_score_topk() const {
     return group_score_topk > 0 ? group_score_topk : (group_topk > 0 ? topk / group_topk : 0);
   }
@@ -106,15 +107,14 @@ struct RouterConfig {
     detail::require(num_experts > 0, fn, "num_experts must be positive, got ", num_experts);
     detail::require(topk > 0 && topk <= num_experts, fn, "topk must be in [1, num_experts=", num_experts, "], got ",
                     topk);
-    detail::require(score_function == ScoreFunction::softmax || !pre_softmax, fn,
-                    "pre_softmax applies to the softmax score function only, not ", to_string(score_function));
     detail::require(score_function != ScoreFunction::softmax || pre_softmax || topk > 1, fn,
                     "softmax after a top-1 selection gives every token weight 1 and the gate no gradient: use "
                     "pre_softmax with topk = 1 (Megatron-Core refuses it too)");
     detail::require(num_groups >= 0 && group_topk >= 0 && group_score_topk >= 0, fn,
                     "num_groups, group_topk and group_score_topk must be >= 0");
-    detail::require((num_groups > 0) == (group_topk > 0), fn, "num_groups (", num_groups, ") and group_topk (",
-                    group_topk, ") must be set together");
+    // Megatron-Core limits groups only when group_topk is set: num_groups alone routes ungrouped.
+    detail::require(group_topk == 0 || num_groups > 0, fn, "group_topk (", group_topk,
+                    ") needs num_groups (the number of expert groups)");
     if (grouped()) {
       detail::require(num_experts % num_groups == 0, fn, "num_experts=", num_experts,
                       " is not divisible by num_groups=", num_groups);

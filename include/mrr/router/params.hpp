@@ -14,7 +14,7 @@ inline kernels::RouterParams resolve_router_params(const RouterConfig& c) {
   p.score = c.score_function == ScoreFunction::softmax
                 ? kernels::score_softmax
                 : (c.score_function == ScoreFunction::sigmoid ? kernels::score_sigmoid : kernels::score_sqrt_softplus);
-  p.pre_softmax = c.pre_softmax;
+  p.pre_softmax = c.pre_softmax && c.score_function == ScoreFunction::softmax;  // ignored otherwise, as Megatron
   p.normalize = c.normalizes();
   p.grouped = c.grouped();
   p.selects_on_logits = !c.grouped() && !c.use_expert_bias;
