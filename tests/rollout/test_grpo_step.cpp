@@ -139,10 +139,18 @@ TEST_CASE("grpo_loss and config: errors name the problem") {
   ppo::GrpoStepConfig kl_cov;
   kl_cov.policy_loss = "kl_cov";
   kl_cov.policy.kl_cov_ratio = 0;  // caught before the first rollout, not at the first update
-  CHECK_THROWS_WITH_AS(kl_cov.validate(), doctest::Contains("policy.kl_cov_ratio must be in (0, 1], got 0"),
+  CHECK_THROWS_WITH_AS(kl_cov.validate(),
+                       doctest::Contains("ppo::GrpoStepConfig: 'kl_cov_ratio' (the share of valid tokens to penalise) "
+                                         "must be in (0, 1], got 0"),
                        mrr::InvalidArgument);
   kl_cov.policy.kl_cov_ratio = 0.5;
   kl_cov.validate();
+  ppo::GrpoStepConfig clip_cov;
+  clip_cov.policy_loss = "clip_cov";
+  clip_cov.policy.clip_cov_ub = 0.5;  // below the default lower bound 1
+  CHECK_THROWS_WITH_AS(clip_cov.validate(),
+                       doctest::Contains("ppo::GrpoStepConfig: 'clip_cov_lb' (1) must be below 'clip_cov_ub' (0.5)"),
+                       mrr::InvalidArgument);
   const RowMatrix<double> signed_adv = RowMatrix<double>::Constant(b.mask.rows(), b.mask.cols(), 0.25);
   const auto got = ppo::grpo_loss<double>(b.old_log_prob, b.log_prob, signed_adv, b.mask, std::nullopt, kl_cov);
   const auto pg = ppo::compute_policy_loss_kl_cov<double>(b.old_log_prob, b.log_prob, signed_adv, b.mask,

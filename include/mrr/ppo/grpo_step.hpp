@@ -48,10 +48,8 @@ struct GrpoStepConfig {
     parse_kl_penalty(kl_loss_type);
     mrr::detail::require(std::isfinite(kl_loss_coef) && kl_loss_coef >= 0.0, "ppo::GrpoStepConfig",
                          "kl_loss_coef must be finite and >= 0, got ", kl_loss_coef);
-    mrr::detail::require(policy.kl_cov_ratio > 0 && policy.kl_cov_ratio <= 1, "ppo::GrpoStepConfig",
-                         "policy.kl_cov_ratio must be in (0, 1], got ", policy.kl_cov_ratio);
-    mrr::detail::require(std::isfinite(policy.ppo_kl_coef), "ppo::GrpoStepConfig",
-                         "policy.ppo_kl_coef must be finite, got ", policy.ppo_kl_coef);
+    policy.check_kl_cov("ppo::GrpoStepConfig");
+    policy.check_clip_cov("ppo::GrpoStepConfig");
   }
 };
 

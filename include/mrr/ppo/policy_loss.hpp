@@ -1,6 +1,6 @@
 // Policy-gradient losses with verl's names (vanilla PPO with asymmetric and dual clip, gspo,
-// sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov), their metrics under verl's metric names,
-// and the analytic gradient of the loss w.r.t. the current log-probabilities.
+// sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov), their metrics under
+// verl's metric names, and the analytic gradient of the loss w.r.t. the current log-probabilities.
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -101,6 +101,21 @@ struct PolicyLossConfig {
 
   double low() const { return clip_ratio_low.value_or(clip_ratio); }
   double high() const { return clip_ratio_high.value_or(clip_ratio); }
+
+  // The ranges of the kl_cov / clip_cov settings; `function` names the caller in the error.
+  void check_kl_cov(std::string_view function) const {
+    mrr::detail::require(kl_cov_ratio > 0 && kl_cov_ratio <= 1, function,
+                         "'kl_cov_ratio' (the share of valid tokens to penalise) must be in (0, 1], got ",
+                         kl_cov_ratio);
+    mrr::detail::require(std::isfinite(ppo_kl_coef), function, "'ppo_kl_coef' must be finite, got ", ppo_kl_coef);
+  }
+  void check_clip_cov(std::string_view function) const {
+    mrr::detail::require(clip_cov_ratio > 0 && clip_cov_ratio <= 1, function,
+                         "'clip_cov_ratio' (the most of the valid tokens to drop) must be in (0, 1], got ",
+                         clip_cov_ratio);
+    mrr::detail::require(clip_cov_lb < clip_cov_ub, function, "'clip_cov_lb' (", clip_cov_lb,
+                         ") must be below 'clip_cov_ub' (", clip_cov_ub, ")");
+  }
 };
 
 template <class T>
@@ -648,10 +663,7 @@ PolicyLossResult<T> compute_policy_loss_kl_cov(MatrixRef<T> old_log_prob, Matrix
                                                OptionalMatrixView<T> rollout_is_weights = {}) {
   constexpr std::string_view fn = "ppo::compute_policy_loss_kl_cov";
   detail::check_policy_inputs<T>(fn, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights);
-  mrr::detail::require(config.kl_cov_ratio > 0 && config.kl_cov_ratio <= 1, fn,
-                       "'kl_cov_ratio' (the share of valid tokens to penalise) must be in (0, 1], got ",
-                       config.kl_cov_ratio);
-  mrr::detail::require(std::isfinite(config.ppo_kl_coef), fn, "'ppo_kl_coef' must be finite, got ", config.ppo_kl_coef);
+  config.check_kl_cov(fn);
   const std::vector<std::uint8_t> selected =
       detail::kl_cov_selection<T>(log_prob, advantages, response_mask, config.kl_cov_ratio);
   const T coef = static_cast<T>(config.ppo_kl_coef);
@@ -721,11 +733,7 @@ PolicyLossResult<T> compute_policy_loss_clip_cov(MatrixRef<T> old_log_prob, Matr
                                                  OptionalMatrixView<T> rollout_is_weights = {}) {
   constexpr std::string_view fn = "ppo::compute_policy_loss_clip_cov";
   detail::check_policy_inputs<T>(fn, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights);
-  mrr::detail::require(config.clip_cov_ratio > 0 && config.clip_cov_ratio <= 1, fn,
-                       "'clip_cov_ratio' (the most of the valid tokens to drop) must be in (0, 1], got ",
-                       config.clip_cov_ratio);
-  mrr::detail::require(config.clip_cov_lb < config.clip_cov_ub, fn, "'clip_cov_lb' (", config.clip_cov_lb,
-                       ") must be below 'clip_cov_ub' (", config.clip_cov_ub, ")");
+  config.check_clip_cov(fn);
   const T lo = static_cast<T>(1.0 - config.low()), hi = static_cast<T>(1.0 + config.high());
   const std::vector<std::uint8_t> dropped =
       detail::clip_cov_selection<T>(old_log_prob, log_prob, advantages, response_mask, lo, hi, config);

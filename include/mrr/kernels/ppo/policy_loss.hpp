@@ -1,6 +1,6 @@
 // The policy-gradient losses of verl (vanilla PPO with asymmetric and dual clip, gspo, sapo, gpg,
-// cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov) one token at a time: the loss, d loss / d log_prob and the token's
-// contribution to verl's metrics; and the vanilla loss over one row (the Thrust path runs one row
+// cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov) one token at a time: the loss, d loss / d log_prob
+// and the token's contribution to verl's metrics; and the vanilla loss over one row (the Thrust path runs one row
 // per work item). The one definition of this math: ppo/policy_loss.hpp and thrust/policy_loss.hpp
 // call it; the host's vectorised vanilla row (ppo/policy_loss.hpp, vanilla_row) is a documented
 // specialisation of vanilla_token. Validation and error messages stay on the host.
@@ -145,10 +145,9 @@ MRR_HOST_DEVICE inline TokenTerms<T> dro_token(T log_prob, T old_log_prob, T a, 
 }
 
 // verl "kl_cov" (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-// Language Models"), per token: -A r with r = exp(log p - log p_old) (not clamped,
-// as verl), plus coef |log p - log p_old| on the tokens the caller selected (the largest
-// covariances of advantage and log-probability). |x|'s gradient is sign(x), 0 at 0 (torch.abs).
-// The metric term is |log p - log p_old| (verl's actor/ppo_kl for this loss).
+// Language Models"), per token: -A r with r = exp(log p - log p_old) (not clamped, as verl), plus coef |log p - log
+// p_old| on the tokens the caller selected (the largest covariances of advantage and log-probability). |x|'s gradient
+// is sign(x), 0 at 0 (torch.abs). The metric term is |log p - log p_old| (verl's actor/ppo_kl for this loss).
 template <class T>
 MRR_HOST_DEVICE inline TokenTerms<T> kl_cov_token(T log_prob, T old_log_prob, T a, bool selected, T coef) {
   using std::exp;
