@@ -379,6 +379,60 @@ TEST_CASE("clip_cov: drops candidates of high covariance the clip left alone; th
   }
 }
 
+TEST_CASE("kl_cov and clip_cov at a real micro-batch: 64 x 4096 tokens, verl's default ratios") {
+  const Eigen::Index rows = 64, cols = 4096;
+  const auto lp = random_matrix<double>(rows, cols, 41, 0.8), old = random_matrix<double>(rows, cols, 42, 0.8);
+  RowMatrix<double> adv = random_matrix<double>(rows, cols, 43), mask = RowMatrix<double>::Zero(rows, cols);
+  std::mt19937 gen(44);
+  long valid = 0;
+  for (Eigen::Index i = 0; i < rows; ++i) {
+    const auto length = static_cast<Eigen::Index>(gen() % static_cast<unsigned>(cols)) + 1;  // padded tails
+    mask.row(i).head(length).setOnes();
+    valid += static_cast<long>(length);
+  }
+  const ppo::PolicyLossConfig config;  // kl_cov_ratio = clip_cov_ratio = 0.0002
+  const auto selected = ppo::detail::kl_cov_selection<double>(lp, adv, mask, config.kl_cov_ratio);
+  const long k = std::max(1L, static_cast<long>(static_cast<double>(valid) * config.kl_cov_ratio));
+  REQUIRE(k > 10);
+  // The k largest covariances of the valid tokens, nothing else.
+  double mean_adv = 0, mean_lp = 0;
+  for (Eigen::Index t = 0; t < lp.size(); ++t)
+    if (mask.data()[t] != 0) mean_adv += adv.data()[t], mean_lp += lp.data()[t];
+  mean_adv /= static_cast<double>(valid);
+  mean_lp /= static_cast<double>(valid);
+  double lowest_selected = std::numeric_limits<double>::infinity(), highest_other = -lowest_selected;
+  long count = 0;
+  for (Eigen::Index t = 0; t < lp.size(); ++t) {
+    if (mask.data()[t] == 0) {
+      CHECK(selected[static_cast<std::size_t>(t)] == 0);
+      continue;
+    }
+    const double cov = (adv.data()[t] - mean_adv) * (lp.data()[t] - mean_lp);
+    if (selected[static_cast<std::size_t>(t)] != 0) {
+      ++count;
+      lowest_selected = std::min(lowest_selected, cov);
+    } else {
+      highest_other = std::max(highest_other, cov);
+    }
+  }
+  CHECK(count == k);
+  CHECK(lowest_selected > highest_other);
+  // clip_cov drops at most as many, all valid, and the loss over the whole batch stays finite.
+  const auto dropped = ppo::detail::clip_cov_selection<double>(old, lp, adv, mask, 0.8, 1.2, config);
+  long drops = 0;
+  for (Eigen::Index t = 0; t < lp.size(); ++t)
+    drops += dropped[static_cast<std::size_t>(t)] != 0 && mask.data()[t] != 0 ? 1 : 0;
+  CHECK(drops == std::count(dropped.begin(), dropped.end(), std::uint8_t{1}));
+  CHECK(drops >= 1);
+  CHECK(drops <= std::max(1L, static_cast<long>(static_cast<double>(valid) * config.clip_cov_ratio)));
+  for (const auto name : {"kl_cov", "clip_cov"}) {
+    CAPTURE(name);
+    const auto out = ppo::compute_policy_loss<double>(name, old, lp, adv, mask, "token-mean", config);
+    CHECK(std::isfinite(out.loss));
+    CHECK(out.grad_log_prob.allFinite());
+  }
+}
+
 TEST_CASE("rollout IS weights: TIS, IcePop, batch normalisation and diagnostics") {
   RowMatrix<double> log_ratio(2, 3), mask(2, 3);
   log_ratio << std::log(0.25), std::log(1.0), std::log(4.0), std::log(2.0), 0.7, 30.0;
