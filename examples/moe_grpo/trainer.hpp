@@ -224,6 +224,14 @@ struct TrainConfig {
           "actor_rollout_ref.actor.policy_loss.loss_mode: '", grpo.policy_loss,
           "' selects tokens across a whole micro-batch, and this example computes its loss sequence by sequence "
           "(the same bits for any rank count); mrr::ppo::compute_policy_loss provides it on whole micro-batches"));
+    // bypass_mode replaces the old-log-prob pass with the rollout's log-probs; this example
+    // recomputes them in its own pass (that is what routing replay records) and has no
+    // rollout_correction settings.
+    if (grpo.policy_loss == "bypass_mode")
+      throw mrr::ConfigError(
+          "actor_rollout_ref.actor.policy_loss.loss_mode: 'bypass_mode' trains on the rollout engine's log-probs "
+          "instead of an old-log-prob pass, which this example always runs (routing replay records in it); "
+          "mrr::ppo::compute_policy_loss provides it with PolicyLossConfig::rollout_correction");
   }
 
   void validate_model() const {

@@ -14,5 +14,6 @@
 #include <mrr/ppo/registry.hpp>
 #include <mrr/ppo/reward_rules.hpp>
 #include <mrr/ppo/rollout_correction.hpp>
+#include <mrr/ppo/rollout_rejection.hpp>
 #include <mrr/ppo/state_mask.hpp>
 #include <mrr/ppo/value_loss.hpp>

@@ -110,6 +110,8 @@ TEST_CASE("every numeric option out of its range is an error naming the key, the
        "loss_mode: 'kl_cov' selects tokens across a whole micro-batch, and this example computes its loss sequence "
        "by sequence"},
       {{"actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"}, "'clip_cov' selects tokens across a whole"},
+      {{"actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"},
+       "'bypass_mode' trains on the rollout engine's log-probs instead of an old-log-prob pass"},
       {{"actor_rollout_ref.model.num_experts=0"}, "actor_rollout_ref.model.num_experts must be in [1, 65536], got 0"},
       {{"actor_rollout_ref.model.num_experts=70000"}, "num_experts must be in [1, 65536], got 70000"},
       {{"actor_rollout_ref.model.moe_topk=0"},

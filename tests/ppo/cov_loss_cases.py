@@ -42,9 +42,10 @@ VERL_COMMIT = "1dda039b9c6311889a9c9a26040677e1254814f9"  # the golden vectors' 
 DT = torch.float64
 
 
-def load_core_algos(source, workdir):
+def load_core_algos(source, workdir, extra_files=()):
+    """verl's core_algos (and any extra_files extracted beside it) from a clone at VERL_COMMIT."""
     dest = os.path.join(workdir, "verl")
-    rb.extract("verl", VERL_REPO, VERL_COMMIT, rb.VERL_FILES, source, dest)
+    rb.extract("verl", VERL_REPO, VERL_COMMIT, rb.VERL_FILES + list(extra_files), source, dest)
     sys.path.insert(0, dest)
     sys.meta_path.insert(0, rb._StubFinder(["verl", "omegaconf", "tensordict", "transformers"], [dest]))
     groupwise = importlib.import_module("verl.utils.groupwise")

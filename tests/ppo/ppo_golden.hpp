@@ -2,6 +2,7 @@
 // per scalar type, and a checker that fails a case when one of its golden outputs is left unchecked.
 #pragma once
 
+#include <mrr/ppo/rollout_rejection.hpp>
 #include <mrr/tensor.hpp>
 #include <support/golden.hpp>
 
@@ -102,6 +103,55 @@ class OutputChecker {
   const GoldenCase& case_;
   std::set<std::string> checked_;
 };
+
+// verl's rollout-correction keys of a case, under `prefix` ("" or "rollout_correction."):
+// rollout_is (absent or null: no IS weights), rollout_is_threshold (a number or "lower_upper"),
+// rollout_is_batch_normalize, rollout_rs (absent or null: no rejection), rollout_rs_threshold (a
+// number or a string) and loss_type.
+inline mrr::ppo::RolloutCorrectionConfig rollout_correction_config(const GoldenCase& c, const std::string& prefix) {
+  namespace ppo = mrr::ppo;
+  const auto at = [&](const std::string& key) -> const nlohmann::json* {
+    const auto it = c.params.find(prefix + key);
+    return it == c.params.end() || it->is_null() ? nullptr : &*it;
+  };
+  ppo::RolloutCorrectionConfig rc;
+  if (const auto* level = at("rollout_is")) {
+    ppo::RolloutIsOptions is;
+    is.level = ppo::parse_rollout_is_level(level->get<std::string>());
+    if (const auto* t = at("rollout_is_threshold"))
+      is.threshold = t->is_string() ? ppo::RolloutIsThreshold::parse(t->get<std::string>())
+                                    : ppo::RolloutIsThreshold::truncate_at(t->get<double>());
+    if (const auto* b = at("rollout_is_batch_normalize")) is.batch_normalize = b->get<bool>();
+    rc.is = is;
+  }
+  if (const auto* rs = at("rollout_rs")) {
+    const auto* t = at("rollout_rs_threshold");
+    if (t == nullptr) throw std::runtime_error("case sets rollout_rs without rollout_rs_threshold");
+    rc.rs = t->is_string() ? ppo::RolloutRsOptions::parse(rs->get<std::string>(), t->get<std::string>())
+                           : ppo::RolloutRsOptions::parse(rs->get<std::string>(), t->get<double>());
+  }
+  if (const auto* type = at("loss_type")) rc.loss_type = ppo::parse_bypass_loss_type(type->get<std::string>());
+  return rc;
+}
+
+// Checks every "metric:<key>" golden output against `metrics`, and that `metrics` holds no other
+// key: exactly verl's metric keys.
+template <class T, class Metrics>
+void check_metrics(OutputChecker<T>& check, const Metrics& metrics) {
+  std::set<std::string> golden;
+  for (const auto& key : check.keys_with_prefix("metric:")) {
+    const std::string name = key.substr(7);
+    golden.insert(name);
+    const auto it = metrics.find(name);
+    if (it == metrics.end()) {
+      FAIL_CHECK("metric '" << name << "' is not reported");
+      continue;
+    }
+    check.scalar(key, static_cast<double>(it->second));
+  }
+  for (const auto& [name, value] : metrics)
+    if (golden.count(name) == 0) FAIL_CHECK("metric '" << name << "' is reported but verl has none");
+}
 
 // Runs every case of a file through `run`, naming the case in every failure. An exception or an
 // unhandled fn fails that case and the loop goes on with the next one.

@@ -92,6 +92,8 @@ bool run_policy_loss(const GoldenCase& c, OutputChecker<T>& check) {
   config.clip_cov_lb = c.param<double>("clip_cov_lb", config.clip_cov_lb);
   config.clip_cov_ub = c.param<double>("clip_cov_ub", config.clip_cov_ub);
   config.global_batch_info = batch_info(c);
+  if (c.has_param("rollout_correction.loss_type"))
+    config.rollout_correction = mrr::test::ppo::rollout_correction_config(c, "rollout_correction.");
 
   const RowMatrix<T> old_log_prob = c.input("old_log_prob").matrix<T>();
   const RowMatrix<T> log_prob = c.input("log_prob").matrix<T>();
@@ -108,19 +110,7 @@ bool run_policy_loss(const GoldenCase& c, OutputChecker<T>& check) {
   check.scalar("loss", static_cast<double>(out.loss));
   check.matrix("grad_log_prob", out.grad_log_prob);
   // Exactly verl's metric keys: each golden metric is ours, and we report no other.
-  std::set<std::string> golden_metrics;
-  for (const auto& key : check.keys_with_prefix("metric:")) {
-    const std::string name = key.substr(7);
-    golden_metrics.insert(name);
-    const auto value = out.metric(name);
-    if (!value) {
-      FAIL_CHECK("metric '" << name << "' is not reported");
-      continue;
-    }
-    check.scalar(key, static_cast<double>(*value));
-  }
-  for (const auto& [name, value] : out.metrics)
-    if (golden_metrics.count(name) == 0) FAIL_CHECK("metric '" << name << "' is reported but verl has none");
+  mrr::test::ppo::check_metrics(check, out.metrics);
   return true;
 }
 

@@ -4,6 +4,7 @@
 
 #include <mrr/ppo/masked.hpp>
 #include <mrr/ppo/rollout_correction.hpp>
+#include <mrr/ppo/rollout_rejection.hpp>
 
 #include <doctest/doctest.h>
 
@@ -53,6 +54,24 @@ bool run_masked(const GoldenCase& c, OutputChecker<T>& check) {
 
 template <class T>
 bool run_rollout(const GoldenCase& c, OutputChecker<T>& check) {
+  if (c.fn == "rollout_rejection_mask") {
+    const auto rc = mrr::test::ppo::rollout_correction_config(c, "");
+    const auto out = ppo::compute_rollout_rejection_mask<T>(c.input("log_ratio").matrix<T>(),
+                                                            c.input("response_mask").matrix<T>(), rc.rs.value());
+    check.matrix("response_mask", out.response_mask);
+    mrr::test::ppo::check_metrics(check, out.metrics);
+    return true;
+  }
+  if (c.fn == "rollout_correction_and_rejection_mask") {
+    const auto out = ppo::compute_rollout_correction_and_rejection_mask<T>(
+        c.input("old_log_prob").matrix<T>(), c.input("rollout_log_prob").matrix<T>(),
+        c.input("response_mask").matrix<T>(), mrr::test::ppo::rollout_correction_config(c, ""));
+    check.matrix("response_mask", out.response_mask);
+    CHECK(out.weights.has_value() == check.has("weights"));
+    if (out.weights && check.has("weights")) check.matrix("weights", *out.weights);
+    mrr::test::ppo::check_metrics(check, out.metrics);
+    return true;
+  }
   if (c.fn != "rollout_is_weights") return false;
   ppo::RolloutIsOptions options;
   options.level = ppo::parse_rollout_is_level(c.param<std::string>("rollout_is", "token"));
@@ -82,7 +101,8 @@ TEST_SUITE("golden") {
         "masked.json", [](const GoldenCase& c, OutputChecker<T>& check) { return run_masked<T>(c, check); });
   }
 
-  TEST_CASE_TEMPLATE("rollout_correction.json: truncated IS weights", T, double, float) {
+  TEST_CASE_TEMPLATE("rollout_correction.json: truncated IS weights, rejection sampling, off-policy metrics", T, double,
+                     float) {
     mrr::test::ppo::for_each_case<T>("rollout_correction.json", [](const GoldenCase& c, OutputChecker<T>& check) {
       return run_rollout<T>(c, check);
     });

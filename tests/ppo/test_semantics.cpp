@@ -637,3 +637,149 @@ TEST_CASE("sequence-level IS fractions as verl computes them: a float32 log thre
   CHECK(out.metrics.at("rollout_is_ratio_fraction_high") != 1.0 / 3.0);
   CHECK(out.metrics.at("rollout_is_ratio_fraction_low") == 0.0);
 }
+
+TEST_CASE("rejection sampling: which tokens and sequences each option masks, chained options, metrics") {
+  using M = RowMatrix<double>;
+  // Row 0: ratios 3, 1, 0.4 and a padded token; row 1: ratios 1.1, 0.9, 1.05, 1.0.
+  M log_ratio(2, 4), mask = M::Ones(2, 4);
+  log_ratio << std::log(3.0), 0.0, std::log(0.4), 50.0, std::log(1.1), std::log(0.9), std::log(1.05), 0.0;
+  mask(0, 3) = 0;
+  // token_k1 keeps 0.5 <= ratio <= 2: rejects 3 and 0.4, never the padded token.
+  auto r = ppo::compute_rollout_rejection_mask<double>(log_ratio, mask, "token_k1", "0.5_2.0");
+  M expected = mask;
+  expected(0, 0) = expected(0, 2) = 0;
+  CHECK(r.response_mask == expected);
+  CHECK(r.metrics.at("rollout_rs_token_k1_masked_fraction") == doctest::Approx(2.0 / 7.0));
+  CHECK(r.metrics.at("rollout_rs_masked_fraction") == doctest::Approx(2.0 / 7.0));
+  CHECK(r.metrics.at("rollout_rs_seq_masked_fraction") == doctest::Approx(0.5));
+  CHECK(r.metrics.at("rollout_rs_token_k1_max") == doctest::Approx(-std::log(0.4)));  // k1 = -log ratio
+  // A bare upper bound means [1 / upper, upper].
+  CHECK(ppo::compute_rollout_rejection_mask<double>(log_ratio, mask, "token_k1", "2").response_mask == expected);
+  CHECK(ppo::compute_rollout_rejection_mask<double>(log_ratio, mask, ppo::RolloutRsOptions::parse("token_k1", 2.0))
+            .response_mask == expected);
+
+  // seq_mean_k3 masks whole sequences: row 0's mean k3 is large, row 1's small.
+  r = ppo::compute_rollout_rejection_mask<double>(log_ratio, mask, "seq_mean_k3", "0.01");
+  expected = mask;
+  expected.row(0).setZero();
+  CHECK(r.response_mask == expected);
+  CHECK(r.metrics.at("rollout_rs_seq_mean_k3_seq_masked_fraction") == doctest::Approx(0.5));
+  CHECK(r.metrics.count("rollout_rs_seq_mean_k3_seq_fraction_low") == 0);  // k1 options only
+  CHECK(r.metrics.at("rollout_rs_seq_mean_k3_fraction_low") == 0.0);
+
+  // Chained: a token must pass every option; repeated options count once; one shared threshold.
+  r = ppo::compute_rollout_rejection_mask<double>(log_ratio, mask, " token_k2 , seq_max_k2 ,token_k2", "0.004");
+  // k2 = log(r)^2 / 2 <= 0.004 <=> |log r| <= 0.0894: row 1 keeps ratios 0.9..1.1 only where |log r| fits
+  // (1.1: 0.0953, 0.9: 0.105 fail), and seq_max_k2 rejects both rows (each has a token above).
+  CHECK(r.response_mask.isZero());
+  CHECK(r.metrics.count("rollout_rs_token_k2_mean") == 1);
+  CHECK(r.metrics.count("rollout_rs_seq_max_k2_mean") == 1);
+  CHECK(r.metrics.at("rollout_rs_masked_fraction") == doctest::Approx(1.0));
+
+  // The log-ratio is clamped to +-20 before the statistics: 50 and 20 give the same k3.
+  M far(1, 2), two = M::Ones(1, 2);
+  far << 50.0, 20.0;
+  const auto c = ppo::compute_rollout_rejection_mask<double>(far, two, "token_k3", "1e12");
+  CHECK(c.metrics.at("rollout_rs_token_k3_max") == c.metrics.at("rollout_rs_token_k3_min"));
+
+  // No rows: returned as given, no metrics (as verl).
+  const M none(0, 4);
+  const auto e = ppo::compute_rollout_rejection_mask<double>(none, none, "token_k1", "2");
+  CHECK(e.response_mask.rows() == 0);
+  CHECK(e.metrics.empty());
+}
+
+TEST_CASE(
+    "bypass_mode: reinforce is -w A log p on the kept tokens, IS weights without gradient; ppo_clip is PPO "
+    "against the rollout's log-probs") {
+  using M = RowMatrix<double>;
+  const M rollout = -random_matrix<double>(3, 5, 71).cwiseAbs() - M::Constant(3, 5, 0.1);
+  const M log_prob = rollout + random_matrix<double>(3, 5, 72, 0.3);
+  M advantages(3, 5), mask = M::Ones(3, 5);
+  advantages.row(0).setConstant(1.0);
+  advantages.row(1).setConstant(-0.5);
+  advantages.row(2).setConstant(2.0);
+  mask(2, 4) = 0;
+  advantages(2, 4) = 0;
+
+  ppo::PolicyLossConfig config;
+  ppo::RolloutCorrectionConfig rc;
+  rc.loss_type = ppo::BypassLossType::reinforce;
+  rc.is = ppo::RolloutIsOptions{ppo::RolloutIsLevel::token, ppo::RolloutIsThreshold::truncate_at(1.2), false};
+  rc.rs = ppo::RolloutRsOptions::parse("token_k1", "0.6_1.6");
+  config.rollout_correction = rc;
+  const auto out = ppo::compute_policy_loss<double>(ppo::PolicyLossKind::bypass_mode, rollout, log_prob, advantages,
+                                                    mask, ppo::LossAggMode::token_mean, config);
+  // By hand: w = min(p / p_rollout, 1.2); kept: 0.6 <= p / p_rollout <= 1.6 on valid tokens.
+  double loss = 0, kept = 0, kl = 0;
+  M grad = M::Zero(3, 5);
+  for (Eigen::Index i = 0; i < 3; ++i)
+    for (Eigen::Index j = 0; j < 5; ++j) {
+      const double ratio = std::exp(log_prob(i, j) - rollout(i, j));
+      if (mask(i, j) == 0 || ratio < 0.6 || ratio > 1.6) continue;
+      const double w = std::min(ratio, 1.2);
+      loss += -w * advantages(i, j) * log_prob(i, j);
+      grad(i, j) = -w * advantages(i, j);
+      kl += rollout(i, j) - log_prob(i, j);
+      kept += 1;
+    }
+  REQUIRE(kept > 0);
+  REQUIRE(kept < 14);  // the case rejects something
+  CHECK(out.loss == doctest::Approx(loss / kept).epsilon(1e-12));
+  CHECK(out.grad_log_prob.isApprox(grad / kept, 1e-12));
+  CHECK(out.metric("actor/ppo_kl").value() == doctest::Approx(kl / (kept + 1e-8)).epsilon(1e-9));
+  CHECK(out.metric("rollout_corr/rollout_rs_token_k1_masked_fraction").has_value());
+  CHECK(out.metric("rollout_corr/rollout_is_mean").has_value());
+  CHECK(out.metric("rollout_corr/training_ppl").has_value());
+  CHECK(!out.metric("actor/pg_clipfrac").has_value());
+
+  // ppo_clip: vanilla PPO on the kept tokens with old_log_prob = the rollout's, no IS weights, and
+  // the same rollout_corr metrics.
+  config.rollout_correction->loss_type = ppo::BypassLossType::ppo_clip;
+  const auto clip =
+      ppo::compute_policy_loss<double>("bypass_mode", rollout, log_prob, advantages, mask, "token-mean", config);
+  const auto kept_mask = ppo::compute_rollout_rejection_mask<double>(M(log_prob - rollout), mask, *rc.rs).response_mask;
+  const auto vanilla = ppo::compute_policy_loss_vanilla<double>(rollout, log_prob, advantages, kept_mask,
+                                                                ppo::LossAggMode::token_mean, config);
+  CHECK(clip.loss == vanilla.loss);
+  CHECK(clip.grad_log_prob == vanilla.grad_log_prob);
+  CHECK(clip.metric("actor/pg_clipfrac") == vanilla.metric("actor/pg_clipfrac"));
+  CHECK(clip.metric("rollout_corr/rollout_rs_masked_fraction") ==
+        out.metric("rollout_corr/rollout_rs_masked_fraction"));
+}
+
+TEST_CASE(
+    "rejection sampling at a real micro-batch (64 x 4096, padded tails): masks only valid tokens, whole rows "
+    "for sequence options, fractions that add up") {
+  using M = RowMatrix<double>;
+  const Eigen::Index rows = 64, cols = 4096;
+  const M log_ratio = random_matrix<double>(rows, cols, 81, 0.05);
+  M mask = M::Zero(rows, cols);
+  std::mt19937 gen(82);
+  for (Eigen::Index i = 0; i < rows; ++i)
+    mask.row(i).head(1 + static_cast<Eigen::Index>(gen() % cols)).setOnes();
+  const auto r = ppo::compute_rollout_rejection_mask<double>(log_ratio, mask, "token_k1,seq_max_k3", "0.9_1.11,0.0125");
+  double kept = 0, rejected_rows = 0;
+  for (Eigen::Index i = 0; i < rows; ++i) {
+    bool whole = true, any_rejected = false;
+    for (Eigen::Index j = 0; j < cols; ++j) {
+      CHECK_FALSE((r.response_mask(i, j) == 1 && mask(i, j) == 0));
+      kept += r.response_mask(i, j);
+      if (mask(i, j) == 1 && r.response_mask(i, j) == 0)
+        any_rejected = true;
+      else if (mask(i, j) == 1)
+        whole = false;
+    }
+    rejected_rows += any_rejected;
+    // seq_max_k3: a row whose largest k3 exceeds the bound is rejected whole.
+    double max_k3 = 0;
+    for (Eigen::Index j = 0; j < cols; ++j)
+      if (mask(i, j) == 1) max_k3 = std::max(max_k3, std::expm1(log_ratio(i, j)) - log_ratio(i, j));
+    if (max_k3 > 0.0125) CHECK(whole);
+  }
+  const double valid = mask.sum();
+  CHECK(r.metrics.at("rollout_rs_masked_fraction") == doctest::Approx(1.0 - kept / valid).epsilon(1e-12));
+  CHECK(r.metrics.at("rollout_rs_seq_masked_fraction") == doctest::Approx(rejected_rows / rows).epsilon(1e-6));
+  CHECK(kept > 0);
+  CHECK(kept < valid);
+}

@@ -145,6 +145,12 @@ TEST_CASE("grpo_loss and config: errors name the problem") {
                        mrr::InvalidArgument);
   kl_cov.policy.kl_cov_ratio = 0.5;
   kl_cov.validate();
+  ppo::GrpoStepConfig bypass;
+  bypass.policy_loss = "bypass_mode";
+  CHECK_THROWS_WITH_AS(bypass.validate(), doctest::Contains("'bypass_mode' needs policy.rollout_correction"),
+                       mrr::InvalidArgument);
+  bypass.policy.rollout_correction = ppo::RolloutCorrectionConfig{};
+  CHECK_NOTHROW(bypass.validate());
   ppo::GrpoStepConfig clip_cov;
   clip_cov.policy_loss = "clip_cov";
   clip_cov.policy.clip_cov_ub = 0.5;  // below the default lower bound 1

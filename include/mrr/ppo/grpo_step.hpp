@@ -43,7 +43,12 @@ struct GrpoStepConfig {
   // Parses every name, so a typo fails before the first rollout.
   void validate() const {
     parse_advantage_estimator(adv_estimator);
-    parse_policy_loss(policy_loss);
+    const auto loss = parse_policy_loss(policy_loss);
+    mrr::detail::require(loss != PolicyLossKind::bypass_mode || policy.rollout_correction.has_value(),
+                         "ppo::GrpoStepConfig",
+                         "policy_loss 'bypass_mode' needs policy.rollout_correction (its loss type, IS weights and "
+                         "rejection)");
+    if (policy.rollout_correction && policy.rollout_correction->rs) policy.rollout_correction->rs->validate();
     parse_loss_agg_mode(loss_agg_mode);
     parse_kl_penalty(kl_loss_type);
     mrr::detail::require(std::isfinite(kl_loss_coef) && kl_loss_coef >= 0.0, "ppo::GrpoStepConfig",

@@ -1,5 +1,6 @@
 // Policy-gradient losses with verl's names (vanilla PPO with asymmetric and dual clip, gspo,
-// sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov), their metrics under
+// sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov, bypass_mode, and the
+// REINFORCE loss bypass_mode runs), their metrics under
 // verl's metric names, and the analytic gradient of the loss w.r.t. the current log-probabilities.
 #pragma once
 
@@ -13,6 +14,7 @@
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/ppo/masked.hpp>
 #include <mrr/ppo/optional_view.hpp>
+#include <mrr/ppo/rollout_rejection.hpp>
 #include <mrr/tensor.hpp>
 
 #include <algorithm>
@@ -30,7 +32,20 @@
 MRR_NAMESPACE_BEGIN
 namespace ppo {
 
-enum class PolicyLossKind { vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov };
+enum class PolicyLossKind {
+  vanilla,
+  gspo,
+  sapo,
+  gpg,
+  geo_mean,
+  cispo,
+  dppo_tv,
+  dppo_kl,
+  dro,
+  kl_cov,
+  clip_cov,
+  bypass_mode
+};
 
 inline PolicyLossKind parse_policy_loss(std::string_view name) {
   if (name == "vanilla") return PolicyLossKind::vanilla;
@@ -44,13 +59,10 @@ inline PolicyLossKind parse_policy_loss(std::string_view name) {
   if (name == "dro") return PolicyLossKind::dro;
   if (name == "kl_cov") return PolicyLossKind::kl_cov;
   if (name == "clip_cov") return PolicyLossKind::clip_cov;
-  if (name == "bypass_mode")
-    mrr::detail::throw_invalid_argument("ppo::parse_policy_loss", "policy loss '", name,
-                                        "' is one of verl's that mrr does not provide; mrr provides: vanilla, gspo, "
-                                        "sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov");
+  if (name == "bypass_mode") return PolicyLossKind::bypass_mode;
   mrr::detail::throw_invalid_argument(
       "ppo::parse_policy_loss", "unknown policy loss '", name,
-      "'; expected vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov or clip_cov");
+      "'; expected vanilla, gspo, sapo, gpg, geo_mean, cispo, dppo_tv, dppo_kl, dro, kl_cov, clip_cov or bypass_mode");
 }
 
 inline std::string_view to_string(PolicyLossKind kind) {
@@ -77,6 +89,8 @@ inline std::string_view to_string(PolicyLossKind kind) {
       return "kl_cov";
     case PolicyLossKind::clip_cov:
       return "clip_cov";
+    case PolicyLossKind::bypass_mode:
+      return "bypass_mode";
   }
   return "?";
 }
@@ -97,6 +111,8 @@ struct PolicyLossConfig {
   double clip_cov_lb = 1.0;               // clip_cov: drop candidates have a covariance in (lb, ub)
   double clip_cov_ub = 5.0;
   std::uint64_t clip_cov_seed = 0;  // clip_cov: picks among the candidates; vary it per micro-batch
+  // bypass_mode: verl's policy_loss.rollout_correction (loss type, IS weights, rejection); required.
+  std::optional<RolloutCorrectionConfig> rollout_correction;
   GlobalBatchInfo global_batch_info;
 
   double low() const { return clip_ratio_low.value_or(clip_ratio); }
@@ -811,6 +827,63 @@ PolicyLossResult<T> compute_policy_loss_geo_mean(MatrixRef<T> old_log_prob, Matr
   return out;
 }
 
+// REINFORCE with optional IS correction (verl compute_policy_loss_reinforce, which bypass_mode
+// runs): -A log p, times the rollout IS weights when given; no clipping. Reports actor/ppo_kl, the
+// masked mean of rollout - current log-prob. The weights carry no gradient.
+template <class T>
+PolicyLossResult<T> compute_policy_loss_reinforce(MatrixRef<T> rollout_log_prob, MatrixRef<T> log_prob,
+                                                  MatrixRef<T> advantages, MatrixRef<T> response_mask,
+                                                  LossAggMode loss_agg_mode = LossAggMode::seq_mean_token_sum,
+                                                  const PolicyLossConfig& config = {},
+                                                  OptionalMatrixView<T> rollout_is_weights = {}) {
+  constexpr std::string_view fn = "ppo::compute_policy_loss_reinforce";
+  detail::check_policy_inputs<T>(fn, rollout_log_prob, log_prob, advantages, response_mask, rollout_is_weights);
+  return detail::token_policy_loss<T>(
+      fn, rollout_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config.global_batch_info,
+      rollout_is_weights, detail::MetricSet::kl_only,
+      [](Eigen::Index, Eigen::Index, T lp, T rollout, T a) { return kernels::ppo::reinforce_token(lp, rollout, a); });
+}
+
+// verl's "bypass_mode": the trainer skips the old-log-prob pass and passes the rollout engine's
+// log-probabilities as old_log_prob. From them and the current log_prob it computes the rollout
+// correction of config.rollout_correction (IS weights pi / pi_rollout when `is` is set, rejection
+// when `rs` is set; both without gradient), then, on the tokens rejection keeps:
+//  - loss_type ppo_clip: PPO's clipped loss (compute_policy_loss_vanilla) against the rollout's
+//    log-probs, without IS weights (its ratio is that weight already);
+//  - loss_type reinforce: compute_policy_loss_reinforce with the IS weights.
+// Metrics: the loss's and every rollout_corr/ metric (compute_rollout_correction_and_rejection_mask
+// with the current policy as the training one). It computes its own IS weights: passing
+// rollout_is_weights is refused (verl ignores them).
+template <class T>
+PolicyLossResult<T> compute_policy_loss_bypass_mode(MatrixRef<T> old_log_prob, MatrixRef<T> log_prob,
+                                                    MatrixRef<T> advantages, MatrixRef<T> response_mask,
+                                                    LossAggMode loss_agg_mode = LossAggMode::token_mean,
+                                                    const PolicyLossConfig& config = {},
+                                                    OptionalMatrixView<T> rollout_is_weights = {}) {
+  constexpr std::string_view fn = "ppo::compute_policy_loss_bypass_mode";
+  mrr::detail::require(config.rollout_correction.has_value(), fn,
+                       "bypass_mode needs PolicyLossConfig::rollout_correction (verl: "
+                       "policy_loss.rollout_correction) to say its loss type, IS weights and rejection");
+  mrr::detail::require(!rollout_is_weights.has_value(), fn,
+                       "bypass_mode computes its IS weights from log_prob and old_log_prob (the rollout's); "
+                       "'rollout_is_weights' must not be given");
+  detail::check_policy_inputs<T>(fn, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights);
+  const auto& rc = *config.rollout_correction;
+  auto correction = compute_rollout_correction_and_rejection_mask<T>(log_prob, old_log_prob, response_mask, rc);
+  PolicyLossResult<T> out;
+  if (rc.loss_type == BypassLossType::reinforce) {
+    OptionalMatrixView<T> weights;
+    if (correction.weights) weights = *correction.weights;
+    out = compute_policy_loss_reinforce<T>(old_log_prob, log_prob, advantages, correction.response_mask, loss_agg_mode,
+                                           config, weights);
+  } else {
+    out = compute_policy_loss_vanilla<T>(old_log_prob, log_prob, advantages, correction.response_mask, loss_agg_mode,
+                                         config);
+  }
+  out.metrics.merge(correction.metrics);
+  return out;
+}
+
 // Dispatch by kind (verl's get_policy_loss_fn).
 template <class T>
 PolicyLossResult<T> compute_policy_loss(PolicyLossKind kind, MatrixRef<T> old_log_prob, MatrixRef<T> log_prob,
@@ -851,6 +924,9 @@ PolicyLossResult<T> compute_policy_loss(PolicyLossKind kind, MatrixRef<T> old_lo
     case PolicyLossKind::clip_cov:
       return compute_policy_loss_clip_cov<T>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                                              rollout_is_weights);
+    case PolicyLossKind::bypass_mode:
+      return compute_policy_loss_bypass_mode<T>(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                                config, rollout_is_weights);
   }
   mrr::detail::throw_invalid_argument("ppo::compute_policy_loss", "invalid PolicyLossKind ", static_cast<int>(kind));
 }

@@ -96,6 +96,13 @@ MRR_HOST_DEVICE inline TokenTerms<T> gpg_token(T log_prob, T a) {
   return {-log_prob * a, -a, T(0), T(0), T(0)};
 }
 
+// REINFORCE (verl compute_policy_loss_reinforce, bypass mode): -A log p, reporting
+// rollout - current log-prob as its ppo_kl term.
+template <class T>
+MRR_HOST_DEVICE inline TokenTerms<T> reinforce_token(T log_prob, T rollout_log_prob, T a) {
+  return {-log_prob * a, -a, T(0), T(0), rollout_log_prob - log_prob};
+}
+
 // CISPO: -sg(clip(r, lo, hi)) A log p; the gradient flows through log p only.
 template <class T>
 MRR_HOST_DEVICE inline TokenTerms<T> cispo_token(T log_prob, T old_log_prob, T a, T lo, T hi) {
