@@ -37,25 +37,28 @@ constexpr const char* kCsvHeader =
     "paired_native_mismatch_decisions,paired_native_mismatch_tokens,paired_native_k3,paired_native_mean_abs_dlogp,"
     "paired_replay_mismatch_decisions,paired_replay_k3,paired_replay_mean_abs_dlogp,paired_replayed_rows,"
     "rollout_decisions_differing,rollout_mean_differing_layers,f2,f5,p99_abs_dlogp,"
-    "paired_native_decisions_differing,paired_native_f2,paired_replay_f2,floor_k3,grad_norm,entropy";
+    "paired_native_decisions_differing,paired_native_f2,paired_replay_f2,floor_k3,grad_norm,entropy,"
+    "rollout_rs_masked_fraction";
 
 void write_csv_row(std::ostream& out, const StepMetrics& m) {
   char line[1536];
-  std::snprintf(line, sizeof line,
-                "%d,%.6g,%.6g,%.4g,%.6g,%.6g,%lld,%.6g,%.6g,%.6g,%.6g,%.6g,%.9g,%.6g,%.6g,%.6g,%.4g,%llu,%llu,%llu,%.4f,"
-                "%016llx,%016llx,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%llu,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g\n",
-                m.step, m.reward, m.accuracy, m.response_length, m.rollout_mismatch_decisions, m.rollout_mismatch_tokens,
-                static_cast<long long>(m.compared_rows), m.k3, m.k1, m.max_abs_dlogp, m.mean_abs_dlogp,
-                m.update_mismatch_decisions, m.loss, m.pg_clipfrac, m.ppo_kl, m.kl_loss, m.load_max_over_mean,
-                static_cast<unsigned long long>(m.replayed_rows), static_cast<unsigned long long>(m.native_rows),
-                static_cast<unsigned long long>(m.recorded_rows), m.wall_seconds,
-                static_cast<unsigned long long>(m.params_digest), static_cast<unsigned long long>(m.routes_digest),
-                m.paired_native_mismatch_decisions, m.paired_native_mismatch_tokens, m.paired_native_k3,
-                m.paired_native_mean_abs_dlogp, m.paired_replay_mismatch_decisions, m.paired_replay_k3,
-                m.paired_replay_mean_abs_dlogp, static_cast<unsigned long long>(m.paired_replayed_rows),
-                m.rollout_decisions_differing, m.rollout_mean_differing_layers, m.f2, m.f5, m.p99_abs_dlogp,
-                m.paired_native_decisions_differing, m.paired_native_f2, m.paired_replay_f2, m.floor_k3, m.grad_norm,
-                m.entropy);
+  std::snprintf(
+      line, sizeof line,
+      "%d,%.6g,%.6g,%.4g,%.6g,%.6g,%lld,%.6g,%.6g,%.6g,%.6g,%.6g,%.9g,%.6g,%.6g,%.6g,%.4g,%llu,%llu,%llu,%.4f,"
+      "%016llx,%016llx,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%llu,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,"
+      "%.6g\n",
+      m.step, m.reward, m.accuracy, m.response_length, m.rollout_mismatch_decisions, m.rollout_mismatch_tokens,
+      static_cast<long long>(m.compared_rows), m.k3, m.k1, m.max_abs_dlogp, m.mean_abs_dlogp,
+      m.update_mismatch_decisions, m.loss, m.pg_clipfrac, m.ppo_kl, m.kl_loss, m.load_max_over_mean,
+      static_cast<unsigned long long>(m.replayed_rows), static_cast<unsigned long long>(m.native_rows),
+      static_cast<unsigned long long>(m.recorded_rows), m.wall_seconds,
+      static_cast<unsigned long long>(m.params_digest), static_cast<unsigned long long>(m.routes_digest),
+      m.paired_native_mismatch_decisions, m.paired_native_mismatch_tokens, m.paired_native_k3,
+      m.paired_native_mean_abs_dlogp, m.paired_replay_mismatch_decisions, m.paired_replay_k3,
+      m.paired_replay_mean_abs_dlogp, static_cast<unsigned long long>(m.paired_replayed_rows),
+      m.rollout_decisions_differing, m.rollout_mean_differing_layers, m.f2, m.f5, m.p99_abs_dlogp,
+      m.paired_native_decisions_differing, m.paired_native_f2, m.paired_replay_f2, m.floor_k3, m.grad_norm, m.entropy,
+      m.rollout_rs_masked_fraction);
   out << line;
   out.flush();
   if (!out) throw std::runtime_error("writing a CSV row failed (disk full?)");

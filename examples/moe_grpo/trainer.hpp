@@ -102,6 +102,25 @@ struct TrainConfig {
   // policy loss (TIS). Off by default.
   bool rollout_tis = false;
   double rollout_is_threshold = 2.0;
+  // verl's rejection sampling (algorithm.rollout_correction.rollout_rs / rollout_rs_threshold):
+  // tokens or whole sequences whose divergence between the old-log-prob pass and the rollout
+  // exceeds the threshold are masked out of the loss (mrr::ppo::compute_rollout_rejection_mask).
+  // Each decision is a token's or a sequence's own, so any rank count masks the same tokens.
+  // Empty: off.
+  std::string rollout_rs, rollout_rs_threshold;
+  // The parsed options (validate() fills them), or none when rollout_rs is empty.
+  std::optional<mrr::ppo::RolloutRsOptions> rollout_rs_options() const {
+    if (rollout_rs.empty()) return std::nullopt;
+    constexpr const char* key = "algorithm.rollout_correction.rollout_rs";
+    if (rollout_rs_threshold.empty())
+      throw mrr::ConfigError(std::string(key) + " is set ('" + rollout_rs +
+                             "'): algorithm.rollout_correction.rollout_rs_threshold must be given too");
+    try {
+      return mrr::ppo::RolloutRsOptions::parse(rollout_rs, rollout_rs_threshold);
+    } catch (const mrr::InvalidArgument& e) {
+      throw mrr::ConfigError(std::string(key) + " / rollout_rs_threshold: " + e.what());
+    }
+  }
   // The paired, counterfactual measurement (StepMetrics::paired_*): every step, the rollout's
   // tokens are scored on the step's weights twice, routed natively and replaying the rollout's
   // routes. paired_reuse takes one of the two from the mode's own old-log-prob pass when that pass
@@ -156,6 +175,7 @@ struct TrainConfig {
     mix(policy.clip_ratio), mix_optional(policy.clip_ratio_low), mix_optional(policy.clip_ratio_high);
     mix(policy.clip_ratio_c), mix(policy.tau_pos), mix(policy.tau_neg), mix_optional(policy.dro_beta);
     mix(grpo.use_kl_loss), mix(grpo.kl_loss_coef);
+    if (!rollout_rs.empty()) mix_text(rollout_rs), mix_text(rollout_rs_threshold);  // (runs without it keep their tag)
     return (h ^ (h >> 24) ^ (h >> 48)) & 0xffffffull;
   }
   // The uid of sequence `index` of the step's batch (validate() keeps both in their bits).
@@ -202,6 +222,7 @@ struct TrainConfig {
     require_option(finite_at_least(grpo.kl_loss_coef, 0), keys::kl_loss_coef, "finite and >= 0", grpo.kl_loss_coef);
     require_option(std::isfinite(rollout_is_threshold) && rollout_is_threshold >= 1,
                    "algorithm.rollout_correction.rollout_is_threshold", "finite and >= 1", rollout_is_threshold);
+    rollout_rs_options();  // throws ConfigError naming the key
     // The ratio is clipped to [1 - low, 1 + high]: low in (0, 1) keeps the lower bound positive.
     const auto& policy = grpo.policy;
     const auto in_unit = [](double v) { return v > 0 && v < 1; };
@@ -302,6 +323,8 @@ struct StepMetrics {
   // old-log-prob pass vs update passes: router decisions that differ
   double update_mismatch_decisions = 0;
   double loss = 0, pg_clipfrac = 0, ppo_kl = 0, kl_loss = 0;
+  // Rejection sampling (rollout_rs): the share of response tokens it masked out of the loss.
+  double rollout_rs_masked_fraction = 0;
   double load_max_over_mean = 0;  // expert load (old-log-prob pass), worst layer
   std::uint64_t replayed_rows = 0, native_rows = 0, recorded_rows = 0;
   double wall_seconds = 0;
@@ -348,6 +371,7 @@ class Trainer {
   Trainer(const TrainConfig& cfg, Comm comm) : cfg_(cfg), comm_(comm) {
     const int ranks = static_cast<int>(comm.size());
     cfg_.validate(ranks);
+    rs_options_ = cfg_.rollout_rs_options();
     const mrr::RouteShape shape{cfg.model.experts, cfg.model.layers, cfg.model.topk};
     // Route files: one per rank when there are several (a rank replays only its own sequences).
     mrr::ReplayConfig files = cfg_.replay;
@@ -477,6 +501,7 @@ class Trainer {
     //    then the paired passes (native and replayed, no gradient) on the same weights.
     detail::RolloutComparison own, native, replayed, floor;
     double entropy_sum = 0, entropy_tokens = 0;
+    std::vector<double> rs_tokens = {0, 0};  // response tokens, rejected ones
     std::uint64_t paired_replayed_rows = 0;
     std::vector<std::vector<std::int64_t>> load(static_cast<std::size_t>(L), std::vector<std::int64_t>(static_cast<std::size_t>(cfg_.model.experts), 0));
     for (int b = 0; b < mb; ++b) {
@@ -541,6 +566,15 @@ class Trainer {
         ref_->replay().begin_pass(mrr::TrainingPass::ref_log_prob);
         typename Engine<Comm>::Cache ref_cache;
         batch.ref_log_prob = log_probs(batch, ref_->forward(batch.tokens, batch.lengths, batch.uids, ref_cache, nullptr));
+      }
+      // Rejection sampling last: the comparisons above see every response token; the loss (and
+      // its global token count) only the kept ones, as verl's modified response mask.
+      if (rs_options_) {
+        const Mat log_ratio = batch.old_log_prob - batch.rollout_log_prob;
+        const double before = static_cast<double>(batch.mask.sum());
+        batch.mask = mrr::ppo::compute_rollout_rejection_mask<float>(log_ratio, batch.mask, *rs_options_).response_mask;
+        rs_tokens[0] += before;
+        rs_tokens[1] += before - static_cast<double>(batch.mask.sum());
       }
     }
 
@@ -660,6 +694,14 @@ class Trainer {
       double sum = 0, tokens = 0;
       for (std::size_t r = 0; r < static_cast<std::size_t>(ranks); ++r) sum += all_e[2 * r], tokens += all_e[2 * r + 1];
       m.entropy = tokens > 0 ? sum / tokens : 0;
+    }
+    if (rs_options_) {  // over every rank's tokens, added in rank order
+      std::vector<double> all_rs(2 * static_cast<std::size_t>(ranks));
+      comm_.all_gather(std::span<const double>(rs_tokens), std::span<double>(all_rs));
+      double tokens = 0, rejected = 0;
+      for (std::size_t r = 0; r < static_cast<std::size_t>(ranks); ++r)
+        tokens += all_rs[2 * r], rejected += all_rs[2 * r + 1];
+      m.rollout_rs_masked_fraction = tokens > 0 ? rejected / tokens : 0;
     }
     const auto& st = train_->replay().stats();
     std::vector<std::int64_t> rows = {static_cast<std::int64_t>(st.replayed_rows - stats0.replayed_rows),
@@ -1033,6 +1075,7 @@ class Trainer {
   }
 
   TrainConfig cfg_;
+  std::optional<mrr::ppo::RolloutRsOptions> rs_options_;  // rejection sampling, when configured
   Comm comm_;
   std::unique_ptr<AnyRouteStore> rollout_store_, train_store_, ref_store_;
   bool r2_replays_file_ = false;

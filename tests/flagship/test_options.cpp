@@ -110,6 +110,10 @@ TEST_CASE("every numeric option out of its range is an error naming the key, the
        "loss_mode: 'kl_cov' selects tokens across a whole micro-batch, and this example computes its loss sequence "
        "by sequence"},
       {{"actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"}, "'clip_cov' selects tokens across a whole"},
+      {{"algorithm.rollout_correction.rollout_rs=token_k9", "algorithm.rollout_correction.rollout_rs_threshold=2"},
+       "algorithm.rollout_correction.rollout_rs / rollout_rs_threshold: mrr::ppo::RolloutRsOptions::parse: invalid "
+       "rollout_rs option 'token_k9'"},
+      {{"algorithm.rollout_correction.rollout_rs=seq_mean_k3"}, "rollout_rs_threshold must be given too"},
       {{"actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"},
        "'bypass_mode' trains on the rollout engine's log-probs instead of an old-log-prob pass"},
       {{"actor_rollout_ref.model.num_experts=0"}, "actor_rollout_ref.model.num_experts must be in [1, 65536], got 0"},

@@ -197,6 +197,38 @@ TEST_CASE("TIS (verl's token-level rollout correction): weights change the updat
   CHECK_THROWS_WITH_AS(train(c), doctest::Contains("rollout_is_threshold"), mrr::ConfigError);
 }
 
+TEST_CASE(
+    "rejection sampling (verl's rollout_rs): masks mismatched tokens out of the loss, the same on 1 and 2 ranks") {
+  TrainConfig c = small(mrr::ReplayMode::disabled, 2);
+  c.rollout_fp8 = true;  // a mismatch large enough that some tokens exceed the bound
+  const auto plain = train(c);
+  c.rollout_rs = "token_k1,seq_max_k3";
+  c.rollout_rs_threshold = "0.98_1.02,0.0005";  // |delta log p| reaches ~0.05 here
+  const auto rs = train(c);
+  // The rollout and old-log-prob pass of the first step are the same runs; the loss sees fewer tokens.
+  CHECK(rs[0].k3 == plain[0].k3);
+  CHECK(rs[0].rollout_rs_masked_fraction > 0);
+  CHECK(rs[0].rollout_rs_masked_fraction < 1);
+  CHECK(plain[0].rollout_rs_masked_fraction == 0);
+  CHECK(rs[0].loss != plain[0].loss);
+  CHECK(rs[0].params_digest != plain[0].params_digest);
+  // Each decision is a token's or a sequence's own: 2 expert-parallel ranks mask and train the same.
+  const auto two = train(c, 2);
+  REQUIRE(two.size() == rs.size());
+  for (std::size_t s = 0; s < rs.size(); ++s) {
+    CAPTURE(s);
+    CHECK(two[s].rollout_rs_masked_fraction == rs[s].rollout_rs_masked_fraction);
+    CHECK(two[s].loss == rs[s].loss);
+    CHECK(two[s].params_digest == rs[s].params_digest);
+  }
+  // Bad settings name verl's keys.
+  c.rollout_rs_threshold.clear();
+  CHECK_THROWS_WITH_AS(train(c), doctest::Contains("rollout_rs_threshold must be given too"), mrr::ConfigError);
+  c.rollout_rs = "token_k5";
+  c.rollout_rs_threshold = "2";
+  CHECK_THROWS_WITH_AS(train(c), doctest::Contains("invalid rollout_rs option 'token_k5'"), mrr::ConfigError);
+}
+
 TEST_CASE("fp32 rollout numerics: far fewer routing differences than bf16") {
   TrainConfig c = small(mrr::ReplayMode::disabled, 2);
   const auto bf16 = train(c);
