@@ -107,6 +107,12 @@ struct RolloutIsResult {
 
 namespace detail {
 using kernels::ppo::kRolloutSafetyBound;  // log-ratios are clamped to +-20 before exp
+
+// verl's (condition).float().mean(): a float32 count over a float32 count.
+template <class T>
+T float32_fraction(Eigen::Index hits, Eigen::Index of) {
+  return static_cast<T>(static_cast<float>(hits) / static_cast<float>(of));
+}
 }  // namespace detail
 
 // log_ratio = log pi_train - log pi_rollout per token.
@@ -167,10 +173,6 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
   };
   const auto& w = out.weights;
   auto& metrics = out.metrics;
-  // verl's (condition).float().mean() over rows: a float32 count over a float32 row count.
-  const auto float32_fraction = [](Eigen::Index hits, Eigen::Index of) {
-    return static_cast<T>(static_cast<float>(hits) / static_cast<float>(of));
-  };
   metrics["rollout_is_mean"] = static_cast<T>(masked_mean_of([&](Eigen::Index i, Eigen::Index j) { return w(i, j); }));
   if (sequence_level) {
     metrics["rollout_is_max"] = std::exp(std::min(sequence_log_ratio.maxCoeff(), bound));
@@ -179,8 +181,9 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
     const T log_upper = static_cast<T>(std::log(static_cast<float>(upper)));
     const T log_lower = static_cast<T>(std::log(static_cast<float>(lower)));
     metrics["rollout_is_ratio_fraction_high"] =
-        float32_fraction((sequence_log_ratio.array() > log_upper).count(), rows);
-    metrics["rollout_is_ratio_fraction_low"] = float32_fraction((sequence_log_ratio.array() < log_lower).count(), rows);
+        detail::float32_fraction<T>((sequence_log_ratio.array() > log_upper).count(), rows);
+    metrics["rollout_is_ratio_fraction_low"] =
+        detail::float32_fraction<T>((sequence_log_ratio.array() < log_lower).count(), rows);
   } else {
     metrics["rollout_is_ratio_fraction_high"] =
         static_cast<T>(masked_mean_of([&](Eigen::Index i, Eigen::Index j) { return T(raw(i, j) > upper ? 1 : 0); }));
@@ -227,8 +230,10 @@ RolloutIsResult<T> compute_rollout_correction_weights(MatrixRef<T> log_ratio, Ma
   metrics["rollout_is_seq_max"] = sequence_mean.maxCoeff();
   metrics["rollout_is_seq_min"] = sequence_mean.minCoeff();
   metrics["rollout_is_seq_max_deviation"] = (sequence_mean.array() - T(1)).abs().maxCoeff();
-  metrics["rollout_is_seq_fraction_high"] = float32_fraction((raw_sequence_mean.array() > upper).count(), rows);
-  metrics["rollout_is_seq_fraction_low"] = float32_fraction((raw_sequence_mean.array() < lower).count(), rows);
+  metrics["rollout_is_seq_fraction_high"] =
+      detail::float32_fraction<T>((raw_sequence_mean.array() > upper).count(), rows);
+  metrics["rollout_is_seq_fraction_low"] =
+      detail::float32_fraction<T>((raw_sequence_mean.array() < lower).count(), rows);
   if (icepop)
     metrics["rollout_is_oob_ratio"] = static_cast<T>(masked_mean_of(
         [&](Eigen::Index i, Eigen::Index j) { return T(raw(i, j) < lower || raw(i, j) > upper ? 1 : 0); }));

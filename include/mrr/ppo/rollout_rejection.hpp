@@ -204,47 +204,34 @@ struct RolloutRsResult {
 
 namespace detail {
 
-// verl's (condition).float().mean(): a float32 count over a float32 count.
-template <class T>
-T float32_fraction(Eigen::Index hits, Eigen::Index of) {
-  return static_cast<T>(static_cast<float>(hits) / static_cast<float>(of));
-}
-
-// torch's CPU sum of n doubles (kernels::ppo::torch_order_sum over them in order).
+// torch's CPU sum of these doubles, in order.
 inline double torch_sum(const std::vector<double>& values) {
-  std::vector<long> order(values.size());
-  for (std::size_t k = 0; k < order.size(); ++k)
-    order[k] = static_cast<long>(k);
-  return kernels::ppo::torch_order_sum<double>(values.data(), order.data(), static_cast<long>(values.size()));
+  return kernels::ppo::torch_order_sum<double>(values.data(), kernels::ppo::IdentityIndex{},
+                                               static_cast<long>(values.size()));
 }
 
-// verl's masked_mean of value(i, j) over rows [first, last) (the whole batch by default), in
-// double: sum(where(m, v, 0) m) / (sum(m) + 1e-8), the sum in torch's order over every element
-// (masked ones as 0). The metrics' standard deviations are E[x^2] - E[x]^2, which cancels: the same
-// order gives the same digits.
+// verl's masked_sum of value(i, j) over rows [first, last), in double: sum(where(m, v, 0) m), in
+// torch's order over every element (masked ones as 0). The metrics' standard deviations are
+// E[x^2] - E[x]^2, which cancels: the same order gives the same digits.
 template <class T, class Value>
-double batch_masked_mean(const MatrixRef<T>& mask, Value&& value, Eigen::Index first = 0, Eigen::Index last = -1) {
-  if (last < 0) last = mask.rows();
+double torch_masked_sum(const MatrixRef<T>& mask, Value&& value, Eigen::Index first, Eigen::Index last) {
   std::vector<double> terms;
   terms.reserve(static_cast<std::size_t>((last - first) * mask.cols()));
-  double count = 0;
   for (Eigen::Index i = first; i < last; ++i)
     for (Eigen::Index j = 0; j < mask.cols(); ++j) {
       const double m = static_cast<double>(mask(i, j));
-      count += m;
       terms.push_back(m != 0 ? static_cast<double>(value(i, j)) * m : 0.0);
     }
-  return torch_sum(terms) / (count + kMaskCountEpsilon);
+  return torch_sum(terms);
 }
 
-// verl's masked_sum of one row, in T, the sum in torch's order.
-template <class T>
-T row_masked_sum(const MatrixRef<T>& values, const MatrixRef<T>& mask, Eigen::Index i) {
-  std::vector<double> terms(static_cast<std::size_t>(values.cols()));
-  for (Eigen::Index j = 0; j < values.cols(); ++j)
-    terms[static_cast<std::size_t>(j)] =
-        mask(i, j) != T(0) ? static_cast<double>(values(i, j)) * static_cast<double>(mask(i, j)) : 0.0;
-  return static_cast<T>(torch_sum(terms));
+// verl's masked_mean over rows [first, last) (the whole batch by default): the masked sum above
+// / (sum(m) + 1e-8).
+template <class T, class Value>
+double batch_masked_mean(const MatrixRef<T>& mask, Value&& value, Eigen::Index first = 0, Eigen::Index last = -1) {
+  if (last < 0) last = mask.rows();
+  const double count = static_cast<double>(mask.middleRows(first, last - first).sum());
+  return torch_masked_sum(mask, value, first, last) / (count + kMaskCountEpsilon);
 }
 
 }  // namespace detail
@@ -299,7 +286,6 @@ RolloutRsResult<T> compute_rollout_rejection_mask(MatrixRef<T> log_ratio, Matrix
     const T lower = static_cast<T>(o.k1() ? std::log(o.lower) : 0.0);
     const auto passes = [&](T v) { return o.k1() ? v >= lower && v <= upper : v <= upper; };
     RowMatrix<T> keep(rows, cols);
-    const MatrixRef<T> stats(stat);
     for (Eigen::Index i = 0; i < rows; ++i) {
       const T* s = stat.row(i).data();
       const T* m = response_mask.row(i).data();
@@ -314,7 +300,8 @@ RolloutRsResult<T> compute_rollout_rejection_mask(MatrixRef<T> log_ratio, Matrix
       }
       T v = 0;
       if (o.scope == RolloutRsScope::seq_sum) {
-        v = detail::row_masked_sum<T>(stats, response_mask, i);
+        v = static_cast<T>(detail::torch_masked_sum(
+            response_mask, [&](auto r, auto j) { return stat(r, j); }, i, i + 1));
       } else if (o.scope == RolloutRsScope::seq_mean) {
         v = static_cast<T>(detail::batch_masked_mean(
             response_mask, [&](auto r, auto j) { return stat(r, j); }, i, i + 1));
@@ -442,13 +429,12 @@ std::map<std::string, T, std::less<>> compute_offpolicy_metrics(MatrixRef<T> old
   detail::require_finite_where(fn, "rollout_log_prob", rollout_log_prob, response_mask);
   mrr::detail::require((response_mask.array() != T(0)).any(), fn,
                        "'response_mask' must select at least one valid token");
-  const Eigen::Index rows = old_log_prob.rows(), cols = old_log_prob.cols();
+  const Eigen::Index rows = old_log_prob.rows();
   const double bound = kernels::ppo::kRolloutSafetyBound, n = static_cast<double>(rows);
   // Per sequence, then batch means in torch's order.
   std::vector<double> train_ppl, train_log_ppl, rollout_ppl, rollout_log_ppl, diff, abs_diff, ppl_ratio, chi2_seq;
   double diff_max = -std::numeric_limits<double>::infinity(), diff_min = std::numeric_limits<double>::infinity();
   for (Eigen::Index i = 0; i < rows; ++i) {
-    const T* m = response_mask.row(i).data();
     const auto row_mean = [&](const MatrixRef<T>& v) {
       return static_cast<T>(detail::batch_masked_mean(
           response_mask, [&](auto r, auto j) { return v(r, j); }, i, i + 1));
@@ -464,12 +450,8 @@ std::map<std::string, T, std::less<>> compute_offpolicy_metrics(MatrixRef<T> old
     diff_max = std::max(diff_max, d);
     diff_min = std::min(diff_min, d);
     ppl_ratio.push_back(std::exp(d));
-    std::vector<double> terms(static_cast<std::size_t>(cols));
-    for (Eigen::Index j = 0; j < cols; ++j)
-      terms[static_cast<std::size_t>(j)] =
-          m[j] != T(0) ? static_cast<double>(old_log_prob(i, j) - rollout_log_prob(i, j)) * static_cast<double>(m[j])
-                       : 0.0;
-    const auto log_ratio_sum = static_cast<T>(detail::torch_sum(terms));
+    const auto log_ratio_sum = static_cast<T>(detail::torch_masked_sum(
+        response_mask, [&](auto r, auto j) { return old_log_prob(r, j) - rollout_log_prob(r, j); }, i, i + 1));
     chi2_seq.push_back(std::exp(2.0 * std::clamp(static_cast<double>(log_ratio_sum), -bound, bound)));
   }
   std::map<std::string, T, std::less<>> metrics;
