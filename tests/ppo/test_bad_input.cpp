@@ -111,9 +111,10 @@ TEST_CASE("NaN and inf in rewards are rejected with their position") {
   rewards(1, 0) = std::numeric_limits<double>::infinity();
   for (const auto name : ppo::kAdvantageEstimatorNames) {
     CAPTURE(name);
-    const Matrix values = Matrix::Zero(4, 6);
+    const Matrix values = Matrix::Zero(4, 6), log_probs = Matrix::Constant(4, 6, -1.0);
+    const Matrix sum_pi_squared = Matrix::Constant(4, 6, 0.5);
     const Vector<double> baselines = Vector<double>::Zero(4);
-    ppo::AdvantageInputs<double> in{rewards, mask, values, &index, baselines};
+    ppo::AdvantageInputs<double> in{rewards, mask, values, &index, baselines, log_probs, sum_pi_squared};
     CHECK(contains(error_of([&] { ppo::compute_advantage<double>(name, in); }),
                    "'token_level_rewards' has a non-finite value inf at [1, 0]"));
   }
@@ -143,8 +144,7 @@ TEST_CASE("unknown names are rejected with the list of known ones") {
   auto msg = error_of([] { ppo::parse_advantage_estimator("grpo2"); });
   CHECK(contains(msg, "mrr::ppo::parse_advantage_estimator: unknown advantage estimator 'grpo2'"));
   CHECK(contains(msg, "reinforce_plus_plus_baseline"));
-  CHECK(contains(error_of([] { ppo::parse_advantage_estimator("gdpo"); }),
-                 "advantage estimator 'gdpo' is one of verl's that mrr does not provide"));
+  CHECK(contains(msg, "tir_optimal_token_baseline"));  // in the list of known ones
   msg = error_of([] { ppo::parse_policy_loss("ppo"); });
   CHECK(contains(msg, "unknown policy loss 'ppo'"));
   CHECK(contains(msg, "bypass_mode"));  // in the list of known ones
@@ -271,10 +271,11 @@ TEST_CASE("mask values other than 0 and 1 are rejected, naming the argument and 
     const Vector<double> baselines = Vector<double>::Zero(3);
     const ppo::OptionalMatrixView<double> values(z);
     const ppo::OptionalVectorView<double> reward_baselines(baselines);
+    const Matrix log_probs = Matrix::Constant(3, 4, -1.0), sum_pi_squared = Matrix::Constant(3, 4, 0.5);
     for (const auto name : ppo::kAdvantageEstimatorNames) {
       CAPTURE(name);
       const std::string msg = error_of([&] {
-        ppo::compute_advantage<double>(name, {ones, mask, values, &index, reward_baselines});
+        ppo::compute_advantage<double>(name, {ones, mask, values, &index, reward_baselines, log_probs, sum_pi_squared});
       });
       CHECK(contains(msg, at));
       CHECK(contains(msg, " at [1, 2]; a mask holds 0 or 1"));

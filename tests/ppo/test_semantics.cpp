@@ -517,7 +517,8 @@ TEST_CASE("_into variants reuse the caller's storage and refuse aliasing outputs
   const RowMatrix<double> mask = multi_turn_mask<double>(6, 9, 33);
   const ppo::GroupIndex index{0, 0, 1, 1, 2, 2};
   const Vector<double> baselines = Vector<double>::Ones(6);
-  ppo::AdvantageInputs<double> in{rewards, mask, values, &index, baselines};
+  const RowMatrix<double> log_probs = -values.cwiseAbs(), sum_pi_squared = RowMatrix<double>::Constant(6, 9, 0.4);
+  ppo::AdvantageInputs<double> in{rewards, mask, values, &index, baselines, log_probs, sum_pi_squared};
   ppo::AdvantageResult<double> out;
   for (const auto name : ppo::kAdvantageEstimatorNames) {
     CAPTURE(name);

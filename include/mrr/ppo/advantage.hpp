@@ -1,5 +1,6 @@
 // Advantage estimators with verl's names and semantics (core_algos.py at 1dda039b): GAE, GRPO and
-// its variants, RLOO, OPO, REINFORCE++ (with and without baseline), ReMax and GPG.
+// its variants, RLOO, OPO, REINFORCE++ (with and without baseline), ReMax, GPG, GDPO and the
+// optimal token baseline (single- and multi-turn).
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -10,6 +11,7 @@
 #include <mrr/ppo/detail/validate.hpp>
 #include <mrr/ppo/groups.hpp>
 #include <mrr/ppo/masked.hpp>
+#include <mrr/ppo/optional_view.hpp>
 #include <mrr/tensor.hpp>
 
 #include <algorithm>
@@ -844,6 +846,259 @@ AdvantageResult<T> compute_gpg_outcome_advantage(MatrixRef<T> token_level_reward
                                                  const GroupIndex& index, double f_norm = 1.0) {
   AdvantageResult<T> out;
   compute_gpg_outcome_advantage_into<T>(out, token_level_rewards, response_mask, index, f_norm);
+  return out;
+}
+
+namespace detail {
+
+// Where a response's tokens meet its group's: "optimal_token_baseline" compares tokens at the same
+// position; "tir_optimal_token_baseline" (multi-turn) compares a response's j-th valid token with
+// the others' j-th valid tokens, whatever observation spans lie between.
+enum class TokenAlignment { position, valid_token };
+
+// The unique longest member of a group, when it is longer than every other, and the second
+// longest length: its baseline is 0 from there on (handle_zero_tail), where no other member has
+// a token to share it. -1 when the longest length is shared or the group has one member.
+inline Eigen::Index zero_tail_member(std::span<const Eigen::Index> members, const std::vector<Eigen::Index>& lengths,
+                                     Eigen::Index& second_longest) {
+  if (members.size() < 2) return -1;
+  Eigen::Index longest = -1;
+  Eigen::Index first = -1, second = -1;  // the two largest lengths, counted with repeats
+  for (const auto i : members) {
+    const Eigen::Index n = lengths[static_cast<std::size_t>(i)];
+    if (n > first) {
+      second = first;
+      first = n;
+      longest = i;
+    } else if (n > second) {
+      second = n;
+    }
+  }
+  second_longest = second;
+  return first > second ? longest : -1;
+}
+
+template <class T>
+void optimal_token_baseline_into(std::string_view fn, AdvantageResult<T>& out, const MatrixRef<T>& rewards,
+                                 const MatrixRef<T>& mask, const GroupIndex& index, const MatrixRef<T>& old_log_probs,
+                                 const MatrixRef<T>& sum_pi_squared, const OptionalMatrixView<T>& rollout_is_weights,
+                                 bool handle_zero_tail, double epsilon, TokenAlignment alignment) {
+  check_group_inputs<T>(fn, rewards, mask, index);
+  require_finite(fn, "token_level_rewards", rewards);
+  require_mask(fn, "response_mask", mask);
+  require_same_shape(fn, "old_log_probs", old_log_probs, "token_level_rewards", rewards);
+  require_same_shape(fn, "sum_pi_squared", sum_pi_squared, "token_level_rewards", rewards);
+  require_finite_where(fn, "old_log_probs", old_log_probs, mask);
+  require_finite_where(fn, "sum_pi_squared", sum_pi_squared, mask);
+  const auto is_weights = rollout_is_weights.map();
+  if (rollout_is_weights) {
+    require_same_shape(fn, "rollout_is_weights", is_weights, "token_level_rewards", rewards);
+    require_finite_where(fn, "rollout_is_weights", is_weights, mask);
+  }
+  mrr::detail::require(std::isfinite(epsilon) && epsilon > 0, fn,
+                       "'epsilon' must be finite and positive (it keeps a position whose path variance is 0 in "
+                       "every member from dividing 0 by 0), got ",
+                       epsilon);
+  const Eigen::Index batch = rewards.rows(), length = rewards.cols();
+  prepare_output(fn, out, batch, length, rewards, mask, old_log_probs, sum_pi_squared, is_weights);
+
+  // Reward-to-go into out.returns (verl returns it unmasked) and the cumulative path variance.
+  RowMatrix<T> cumulative(batch, length);
+  for (Eigen::Index i = 0; i < batch; ++i)
+    kernels::ppo::token_baseline_row(rewards.row(i).data(), mask.row(i).data(), old_log_probs.row(i).data(),
+                                     sum_pi_squared.row(i).data(),
+                                     rollout_is_weights ? is_weights.row(i).data() : static_cast<const T*>(nullptr),
+                                     static_cast<long>(length), out.returns.row(i).data(), cumulative.row(i).data());
+  mrr::detail::require(out.returns.allFinite(), fn, "a reward-to-go of 'token_level_rewards' overflowed");
+  mrr::detail::require(cumulative.allFinite(), fn,
+                       "the cumulative path variance overflowed (an 'old_log_probs' far above 0, or huge "
+                       "'sum_pi_squared' or 'rollout_is_weights' values)");
+
+  // Each response's valid-token count and, for the valid_token alignment, their positions in order.
+  std::vector<Eigen::Index> lengths(static_cast<std::size_t>(batch));
+  std::vector<Eigen::Index> valid;  // valid positions, row after row (valid_token alignment)
+  std::vector<std::size_t> valid_begin(static_cast<std::size_t>(batch) + 1, 0);
+  for (Eigen::Index i = 0; i < batch; ++i) {
+    Eigen::Index n = 0;
+    for (Eigen::Index t = 0; t < length; ++t)
+      if (mask(i, t) != T(0)) {
+        ++n;
+        if (alignment == TokenAlignment::valid_token) valid.push_back(t);
+      }
+    lengths[static_cast<std::size_t>(i)] = n;
+    valid_begin[static_cast<std::size_t>(i) + 1] = valid.size();
+  }
+  // The j-th token of response i in the alignment: its column.
+  const auto column = [&](Eigen::Index i, Eigen::Index j) {
+    return alignment == TokenAlignment::position ? j : valid[valid_begin[static_cast<std::size_t>(i)] + j];
+  };
+  const auto span_of = [&](Eigen::Index i) {
+    return alignment == TokenAlignment::position ? length : lengths[static_cast<std::size_t>(i)];
+  };
+
+  out.advantages.setZero();
+  std::vector<Eigen::Index> members;
+  Vector<T> numerator, denominator;
+  for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
+    // verl's multi-turn estimator leaves responses without a token out of their group.
+    members.clear();
+    for (const auto i : index.members(g))
+      if (alignment == TokenAlignment::position || lengths[static_cast<std::size_t>(i)] > 0) members.push_back(i);
+    Eigen::Index span = 0;
+    for (const auto i : members)
+      span = std::max(span, span_of(i));
+    // B_j = sum_i R_ij W_ij m_ij / (sum_i W_ij m_ij + epsilon), members in sample order; a
+    // singleton group has baseline 0 (advantage = reward-to-go).
+    numerator.setZero(span);
+    denominator.setZero(span);
+    if (members.size() > 1) {
+      for (const auto i : members) {
+        for (Eigen::Index j = 0; j < span_of(i); ++j) {
+          const Eigen::Index t = column(i, j);
+          const T m = alignment == TokenAlignment::position ? mask(i, t) : T(1);
+          numerator[j] += out.returns(i, t) * cumulative(i, t) * m;
+          denominator[j] += cumulative(i, t) * m;
+        }
+      }
+      for (Eigen::Index j = 0; j < span; ++j)
+        numerator[j] = numerator[j] / (denominator[j] + static_cast<T>(epsilon));
+    }
+    Eigen::Index second_longest = 0;
+    const Eigen::Index zero_tail =
+        handle_zero_tail ? zero_tail_member(members, lengths, second_longest) : Eigen::Index{-1};
+    for (const auto i : members)
+      for (Eigen::Index j = 0; j < span_of(i); ++j) {
+        const Eigen::Index t = column(i, j);
+        const T baseline = (i == zero_tail && j >= second_longest) ? T(0) : numerator[j];
+        out.advantages(i, t) = (out.returns(i, t) - baseline) * mask(i, t);
+      }
+  }
+}
+
+}  // namespace detail
+
+// verl "optimal_token_baseline" (OTB): a baseline for every position, shared by a group's
+// responses, B_t = sum_i G_it W_it / (sum_i W_it + epsilon) over the group's responses with a token
+// at t, where G is the reward-to-go and W_t the path variance so far, sum_{s <= t} w_s with
+// w_s = (1 - 2 exp(old_log_prob_s) + sum_pi_squared_s) * rollout_is_weight_s^2 (no IS factor
+// without weights). Advantage = (G - B) m; a singleton group has B = 0. handle_zero_tail: the
+// unique longest response of a group gets B = 0 from the second longest length on. Returns are
+// the unmasked reward-to-go, as verl returns them. sum_pi_squared is sum_v pi_v^2 over the
+// vocabulary (rollout::sum_pi_squared_from_logits). Inputs other than the rewards are read only on
+// valid tokens.
+template <class T>
+void compute_optimal_token_baseline_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
+                                                   MatrixRef<T> response_mask, const GroupIndex& index,
+                                                   MatrixRef<T> old_log_probs, MatrixRef<T> sum_pi_squared,
+                                                   OptionalMatrixView<T> rollout_is_weights = {},
+                                                   bool handle_zero_tail = true, double epsilon = 1e-8) {
+  detail::optimal_token_baseline_into<T>("ppo::compute_optimal_token_baseline_advantage", out, token_level_rewards,
+                                         response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights,
+                                         handle_zero_tail, epsilon, detail::TokenAlignment::position);
+}
+
+template <class T>
+AdvantageResult<T> compute_optimal_token_baseline_advantage(MatrixRef<T> token_level_rewards,
+                                                            MatrixRef<T> response_mask, const GroupIndex& index,
+                                                            MatrixRef<T> old_log_probs, MatrixRef<T> sum_pi_squared,
+                                                            OptionalMatrixView<T> rollout_is_weights = {},
+                                                            bool handle_zero_tail = true, double epsilon = 1e-8) {
+  AdvantageResult<T> out;
+  compute_optimal_token_baseline_advantage_into<T>(out, token_level_rewards, response_mask, index, old_log_probs,
+                                                   sum_pi_squared, rollout_is_weights, handle_zero_tail, epsilon);
+  return out;
+}
+
+// verl "tir_optimal_token_baseline" (compute_multi_turn_optimal_token_baseline_advantage): the
+// optimal token baseline for multi-turn responses, whose masks hold observation spans. Responses
+// are aligned by valid token (the j-th valid token of each), not by position; G and W are those of
+// optimal_token_baseline at the valid tokens. Responses without a valid token leave their group
+// and get advantage 0.
+template <class T>
+void compute_multi_turn_optimal_token_baseline_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
+                                                              MatrixRef<T> response_mask, const GroupIndex& index,
+                                                              MatrixRef<T> old_log_probs, MatrixRef<T> sum_pi_squared,
+                                                              OptionalMatrixView<T> rollout_is_weights = {},
+                                                              bool handle_zero_tail = true, double epsilon = 1e-8) {
+  detail::optimal_token_baseline_into<T>("ppo::compute_multi_turn_optimal_token_baseline_advantage", out,
+                                         token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                                         rollout_is_weights, handle_zero_tail, epsilon,
+                                         detail::TokenAlignment::valid_token);
+}
+
+template <class T>
+AdvantageResult<T> compute_multi_turn_optimal_token_baseline_advantage(
+    MatrixRef<T> token_level_rewards, MatrixRef<T> response_mask, const GroupIndex& index, MatrixRef<T> old_log_probs,
+    MatrixRef<T> sum_pi_squared, OptionalMatrixView<T> rollout_is_weights = {}, bool handle_zero_tail = true,
+    double epsilon = 1e-8) {
+  AdvantageResult<T> out;
+  compute_multi_turn_optimal_token_baseline_advantage_into<T>(out, token_level_rewards, response_mask, index,
+                                                              old_log_probs, sum_pi_squared, rollout_is_weights,
+                                                              handle_zero_tail, epsilon);
+  return out;
+}
+
+// verl "gdpo" (GDPO, arXiv 2601.05242): each reward component is normalised within its group on
+// its own (GRPO: (s - mean) / (std + epsilon), or s - mean without the std), the normalised
+// components are summed with their weights (in component order), and the sum is whitened over the
+// mask and masked. reward_components is [components, batch], one score per response and
+// component (verl's gdpo_reward_keys); without components (0 rows) the one component is each
+// response's sum of token_level_rewards. reward_weights: one per component, or none for weight 1.
+// Computed in T; verl casts component scores to float32 and normalises them in float32
+// (docs/ppo.md, deliberate difference 12).
+template <class T>
+void compute_gdpo_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
+                                         MatrixRef<T> response_mask, const GroupIndex& index,
+                                         OptionalMatrixView<T> reward_components = {},
+                                         std::span<const double> reward_weights = {}, double epsilon = 1e-6,
+                                         bool norm_adv_by_std_in_grpo = true) {
+  constexpr std::string_view fn = "ppo::compute_gdpo_outcome_advantage";
+  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
+  detail::require_mask(fn, "response_mask", response_mask);
+  const auto components = reward_components.map();
+  const bool given = reward_components.has_value() && components.rows() > 0;
+  if (given) {
+    mrr::detail::require(components.cols() == token_level_rewards.rows(), fn, "'reward_components' has ",
+                         components.cols(), " columns (responses) but 'token_level_rewards' has ",
+                         token_level_rewards.rows(), " rows");
+    detail::require_finite(fn, "reward_components", components);
+  }
+  const Eigen::Index count = given ? components.rows() : 1;
+  mrr::detail::require(reward_weights.empty() || static_cast<Eigen::Index>(reward_weights.size()) == count, fn,
+                       "'reward_weights' has ", reward_weights.size(), " weights for ", count, " reward component",
+                       count == 1 ? "" : "s", given ? "" : " (no 'reward_components': the summed token rewards)");
+  for (std::size_t k = 0; k < reward_weights.size(); ++k)
+    mrr::detail::require(std::isfinite(reward_weights[k]), fn, "'reward_weights' has a non-finite weight ",
+                         reward_weights[k], " at [", k, "]");
+  detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
+                         response_mask, components);
+  const auto estimator =
+      norm_adv_by_std_in_grpo ? kernels::ppo::OutcomeEstimator::grpo : kernels::ppo::OutcomeEstimator::grpo_mean_only;
+  Vector<T> total;
+  for (Eigen::Index k = 0; k < count; ++k) {
+    const Vector<T> scores =
+        given ? Vector<T>(components.row(k).transpose()) : detail::response_scores<T>(fn, token_level_rewards);
+    const Vector<T> normalised = detail::group_outcome_scalars<T>(scores, index, estimator, epsilon);
+    const T weight = reward_weights.empty() ? T(1) : static_cast<T>(reward_weights[static_cast<std::size_t>(k)]);
+    if (k == 0)
+      total = weight * normalised;
+    else
+      total += weight * normalised;
+  }
+  out.advantages = (response_mask.array().colwise() * total.array()).matrix();
+  detail::whiten_in_place(out.advantages, detail::whitening_moments_of<T>(out.advantages, response_mask, fn));
+  out.advantages.array() *= response_mask.array();
+  out.returns = out.advantages;
+}
+
+template <class T>
+AdvantageResult<T> compute_gdpo_outcome_advantage(MatrixRef<T> token_level_rewards, MatrixRef<T> response_mask,
+                                                  const GroupIndex& index, OptionalMatrixView<T> reward_components = {},
+                                                  std::span<const double> reward_weights = {}, double epsilon = 1e-6,
+                                                  bool norm_adv_by_std_in_grpo = true) {
+  AdvantageResult<T> out;
+  compute_gdpo_outcome_advantage_into<T>(out, token_level_rewards, response_mask, index, reward_components,
+                                         reward_weights, epsilon, norm_adv_by_std_in_grpo);
   return out;
 }
 

@@ -13,6 +13,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 MRR_NAMESPACE_BEGIN
 namespace ppo {
@@ -29,9 +31,12 @@ enum class AdvantageEstimator {
   reinforce_plus_plus_baseline,
   remax,
   gpg,
+  gdpo,
+  optimal_token_baseline,
+  tir_optimal_token_baseline,
 };
 
-inline constexpr std::array<std::string_view, 11> kAdvantageEstimatorNames = {"gae",
+inline constexpr std::array<std::string_view, 14> kAdvantageEstimatorNames = {"gae",
                                                                               "grpo",
                                                                               "grpo_vectorized",
                                                                               "grpo_passk",
@@ -41,7 +46,10 @@ inline constexpr std::array<std::string_view, 11> kAdvantageEstimatorNames = {"g
                                                                               "reinforce_plus_plus",
                                                                               "reinforce_plus_plus_baseline",
                                                                               "remax",
-                                                                              "gpg"};
+                                                                              "gpg",
+                                                                              "gdpo",
+                                                                              "optimal_token_baseline",
+                                                                              "tir_optimal_token_baseline"};
 
 inline std::string_view to_string(AdvantageEstimator estimator) {
   return kAdvantageEstimatorNames[static_cast<std::size_t>(estimator)];
@@ -59,16 +67,14 @@ inline std::string advantage_estimator_list() {
 inline AdvantageEstimator parse_advantage_estimator(std::string_view name) {
   for (std::size_t i = 0; i < kAdvantageEstimatorNames.size(); ++i)
     if (kAdvantageEstimatorNames[i] == name) return static_cast<AdvantageEstimator>(i);
-  if (name == "optimal_token_baseline" || name == "tir_optimal_token_baseline" || name == "gdpo")
-    mrr::detail::throw_invalid_argument(
-        "ppo::parse_advantage_estimator", "advantage estimator '", name,
-        "' is one of verl's that mrr does not provide; mrr provides: ", advantage_estimator_list());
   mrr::detail::throw_invalid_argument("ppo::parse_advantage_estimator", "unknown advantage estimator '", name,
                                       "'; expected one of: ", advantage_estimator_list());
 }
 
 // The inputs of every estimator; each uses a subset (values: gae; index: the group-based ones;
-// reward_baselines: remax). The views point into the caller's matrices, which must outlive the call.
+// reward_baselines: remax; old_log_probs, sum_pi_squared and, when IS-corrected,
+// rollout_is_weights: the optimal token baselines; reward_components [components, batch]: gdpo,
+// optional). The views point into the caller's matrices, which must outlive the call.
 template <class T>
 struct AdvantageInputs {
   MatrixRef<T> token_level_rewards;
@@ -76,6 +82,10 @@ struct AdvantageInputs {
   OptionalMatrixView<T> values = {};
   const GroupIndex* index = nullptr;
   OptionalVectorView<T> reward_baselines = {};
+  OptionalMatrixView<T> old_log_probs = {};
+  OptionalMatrixView<T> sum_pi_squared = {};
+  OptionalMatrixView<T> rollout_is_weights = {};
+  OptionalMatrixView<T> reward_components = {};
 };
 
 // verl's AlgoConfig fields the estimators read, with its defaults.
@@ -85,6 +95,10 @@ struct AdvantageConfig {
   double epsilon = 1e-6;                // grpo family
   bool norm_adv_by_std_in_grpo = true;  // grpo, grpo_vectorized, grpo_passk
   double f_norm = 1.0;                  // gpg (verl's keyword argument, not an AlgoConfig field)
+  std::vector<double> gdpo_reward_weights = {};  // gdpo: one per reward component, or none (weight 1)
+  // The optimal token baselines' keyword arguments (verl's trainer passes neither: these defaults).
+  bool handle_zero_tail = true;
+  double token_baseline_epsilon = 1e-8;
 };
 
 // Writes the named estimator's result into `out` (storage reused when the shape matches).
@@ -127,6 +141,25 @@ void compute_advantage_into(AdvantageResult<T>& out, AdvantageEstimator estimato
       return compute_remax_outcome_advantage_into<T>(out, r, in.reward_baselines.map(), m);
     case AdvantageEstimator::gpg:
       return compute_gpg_outcome_advantage_into<T>(out, r, m, need_index(), config.f_norm);
+    case AdvantageEstimator::gdpo:
+      return compute_gdpo_outcome_advantage_into<T>(out, r, m, need_index(), in.reward_components,
+                                                    config.gdpo_reward_weights, config.epsilon,
+                                                    config.norm_adv_by_std_in_grpo);
+    case AdvantageEstimator::optimal_token_baseline:
+    case AdvantageEstimator::tir_optimal_token_baseline: {
+      const GroupIndex& index = need_index();
+      for (const auto& [view, name] :
+           {std::pair{&in.old_log_probs, "old_log_probs"}, std::pair{&in.sum_pi_squared, "sum_pi_squared"}})
+        mrr::detail::require(view->has_value(), fn, "advantage estimator '", to_string(estimator), "' needs '", name,
+                             "'");
+      return estimator == AdvantageEstimator::optimal_token_baseline
+                 ? compute_optimal_token_baseline_advantage_into<T>(
+                       out, r, m, index, in.old_log_probs.map(), in.sum_pi_squared.map(), in.rollout_is_weights,
+                       config.handle_zero_tail, config.token_baseline_epsilon)
+                 : compute_multi_turn_optimal_token_baseline_advantage_into<T>(
+                       out, r, m, index, in.old_log_probs.map(), in.sum_pi_squared.map(), in.rollout_is_weights,
+                       config.handle_zero_tail, config.token_baseline_epsilon);
+    }
   }
   mrr::detail::throw_invalid_argument(fn, "invalid AdvantageEstimator ", static_cast<int>(estimator));
 }

@@ -1,5 +1,6 @@
 // Seeded token sampling for a rollout engine (temperature, top-k, top-p, as vLLM applies them) and
-// per-token log-probabilities with their gradient (verl's logprobs_from_logits). The random draw of
+// per-token log-probabilities with their gradient (verl's logprobs_from_logits) and the sum of
+// squared probabilities the optimal token baseline needs. The random draw of
 // a token depends only on (seed, sequence uid, position), never on the batch it was sampled in, so
 // a rollout reproduces bit for bit however its requests are batched or sharded.
 #pragma once
@@ -218,6 +219,31 @@ Vector<T> logprobs_from_logits(MatrixRef<T> logits, std::span<const std::int32_t
     T total = 0;
     for (int i = 0; i < vocab; ++i) total += std::exp(z[i] * inv_t - top);
     out[r] = z[label] * inv_t - top - std::log(total);
+  }
+  return out;
+}
+
+// verl's calculate_sum_pi_squared_from_logits: sum_v pi_v^2 of softmax(logits / temperature) per
+// row, the input the optimal token baseline needs (ppo::compute_optimal_token_baseline_advantage),
+// computed as sum e_v^2 / (sum e_v)^2 with e_v = exp(z_v / t - max): verl's
+// exp(logsumexp(2 z) - 2 logsumexp(z)) without a logarithm. In (0, 1]: 1 / vocab for equal logits,
+// 1 for a one-hot distribution.
+template <class T>
+Vector<T> sum_pi_squared_from_logits(MatrixRef<T> logits, double temperature = 1.0) {
+  constexpr const char* fn = "rollout::sum_pi_squared_from_logits";
+  const int vocab = static_cast<int>(logits.cols());
+  const T inv_t = detail::inverse_temperature<T>(temperature, fn);
+  Vector<T> out(logits.rows());
+  for (Eigen::Index r = 0; r < logits.rows(); ++r) {
+    const T* z = mrr::detail::row_ptr(logits, r);
+    const T top = detail::scaled_row_max(z, vocab, inv_t, r, fn);
+    T total = 0, squares = 0;
+    for (int i = 0; i < vocab; ++i) {
+      const T e = std::exp(z[i] * inv_t - top);
+      total += e;
+      squares += e * e;
+    }
+    out[r] = squares / (total * total);
   }
   return out;
 }
