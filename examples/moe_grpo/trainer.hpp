@@ -253,6 +253,14 @@ struct TrainConfig {
           "actor_rollout_ref.actor.policy_loss.loss_mode: 'bypass_mode' trains on the rollout engine's log-probs "
           "instead of an old-log-prob pass, which this example always runs (routing replay records in it); "
           "mrr::ppo::compute_policy_loss provides it with PolicyLossConfig::rollout_correction");
+    // GAE needs a critic's values and ReMax a greedy rollout's reward; this example has neither.
+    const auto estimator = mrr::ppo::parse_advantage_estimator(grpo.adv_estimator);
+    if (estimator == mrr::ppo::AdvantageEstimator::gae || estimator == mrr::ppo::AdvantageEstimator::remax)
+      throw mrr::ConfigError(mrr::detail::str(
+          "algorithm.adv_estimator: '", grpo.adv_estimator, "' needs ",
+          estimator == mrr::ppo::AdvantageEstimator::gae ? "a critic's values" : "a greedy rollout's reward baseline",
+          ", which this example does not compute; its estimators take the rewards and groups (and, for the optimal "
+          "token baselines, the old-log-prob pass)"));
   }
 
   void validate_model() const {
@@ -495,7 +503,11 @@ class Trainer {
     m.accuracy = correct / cfg_.sequences();
     m.response_length = length_sum / cfg_.sequences();
     const mrr::ppo::GroupIndex index(prompt_of);
-    const auto adv = mrr::ppo::compute_outcome_advantages<float>(scores, mask_global, index, cfg_.grpo);
+    // The optimal token baselines need the old-log-prob pass's log-probs and sum_pi_squared (verl:
+    // actor.calculate_sum_pi_squared): computed after it (step 3b); every other estimator here.
+    const bool token_baseline = token_baseline_estimator();
+    mrr::ppo::AdvantageResult<float> adv;
+    if (!token_baseline) adv = mrr::ppo::compute_outcome_advantages<float>(scores, mask_global, index, cfg_.grpo);
 
     // 3. Old-log-prob pass (R2 records, R3 replays the rollout's routes), compared with the rollout;
     //    then the paired passes (native and replayed, no gradient) on the same weights.
@@ -510,7 +522,7 @@ class Trainer {
       batch.advantages = Mat(local_n, R);
       for (int i = 0; i < local_n; ++i) {
         batch.mask.row(i).head(batch.response_lengths[static_cast<std::size_t>(i)]).setOnes();
-        batch.advantages.row(i) = adv.advantages.row(batch.global[static_cast<std::size_t>(i)]);
+        if (!token_baseline) batch.advantages.row(i) = adv.advantages.row(batch.global[static_cast<std::size_t>(i)]);
       }
       if (r2_replays_file_)
         train_->replay().set_action(mrr::RouterAction::replay_forward, false);
@@ -519,6 +531,7 @@ class Trainer {
       typename Engine<Comm>::Cache cache;
       const auto logits = train_->forward(batch.tokens, batch.lengths, batch.uids, cache, &batch.old_routes);
       batch.old_log_prob = log_probs(batch, logits);
+      if (token_baseline) batch.sum_pi_squared = sum_pi_squared(batch, logits);
       accumulate_entropy(batch, logits, entropy_sum, entropy_tokens);
       if (cfg_.rollout_tis) {
         mrr::ppo::RolloutIsOptions is;
@@ -576,6 +589,35 @@ class Trainer {
         rs_tokens[0] += before;
         rs_tokens[1] += before - static_cast<double>(batch.mask.sum());
       }
+    }
+
+    // 3b. The optimal token baselines over the global batch, as verl orders them: after the
+    //     old-log-prob pass and the rollout correction (its IS weights scale W; its rejection
+    //     mask is the response mask the estimator sees), rewards on each response's last token.
+    if (token_baseline) {
+      const auto global_of = [&](Mat Batch::*field) {
+        Mat out(cfg_.sequences(), R);
+        for (int b = 0; b < mb; ++b) {
+          const Mat& local = batches[static_cast<std::size_t>(b)].*field;
+          comm_.all_gather(std::span<const float>(local.data(), static_cast<std::size_t>(local.size())),
+                           std::span<float>(out.data() + static_cast<Eigen::Index>(b) * per_mb * R,
+                                            static_cast<std::size_t>(per_mb) * static_cast<std::size_t>(R)));
+        }
+        return out;
+      };
+      const Mat rewards = mrr::ppo::token_level_rewards<float>(scores, mask_global);
+      const Mat mask = global_of(&Batch::mask), old_lp = global_of(&Batch::old_log_prob);
+      const Mat spsq = global_of(&Batch::sum_pi_squared);
+      const Mat is = cfg_.rollout_tis ? global_of(&Batch::is_weights) : Mat();
+      mrr::ppo::AdvantageInputs<float> in{rewards, mask};
+      in.index = &index;
+      in.old_log_probs = old_lp;
+      in.sum_pi_squared = spsq;
+      if (cfg_.rollout_tis) in.rollout_is_weights = is;
+      adv = mrr::ppo::compute_advantage<float>(cfg_.grpo.adv_estimator, in, cfg_.grpo.advantage);
+      for (auto& batch : batches)
+        for (int i = 0; i < local_n; ++i)
+          batch.advantages.row(i) = adv.advantages.row(batch.global[static_cast<std::size_t>(i)]);
     }
 
     // 4. PPO updates, mini-batch by mini-batch (weights change between them).
@@ -800,7 +842,8 @@ class Trainer {
     std::vector<int> response_lengths;
     std::vector<float> scores;
     Mat rollout_log_prob, old_log_prob, ref_log_prob, mask, advantages;  // [n, response_length]
-    Mat is_weights;  // TIS weights, [n, response_length], when rollout_tis
+    Mat is_weights;      // TIS weights, [n, response_length], when rollout_tis
+    Mat sum_pi_squared;  // sum_v pi_v^2 at each response token, for the optimal token baselines
     std::vector<mrr::ExpertIds> old_routes;                              // per layer, rows of the padded layout
     std::vector<std::uint64_t> route_hash;                               // per sequence, routes of every training pass
   };
@@ -956,6 +999,25 @@ class Trainer {
         sum += (mx + std::log(total)) - (e * z.array()).sum() / total;
         tokens += 1;
       }
+  }
+
+  bool token_baseline_estimator() const {
+    const auto e = mrr::ppo::parse_advantage_estimator(cfg_.grpo.adv_estimator);
+    return e == mrr::ppo::AdvantageEstimator::optimal_token_baseline ||
+           e == mrr::ppo::AdvantageEstimator::tir_optimal_token_baseline;
+  }
+
+  // sum_v pi_v^2 of softmax(logits / temperature) at each response position (verl's
+  // calculate_sum_pi_squared_from_logits, as the log-probs use the logits), [n, response_length].
+  Mat sum_pi_squared(const Batch& batch, const std::vector<Mat>& logits) const {
+    const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
+    Mat out(n, R);
+    const double t = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
+    for (int i = 0; i < n; ++i)
+      out.row(i) = mrr::rollout::sum_pi_squared_from_logits<float>(
+                       logits[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R), t)
+                       .transpose();
+    return out;
   }
 
   // log p of each response token (verl: logits / rollout temperature), [n, response_length].

@@ -234,7 +234,8 @@ TEST_CASE("--config: verl's nesting sets the options; YAML 1.1 booleans; null ke
   CHECK(o.train.seed == 7);
   CHECK(o.train.steps == 5);  // the command line comes after the file
   CHECK(o.train.prompts == 4);
-  CHECK(o.train.max_operand == TrainConfig{}.max_operand);
+  const TrainConfig defaults;
+  CHECK(o.train.max_operand == defaults.max_operand);
   CHECK(o.train.mini_batch_prompts == 2);
   CHECK(o.train.grpo.use_kl_loss);
   CHECK_FALSE(o.progress);

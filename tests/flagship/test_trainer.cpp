@@ -229,6 +229,34 @@ TEST_CASE(
   CHECK_THROWS_WITH_AS(train(c), doctest::Contains("invalid rollout_rs option 'token_k5'"), mrr::ConfigError);
 }
 
+TEST_CASE(
+    "optimal token baselines (verl's OTB): per-token advantages from the old-log-prob pass, 1 and 2 ranks alike") {
+  TrainConfig c = small(mrr::ReplayMode::R2, 2);
+  const auto grpo = train(c);
+  for (const char* estimator : {"optimal_token_baseline", "tir_optimal_token_baseline"}) {
+    CAPTURE(estimator);
+    c.grpo.adv_estimator = estimator;
+    c.rollout_tis = std::string(estimator) == "tir_optimal_token_baseline";  // W scaled by the IS weights
+    const auto otb = train(c);
+    // The rollout and the old-log-prob pass of the first step are GRPO's; the advantages are not.
+    CHECK(otb[0].reward == grpo[0].reward);
+    CHECK(otb[0].k3 == grpo[0].k3);
+    CHECK(otb[0].loss != grpo[0].loss);
+    CHECK(otb[0].params_digest != grpo[0].params_digest);
+    // Every baseline needs the whole group's log-probs, gathered over the ranks: still bitwise.
+    const auto two = train(c, 2);
+    REQUIRE(two.size() == otb.size());
+    for (std::size_t s = 0; s < otb.size(); ++s) {
+      CAPTURE(s);
+      CHECK(two[s].loss == otb[s].loss);
+      CHECK(two[s].params_digest == otb[s].params_digest);
+    }
+  }
+  c.grpo.adv_estimator = "gae";
+  CHECK_THROWS_WITH_AS(train(c), doctest::Contains("algorithm.adv_estimator: 'gae' needs a critic's values"),
+                       mrr::ConfigError);
+}
+
 TEST_CASE("fp32 rollout numerics: far fewer routing differences than bf16") {
   TrainConfig c = small(mrr::ReplayMode::disabled, 2);
   const auto bf16 = train(c);
