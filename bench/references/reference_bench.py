@@ -24,10 +24,16 @@ reuses its buffers, as in training).
 
 It prints the BLAS library PyTorch's matrix products actually load (read from the process's
 mapped libraries after a GEMM: Debian's python3-torch uses whichever libblas.so.3 the alternatives
-system selects, the reference BLAS unless OpenBLAS is installed) and PyTorch's build configuration.
+system selects, the reference BLAS unless OpenBLAS is installed), PyTorch's build configuration
+and OpenBLAS's kernel set. Where OpenBLAS runs kernels without AVX-512 on a CPU that has it
+(OPENBLAS_CORETYPE=Haswell in the environment, or a detection older than the CPU), it reruns the
+references without that setting, then with OPENBLAS_CORETYPE=SkylakeX, so that mrr is measured
+against the fastest reference the machine can run: on an AMD Zen 5 the AVX2 kernels run a GEMM at
+half the AVX-512 rate (104 against 204 GFLOP/s on one thread). --blas-core as-is keeps the
+environment's or OpenBLAS's choice; the REFINFO line says which kernels ran and why.
 
 Usage: reference_bench.py --suite routing|permute|ppo|moe|all [--threads N] [--workdir DIR]
-                          [--megatron PATH] [--verl PATH]
+                          [--megatron PATH] [--verl PATH] [--blas-core best|as-is]
 A fresh machine needs only (Debian): apt-get install python3-torch libopenblas0-pthread
 """
 import argparse
@@ -430,6 +436,35 @@ def moe_suite(torch, shapes):
         report(f"moe_{name}_gemm_flops", 2.0 * n * H * I / (gemm * 1e-6) * 1e-6)  # MFLOP/s in the us column
 
 
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+AVX512_CORES = ("skylakex", "cooperlake", "sapphirerapids", "zen4", "zen5")
+
+
+def openblas_core(libs):
+    """The kernel set OpenBLAS picked at load (openblas_get_corename), or None without OpenBLAS."""
+    import ctypes
+    for path in libs.split(", "):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.openblas_get_corename.restype = ctypes.c_char_p
+            return lib.openblas_get_corename().decode()
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def cpu_has_avx512():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return all(flag in flags for flag in AVX512_FLAGS)
+    except OSError:
+        pass
+    return False
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suite", default="all", choices=["routing", "permute", "ppo", "moe", "all"])
@@ -441,6 +476,11 @@ def main():
                         help="a Megatron-LM git repository or directory tree (default: download at the pinned commit)")
     parser.add_argument("--verl", default=os.environ.get("MRR_VERL_SRC"),
                         help="a verl git repository or directory tree (default: download at the pinned commit)")
+    parser.add_argument("--blas-core", default="best", choices=["best", "as-is"],
+                        help="best (default): where OpenBLAS runs kernels without AVX-512 on a CPU that has it "
+                             "(an OPENBLAS_CORETYPE=Haswell in the environment, or a detection older than the CPU), "
+                             "rerun without that OPENBLAS_CORETYPE, then with SkylakeX's kernels: AVX2 kernels run "
+                             "GEMMs at half the rate on AMD Zen 5. as-is: keep the environment's or OpenBLAS's choice")
     args = parser.parse_args()
     import tempfile
     # Debian's torch is built against the generic BLAS interface (BLAS_INFO=generic), so
@@ -452,7 +492,33 @@ def main():
     torch.set_num_threads(args.threads)
     workdir = args.workdir or tempfile.mkdtemp(prefix="mrr-references-")
     blas, built = blas_in_use(torch)
-    print(f"REFINFO blas {blas} ({built}), OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}", flush=True)
+    core = openblas_core(blas)
+    # A reference slowed by a kernel set older than the CPU would flatter mrr: where OpenBLAS runs
+    # kernels without AVX-512 on a CPU that has it, rerun letting OpenBLAS detect the CPU (when
+    # OPENBLAS_CORETYPE forced the choice), then with SkylakeX's kernels (when its detection is older
+    # than the CPU).
+    stage = os.environ.get("MRR_REFERENCE_BLAS_STAGE", "")
+    if core and args.blas_core == "best" and cpu_has_avx512() and core.lower() not in AVX512_CORES and \
+            stage != "skylakex":
+        if not stage:
+            forced = os.environ.get("OPENBLAS_CORETYPE")
+            os.environ["MRR_REFERENCE_BLAS_FIRST"] = core + (f" (OPENBLAS_CORETYPE={forced})" if forced else "")
+        if "OPENBLAS_CORETYPE" in os.environ and not stage:
+            del os.environ["OPENBLAS_CORETYPE"]
+            os.environ["MRR_REFERENCE_BLAS_STAGE"] = "detect"
+        else:
+            os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
+            os.environ["MRR_REFERENCE_BLAS_STAGE"] = "skylakex"
+        os.execv(sys.executable, [sys.executable] + sys.argv)
+    if "MRR_REFERENCE_BLAS_FIRST" in os.environ:
+        how = (f"instead of {os.environ['MRR_REFERENCE_BLAS_FIRST']}, without AVX-512 on this AVX-512 CPU; "
+               "--blas-core as-is keeps that")
+    elif "OPENBLAS_CORETYPE" in os.environ:
+        how = f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']} in the environment"
+    else:
+        how = "OpenBLAS's own choice"
+    print(f"REFINFO blas {blas} ({built}), OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}"
+          + (f", OpenBLAS kernels {core} ({how})" if core else ""), flush=True)
     if args.suite == "moe":  # pure PyTorch: no reference sources needed
         print(f"REFINFO torch {torch.__version__} threads {torch.get_num_threads()}", flush=True)
         moe_suite(torch, args.moe_shapes)
