@@ -12,6 +12,7 @@
 #include <harness.hpp>
 #include <reference_runner.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <map>
@@ -116,6 +117,55 @@ void grpo(const Reference& ref, Eigen::Index rows, Eigen::Index cols, double bw)
   row(ref, "grpo_vectorized_" + s, "grpo_vectorized" + label + " (one output)", t_vec.min_s, bytes, bw);
 }
 
+// verl's optimal token baselines (single- and multi-turn) and GDPO without components, groups of
+// 8 as GRPO's: old log-probs in (-3, 0), sum_pi_squared between pi^2 and 1.
+void token_baselines(const Reference& ref, Eigen::Index rows, Eigen::Index cols, double bw) {
+  std::mt19937 gen(45);
+  const auto mask = random_mask(rows, cols, gen);
+  std::uniform_real_distribution<float> uniform(0.f, 1.f);
+  RowMatrix<float> outcome = RowMatrix<float>::Zero(rows, cols), old_log_prob(rows, cols), sum_pi_squared(rows, cols);
+  for (Eigen::Index i = 0; i < rows; ++i) {
+    Eigen::Index last = 0;
+    for (Eigen::Index j = 0; j < cols; ++j) {
+      old_log_prob(i, j) = -3.f * uniform(gen);
+      const float pi = std::exp(old_log_prob(i, j));
+      sum_pi_squared(i, j) = pi * pi + (1.f - pi * pi) * 0.5f * uniform(gen);
+      if (mask(i, j) != 0.f) last = j;
+    }
+    outcome(i, last) = static_cast<float>(gen() % 2);
+  }
+  std::vector<std::int64_t> uids;
+  for (Eigen::Index i = 0; i < rows; ++i)
+    uids.push_back(1000 + i / 8);
+  const std::string s = shape(rows, cols), label = " B=" + std::to_string(rows) + " L=" + std::to_string(cols);
+  // Reads rewards, mask, log-probs, sum_pi_squared; writes and reads back the cumulative path
+  // variance; writes advantages and returns.
+  const double bytes = 8.0 * static_cast<double>(rows * cols) * sizeof(float);
+  ppo::AdvantageResult<float> out;
+  for (const bool multi_turn : {false, true}) {
+    const auto t = bench::time_it([&] {
+      const ppo::GroupIndex index(uids);
+      if (multi_turn)
+        ppo::compute_multi_turn_optimal_token_baseline_advantage_into<float>(out, outcome, mask, index, old_log_prob,
+                                                                             sum_pi_squared);
+      else
+        ppo::compute_optimal_token_baseline_advantage_into<float>(out, outcome, mask, index, old_log_prob,
+                                                                  sum_pi_squared);
+      bench::do_not_optimize(out.advantages(0, 0));
+    });
+    const std::string name = multi_turn ? "tir_optimal_token_baseline" : "optimal_token_baseline";
+    row(ref, name + "_" + s, name + label, t.min_s, bytes, bw);
+  }
+  const auto t_gdpo = bench::time_it([&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_gdpo_outcome_advantage_into<float>(out, outcome, mask, index);
+    bench::do_not_optimize(out.advantages(0, 0));
+  });
+  // Reads rewards and mask; writes the advantages, reads them twice (moments, whitening), copies them.
+  row(ref, "gdpo_" + s, "gdpo" + label + " (summed rewards)", t_gdpo.min_s,
+      6.0 * static_cast<double>(rows * cols) * sizeof(float), bw);
+}
+
 void kl_and_policy(const Reference& ref, Eigen::Index rows, Eigen::Index cols, double bw) {
   std::mt19937 gen(44);
   const auto mask = random_mask(rows, cols, gen);
@@ -170,6 +220,7 @@ int main() {
   gae(ref, bw);
   grpo(ref, 4096, 1024, bw);
   grpo(ref, 512, 4096, bw);
+  token_baselines(ref, 512, 4096, bw);
   kl_and_policy(ref, 512, 4096, bw);
   kl_and_policy(ref, 256, 1024, bw);
   if (ref.empty()) std::printf("(reference unavailable: baseline column is 0)\n");

@@ -51,8 +51,8 @@ import types
 MEGATRON_REPO = "NVIDIA/Megatron-LM"
 MEGATRON_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 MEGATRON_FILES = ["megatron/core/transformer/moe/moe_utils.py", "megatron/core/transformer/moe/router_replay.py"]
-VERL_REPO = "volcengine/verl"
-VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
+VERL_REPO = "verl-project/verl"
+VERL_COMMIT = "1dda039b9c6311889a9c9a26040677e1254814f9"  # the golden vectors' verl
 VERL_FILES = ["verl/trainer/ppo/core_algos.py", "verl/utils/torch_functional.py", "verl/utils/groupwise.py"]
 
 
@@ -328,6 +328,19 @@ def ppo_suite(torch, ca):
             report(f"grpo_B{B}_L{L}", time_min(lambda: ca.compute_grpo_outcome_advantage(outcome, mask, index)))
             report(f"grpo_vectorized_B{B}_L{L}",
                    time_min(lambda: ca.compute_grpo_vectorized_outcome_advantage(outcome, mask, index)))
+        B, L = 512, 4096
+        g, mask, lengths = batch(B, L, 45)
+        outcome = torch.zeros(B, L)
+        outcome[torch.arange(B), lengths - 1] = torch.randint(0, 2, (B,), generator=g).float()
+        old = -3 * torch.rand(B, L, generator=g)
+        pi = old.exp()
+        spsq = pi * pi + (1 - pi * pi) * 0.5 * torch.rand(B, L, generator=g)
+        index = np.array([1000 + i // 8 for i in range(B)])
+        for name, fn in (("optimal_token_baseline", ca.compute_optimal_token_baseline_advantage),
+                         ("tir_optimal_token_baseline", ca.compute_multi_turn_optimal_token_baseline_advantage)):
+            report(f"{name}_B{B}_L{L}", time_min(lambda: fn(outcome, mask, index, old, spsq), min_seconds=1.0,
+                                                 min_reps=3))
+        report(f"gdpo_B{B}_L{L}", time_min(lambda: ca.compute_gdpo_outcome_advantage(outcome, mask, index)))
         for B, L in ((512, 4096), (256, 1024)):
             g, mask, _ = batch(B, L, 44)
             logprob = -torch.rand(B, L, generator=g) * 3

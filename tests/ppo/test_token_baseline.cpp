@@ -349,7 +349,7 @@ TEST_CASE("token baselines and gdpo: bad input gets an error naming the argument
   CHECK(contains(run(bad), "'rollout_is_weights' has a non-finite value inf at unmasked position [0, 0]"));
   bad = b;
   bad.log_probs(0, 0) = 800;  // exp overflows
-  CHECK(contains(run(bad), "the cumulative path variance overflowed"));
+  CHECK(contains(run(bad), "the cumulative path variance of row 0 overflowed"));
   bad = b;
   bad.mask(1, 1) = 0.5;
   CHECK(contains(run(bad), "'response_mask' has 0.5 at [1, 1]"));

@@ -22,6 +22,7 @@
 #include <limits>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -885,7 +886,8 @@ void optimal_token_baseline_into(std::string_view fn, AdvantageResult<T>& out, c
                                  bool handle_zero_tail, double epsilon, TokenAlignment alignment) {
   check_group_inputs<T>(fn, rewards, mask, index);
   require_finite(fn, "token_level_rewards", rewards);
-  require_mask(fn, "response_mask", mask);
+  if (!is_binary_mask_fast(mask)) [[unlikely]]
+    require_mask(fn, "response_mask", mask);
   require_same_shape(fn, "old_log_probs", old_log_probs, "token_level_rewards", rewards);
   require_same_shape(fn, "sum_pi_squared", sum_pi_squared, "token_level_rewards", rewards);
   require_finite_where(fn, "old_log_probs", old_log_probs, mask);
@@ -902,76 +904,146 @@ void optimal_token_baseline_into(std::string_view fn, AdvantageResult<T>& out, c
   const Eigen::Index batch = rewards.rows(), length = rewards.cols();
   prepare_output(fn, out, batch, length, rewards, mask, old_log_probs, sum_pi_squared, is_weights);
 
-  // Reward-to-go into out.returns (verl returns it unmasked) and the cumulative path variance.
-  RowMatrix<T> cumulative(batch, length);
-  for (Eigen::Index i = 0; i < batch; ++i)
-    kernels::ppo::token_baseline_row(rewards.row(i).data(), mask.row(i).data(), old_log_probs.row(i).data(),
-                                     sum_pi_squared.row(i).data(),
-                                     rollout_is_weights ? is_weights.row(i).data() : static_cast<const T*>(nullptr),
-                                     static_cast<long>(length), out.returns.row(i).data(), cumulative.row(i).data());
-  mrr::detail::require(out.returns.allFinite(), fn, "a reward-to-go of 'token_level_rewards' overflowed");
-  mrr::detail::require(cumulative.allFinite(), fn,
-                       "the cumulative path variance overflowed (an 'old_log_probs' far above 0, or huge "
-                       "'sum_pi_squared' or 'rollout_is_weights' values)");
-
-  // Each response's valid-token count and, for the valid_token alignment, their positions in order.
+  // Group by group (every response belongs to one), so that the only scratch is one group's rows:
+  // a batch-sized scratch would cost more in page faults than the whole computation.
+  //  1. Each member's reward-to-go G (into out.returns, unmasked as verl returns it) and cumulative
+  //     path variance W. w_t = ((1 - 2 exp(old_log_prob)) + sum_pi_squared) * is_weight^2 in verl's
+  //     order, in Eigen packets (its exp is within an ulp of std::exp), 0 on masked tokens (whose
+  //     inputs may hold anything). Both sums run in double for float, as torch's CPU cumsum does,
+  //     side by side in one loop: two independent dependency chains.
+  //  2. Aligned rows: by position, G, W and the mask as they are; by valid token, each response's
+  //     valid tokens packed to the left (G, W and a mask of 1 there, 0 beyond), so one loop serves
+  //     both. Zeros beyond a response add nothing to the sums.
+  //  3. B_j = sum_i G_ij W_ij m_ij / (sum_i W_ij m_ij + epsilon), members in sample order; a
+  //     singleton group has B = 0, and the unique longest member's B is 0 from the second longest
+  //     length on (handle_zero_tail). Advantages (G - B) m, by valid token scattered back to the
+  //     positions (0 elsewhere, and for a response left out of its group).
+  using Acc = std::common_type_t<T, double>;
+  using RowArray = Eigen::Array<T, 1, Eigen::Dynamic>;
+  using RowView = Eigen::Map<const RowArray>;
+  constexpr std::size_t kBlock = 4;
+  const bool packed = alignment == TokenAlignment::valid_token;
   std::vector<Eigen::Index> lengths(static_cast<std::size_t>(batch));
-  std::vector<Eigen::Index> valid;  // valid positions, row after row (valid_token alignment)
-  std::vector<std::size_t> valid_begin(static_cast<std::size_t>(batch) + 1, 0);
-  for (Eigen::Index i = 0; i < batch; ++i) {
-    Eigen::Index n = 0;
-    for (Eigen::Index t = 0; t < length; ++t)
-      if (mask(i, t) != T(0)) {
-        ++n;
-        if (alignment == TokenAlignment::valid_token) valid.push_back(t);
-      }
-    lengths[static_cast<std::size_t>(i)] = n;
-    valid_begin[static_cast<std::size_t>(i) + 1] = valid.size();
+  for (Eigen::Index i = 0; i < batch; ++i)
+    lengths[static_cast<std::size_t>(i)] = static_cast<Eigen::Index>(mask.row(i).sum());  // a 0/1 mask
+  if (packed) out.advantages.setZero();
+  Eigen::Index largest = 0;
+  for (Eigen::Index g = 0; g < index.num_groups(); ++g)
+    largest = std::max(largest, index.group_size(g));
+  RowMatrix<T> group_w(largest, length), group_g, group_m;  // W by position; aligned G, W, mask when packed
+  if (packed) {
+    group_g.resize(largest, length);
+    group_m.resize(largest, length);
   }
-  // The j-th token of response i in the alignment: its column.
-  const auto column = [&](Eigen::Index i, Eigen::Index j) {
-    return alignment == TokenAlignment::position ? j : valid[valid_begin[static_cast<std::size_t>(i)] + j];
-  };
-  const auto span_of = [&](Eigen::Index i) {
-    return alignment == TokenAlignment::position ? length : lengths[static_cast<std::size_t>(i)];
-  };
-
-  out.advantages.setZero();
+  RowArray numerator(length), denominator(length), baseline(length), advantage(length);
+  const RowArray zeros = RowArray::Zero(length);
+  RowArray scratch = RowArray::Zero(length);  // stays 0: the idle lanes add zeros
   std::vector<Eigen::Index> members;
-  Vector<T> numerator, denominator;
   for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
-    // verl's multi-turn estimator leaves responses without a token out of their group.
-    members.clear();
-    for (const auto i : index.members(g))
-      if (alignment == TokenAlignment::position || lengths[static_cast<std::size_t>(i)] > 0) members.push_back(i);
-    Eigen::Index span = 0;
-    for (const auto i : members)
-      span = std::max(span, span_of(i));
-    // B_j = sum_i R_ij W_ij m_ij / (sum_i W_ij m_ij + epsilon), members in sample order; a
-    // singleton group has baseline 0 (advantage = reward-to-go).
-    numerator.setZero(span);
-    denominator.setZero(span);
-    if (members.size() > 1) {
-      for (const auto i : members) {
-        for (Eigen::Index j = 0; j < span_of(i); ++j) {
-          const Eigen::Index t = column(i, j);
-          const T m = alignment == TokenAlignment::position ? mask(i, t) : T(1);
-          numerator[j] += out.returns(i, t) * cumulative(i, t) * m;
-          denominator[j] += cumulative(i, t) * m;
+    const auto all = index.members(g);
+    // w into the W rows, then both running sums of up to kBlock members side by side (2 kBlock
+    // independent chains: the sums are latency-bound one row at a time).
+    for (std::size_t k0 = 0; k0 < all.size(); k0 += kBlock) {
+      const std::size_t nb = std::min(kBlock, all.size() - k0);
+      // Lanes past the group's end run on a zero row into scratch: every block is kBlock wide.
+      const T* r[kBlock] = {zeros.data(), zeros.data(), zeros.data(), zeros.data()};
+      const T* mr[kBlock] = {zeros.data(), zeros.data(), zeros.data(), zeros.data()};
+      T* to_go_row[kBlock] = {scratch.data(), scratch.data(), scratch.data(), scratch.data()};
+      T* so_far_row[kBlock] = {scratch.data(), scratch.data(), scratch.data(), scratch.data()};
+      Acc to_go[kBlock] = {}, so_far[kBlock] = {};
+      for (std::size_t b = 0; b < nb; ++b) {
+        const Eigen::Index i = all[k0 + b];
+        auto w = group_w.row(static_cast<Eigen::Index>(k0 + b)).array();
+        const auto m = mask.row(i).array();
+        if (rollout_is_weights)
+          w = ((T(1) - T(2) * old_log_probs.row(i).array().exp()) + sum_pi_squared.row(i).array()) *
+              is_weights.row(i).array().square();
+        else
+          w = (T(1) - T(2) * old_log_probs.row(i).array().exp()) + sum_pi_squared.row(i).array();
+        w = (m != T(0)).select(w * m, T(0));
+        r[b] = mrr::detail::row_ptr(rewards, i);
+        mr[b] = mrr::detail::row_ptr(mask, i);
+        to_go_row[b] = out.returns.row(i).data();
+        so_far_row[b] = w.data();
+      }
+      for (Eigen::Index t = 0; t < length; ++t) {
+        const Eigen::Index back = length - 1 - t;
+        for (std::size_t b = 0; b < kBlock; ++b) {
+          to_go[b] += static_cast<Acc>(r[b][back] * mr[b][back]);
+          to_go_row[b][back] = static_cast<T>(to_go[b]);
+          so_far[b] += static_cast<Acc>(so_far_row[b][t]);
+          so_far_row[b][t] = static_cast<T>(so_far[b]);
         }
       }
-      for (Eigen::Index j = 0; j < span; ++j)
-        numerator[j] = numerator[j] / (denominator[j] + static_cast<T>(epsilon));
-    }
-    Eigen::Index second_longest = 0;
-    const Eigen::Index zero_tail =
-        handle_zero_tail ? zero_tail_member(members, lengths, second_longest) : Eigen::Index{-1};
-    for (const auto i : members)
-      for (Eigen::Index j = 0; j < span_of(i); ++j) {
-        const Eigen::Index t = column(i, j);
-        const T baseline = (i == zero_tail && j >= second_longest) ? T(0) : numerator[j];
-        out.advantages(i, t) = (out.returns(i, t) - baseline) * mask(i, t);
+      for (std::size_t b = 0; b < nb; ++b) {
+        const Eigen::Index i = all[k0 + b];
+        // x * 0 sums to 0 only over finite values (one vectorised pass; allFinite tests one by one).
+        mrr::detail::require((out.returns.row(i).array() * T(0)).sum() == T(0), fn, "the reward-to-go of row ", i,
+                             " of 'token_level_rewards' overflowed");
+        mrr::detail::require((group_w.row(static_cast<Eigen::Index>(k0 + b)).array() * T(0)).sum() == T(0), fn,
+                             "the cumulative path variance of row ", i,
+                             " overflowed (an 'old_log_probs' far above 0, or huge 'sum_pi_squared' or "
+                             "'rollout_is_weights' values)");
       }
+    }
+    // verl's multi-turn estimator leaves responses without a token out of their group; the
+    // aligned rows of the members kept, by their index k in the group.
+    members.clear();
+    for (std::size_t k = 0; k < all.size(); ++k)
+      if (!packed || lengths[static_cast<std::size_t>(all[k])] > 0) members.push_back(static_cast<Eigen::Index>(k));
+    if (packed)
+      for (const auto k : members) {
+        const Eigen::Index i = all[static_cast<std::size_t>(k)];
+        Eigen::Index j = 0;
+        for (Eigen::Index t = 0; t < length; ++t)
+          if (mask(i, t) != T(0)) {
+            group_g(k, j) = out.returns(i, t);
+            group_w(k, j) = group_w(k, t);  // j <= t: packing in place, left to right
+            ++j;
+          }
+        group_g.row(k).tail(length - j).setZero();
+        group_w.row(k).tail(length - j).setZero();
+        group_m.row(k).head(j).setOnes();
+        group_m.row(k).tail(length - j).setZero();
+      }
+    const auto G = [&](Eigen::Index k) {
+      return RowView(packed ? group_g.row(k).data() : out.returns.row(all[static_cast<std::size_t>(k)]).data(), length);
+    };
+    const auto M = [&](Eigen::Index k) {
+      return RowView(packed ? group_m.row(k).data() : mrr::detail::row_ptr(mask, all[static_cast<std::size_t>(k)]),
+                     length);
+    };
+    if (members.size() > 1) {
+      numerator.setZero();
+      denominator.setZero();
+      for (const auto k : members) {
+        numerator += G(k) * group_w.row(k).array() * M(k);
+        denominator += group_w.row(k).array() * M(k);
+      }
+      baseline = numerator / (denominator + static_cast<T>(epsilon));
+    } else {
+      baseline.setZero();
+    }
+    std::vector<Eigen::Index> member_rows(members.size());
+    Eigen::Index second_longest = 0;
+    for (std::size_t n = 0; n < members.size(); ++n)
+      member_rows[n] = all[static_cast<std::size_t>(members[n])];
+    const Eigen::Index zero_tail =
+        handle_zero_tail ? zero_tail_member(member_rows, lengths, second_longest) : Eigen::Index{-1};
+    for (const auto k : members) {
+      const Eigen::Index i = all[static_cast<std::size_t>(k)];
+      const RowView gk = G(k), mk = M(k);
+      advantage = (gk - baseline) * mk;
+      if (i == zero_tail)
+        advantage.tail(length - second_longest) = gk.tail(length - second_longest) * mk.tail(length - second_longest);
+      if (!packed) {
+        out.advantages.row(i) = advantage.matrix();
+        continue;
+      }
+      Eigen::Index j = 0;
+      for (Eigen::Index t = 0; t < length; ++t)
+        if (mask(i, t) != T(0)) out.advantages(i, t) = advantage[j++] * mask(i, t);
+    }
   }
 }
 
@@ -1054,7 +1126,8 @@ void compute_gdpo_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> t
                                          bool norm_adv_by_std_in_grpo = true) {
   constexpr std::string_view fn = "ppo::compute_gdpo_outcome_advantage";
   detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  detail::require_mask(fn, "response_mask", response_mask);
+  if (!detail::is_binary_mask_fast(response_mask)) [[unlikely]]
+    detail::require_mask(fn, "response_mask", response_mask);
   const auto components = reward_components.map();
   const bool given = reward_components.has_value() && components.rows() > 0;
   if (given) {

@@ -2,8 +2,8 @@
 // one sequence (as affine maps: one step, generic over the value type so the host's SIMD lanes run
 // the same statement; a row; and the maps themselves for a parallel scan over time), and the
 // per-group statistics and per-response scalars of grpo (with and without the std), rloo and
-// rloo_vectorized; the optimal token baseline's per-token path variance and per-row sums. The one
-// definition for the host (ppo/advantage.hpp) and the Thrust path (thrust/ppo.hpp).
+// rloo_vectorized. The one definition for the host (ppo/advantage.hpp) and the Thrust path
+// (thrust/ppo.hpp).
 #pragma once
 
 #include <mrr/detail/config.hpp>
@@ -362,38 +362,6 @@ MRR_HOST_DEVICE inline void group_outcome(const T* scores, const Index* members,
 template <class T>
 MRR_HOST_DEVICE inline T outcome_token(T scalar, T mask) {
   return mask * scalar;
-}
-
-// Optimal token baseline (verl "optimal_token_baseline" and "tir_optimal_token_baseline"): a
-// token's path-variance proxy ||s_t||^2 = 1 - 2 pi_t + sum_v pi_v^2 with pi_t = exp(old_log_prob),
-// times the squared rollout IS weight (pass 1 without IS: w * 1 is w, bit for bit), in verl's order.
-template <class T>
-MRR_HOST_DEVICE inline T path_variance(T old_log_prob, T sum_pi_squared, T is_weight) {
-  using std::exp;
-  return ((T(1) - T(2) * exp(old_log_prob)) + sum_pi_squared) * (is_weight * is_weight);
-}
-
-// One response of n tokens: returns[t] = sum_{s >= t} r_s m_s (the reward-to-go, accumulated from
-// the end) and cumulative[t] = sum_{s <= t} w_s m_s (the path variance so far; masked tokens add
-// nothing and their inputs are not read). Both accumulate in double for float, as torch's CPU
-// cumsum does. is_weights may be null (no IS correction).
-template <class T>
-MRR_HOST_DEVICE inline void token_baseline_row(const T* rewards, const T* mask, const T* old_log_probs,
-                                               const T* sum_pi_squared, const T* is_weights, long n, T* returns,
-                                               T* cumulative) {
-  using Acc = std::common_type_t<T, double>;
-  Acc running = 0;
-  for (long t = n - 1; t >= 0; --t) {
-    running += static_cast<Acc>(rewards[t] * mask[t]);
-    returns[t] = static_cast<T>(running);
-  }
-  running = 0;
-  for (long t = 0; t < n; ++t) {
-    if (mask[t] != T(0))
-      running += static_cast<Acc>(
-          path_variance(old_log_probs[t], sum_pi_squared[t], is_weights != nullptr ? is_weights[t] : T(1)) * mask[t]);
-    cumulative[t] = static_cast<T>(running);
-  }
 }
 
 }  // namespace kernels::ppo
