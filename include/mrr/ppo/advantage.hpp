@@ -938,7 +938,7 @@ void optimal_token_baseline_into(std::string_view fn, AdvantageResult<T>& out, c
   RowArray numerator(length), denominator(length), baseline(length), advantage(length);
   const RowArray zeros = RowArray::Zero(length);
   RowArray scratch = RowArray::Zero(length);  // stays 0: the idle lanes add zeros
-  std::vector<Eigen::Index> members;
+  std::vector<Eigen::Index> members, member_rows;  // kept members: index in the group, row
   for (Eigen::Index g = 0; g < index.num_groups(); ++g) {
     const auto all = index.members(g);
     // w into the W rows, then both running sums of up to kBlock members side by side (2 kBlock
@@ -989,8 +989,12 @@ void optimal_token_baseline_into(std::string_view fn, AdvantageResult<T>& out, c
     // verl's multi-turn estimator leaves responses without a token out of their group; the
     // aligned rows of the members kept, by their index k in the group.
     members.clear();
+    member_rows.clear();
     for (std::size_t k = 0; k < all.size(); ++k)
-      if (!packed || lengths[static_cast<std::size_t>(all[k])] > 0) members.push_back(static_cast<Eigen::Index>(k));
+      if (!packed || lengths[static_cast<std::size_t>(all[k])] > 0) {
+        members.push_back(static_cast<Eigen::Index>(k));
+        member_rows.push_back(all[k]);
+      }
     if (packed)
       for (const auto k : members) {
         const Eigen::Index i = all[static_cast<std::size_t>(k)];
@@ -1024,10 +1028,7 @@ void optimal_token_baseline_into(std::string_view fn, AdvantageResult<T>& out, c
     } else {
       baseline.setZero();
     }
-    std::vector<Eigen::Index> member_rows(members.size());
     Eigen::Index second_longest = 0;
-    for (std::size_t n = 0; n < members.size(); ++n)
-      member_rows[n] = all[static_cast<std::size_t>(members[n])];
     const Eigen::Index zero_tail =
         handle_zero_tail ? zero_tail_member(member_rows, lengths, second_longest) : Eigen::Index{-1};
     for (const auto k : members) {
@@ -1056,8 +1057,8 @@ void optimal_token_baseline_into(std::string_view fn, AdvantageResult<T>& out, c
 // without weights). Advantage = (G - B) m; a singleton group has B = 0. handle_zero_tail: the
 // unique longest response of a group gets B = 0 from the second longest length on. Returns are
 // the unmasked reward-to-go, as verl returns them. sum_pi_squared is sum_v pi_v^2 over the
-// vocabulary (rollout::sum_pi_squared_from_logits). Inputs other than the rewards are read only on
-// valid tokens.
+// vocabulary (rollout::sum_pi_squared_from_logits). Inputs other than the rewards are used only on
+// valid tokens: padding may hold anything.
 template <class T>
 void compute_optimal_token_baseline_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
                                                    MatrixRef<T> response_mask, const GroupIndex& index,
