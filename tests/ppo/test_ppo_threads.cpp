@@ -1,6 +1,7 @@
-// The row-parallel PPO paths (GAE, GRPO / RLOO broadcasts, KL, vanilla policy loss) give the same
-// bits with 1, 2 and 3 OpenMP threads (this target is compiled with -fopenmp; the row tiles and
-// the order in which partial sums are reduced do not depend on the thread count).
+// The row-parallel PPO paths (GAE, the reward-to-go estimators, GRPO / RLOO / GDPO broadcasts,
+// KL, vanilla policy loss) give the same bits with 1, 2 and 3 OpenMP threads (this target is
+// compiled with -fopenmp; the row tiles and the order in which partial sums are reduced do not
+// depend on the thread count).
 #include <mrr/ppo/advantage.hpp>
 #include <mrr/ppo/kl.hpp>
 #include <mrr/ppo/policy_loss.hpp>
@@ -75,6 +76,27 @@ TEST_CASE_TEMPLATE("PPO results are bitwise independent of the thread count", T,
     return out;
   });
   same_for_thread_counts([&] { return ppo::compute_rloo_outcome_advantage<T>(b.c, b.mask, index).returns; });
+  // The reward-to-go estimators (rows in SIMD lanes on time tiles) and the whitened broadcasts,
+  // with observation spans inside the responses (and across the time tiles' edges).
+  RowMatrix<T> turns = b.mask;
+  for (Eigen::Index i = 0; i < turns.rows(); i += 3)
+    turns.row(i).segment((i * 37) % 900, 300).setZero();
+  const Vector<T> baselines = b.a.col(0);
+  for (const RowMatrix<T>* mask : {&b.mask, static_cast<const RowMatrix<T>*>(&turns)}) {
+    same_for_thread_counts([&] {
+      const auto r = ppo::compute_reinforce_plus_plus_outcome_advantage<T>(b.c, *mask, 0.97);
+      return std::make_pair(r.advantages, r.returns);
+    });
+    same_for_thread_counts([&] {
+      const auto r = ppo::compute_remax_outcome_advantage<T>(b.c, baselines, *mask);
+      return std::make_pair(r.advantages, r.returns);
+    });
+    same_for_thread_counts([&] {
+      const auto r = ppo::compute_reinforce_plus_plus_baseline_outcome_advantage<T>(b.c, *mask, index);
+      return std::make_pair(r.advantages, r.returns);
+    });
+    same_for_thread_counts([&] { return ppo::compute_gdpo_outcome_advantage<T>(b.c, *mask, index).advantages; });
+  }
   for (const std::string name : {"k1", "abs", "k2", "k3", "k3+"})
     same_for_thread_counts([&] {
       const auto r = ppo::kl_penalty<T>(b.a, b.b, name);

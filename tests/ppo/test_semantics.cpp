@@ -107,6 +107,129 @@ TEST_CASE("GAE reads caller memory through strided views") {
   CHECK(from_blocks.returns == from_copies.returns);
 }
 
+// verl's REINFORCE++ and ReMax loops transcribed: column by column over the whole batch, in T.
+template <class T>
+ppo::AdvantageResult<T> reference_reinforce_plus_plus(const RowMatrix<T>& rewards, const RowMatrix<T>& mask,
+                                                      double gamma) {
+  RowMatrix<T> returns = RowMatrix<T>::Zero(rewards.rows(), rewards.cols());
+  Vector<T> running = Vector<T>::Zero(rewards.rows());
+  for (Eigen::Index t = rewards.cols() - 1; t >= 0; --t)
+    for (Eigen::Index i = 0; i < rewards.rows(); ++i) {
+      const T updated = rewards(i, t) + T(gamma) * running[i];
+      returns(i, t) = updated * mask(i, t);
+      running[i] = updated * mask(i, t) + running[i] * (T(1) - mask(i, t));
+    }
+  RowMatrix<T> advantages = ppo::masked_whiten<T>(returns, mask);
+  advantages.array() *= mask.array();
+  return {advantages, returns};
+}
+
+template <class T>
+ppo::AdvantageResult<T> reference_remax(const RowMatrix<T>& rewards, const Vector<T>& baselines,
+                                        const RowMatrix<T>& mask) {
+  RowMatrix<T> returns(rewards.rows(), rewards.cols()), advantages(rewards.rows(), rewards.cols());
+  for (Eigen::Index i = 0; i < rewards.rows(); ++i) {
+    T running = 0;
+    for (Eigen::Index t = rewards.cols() - 1; t >= 0; --t) {
+      running += rewards(i, t) * mask(i, t);
+      returns(i, t) = running;
+      advantages(i, t) = running - baselines[i] * mask(i, t);
+    }
+  }
+  return {advantages, returns};
+}
+
+// verl's reinforce_plus_plus_baseline: score minus the group mean, broadcast, whitened, masked.
+template <class T>
+RowMatrix<T> reference_reinforce_plus_plus_baseline(const RowMatrix<T>& rewards, const RowMatrix<T>& mask,
+                                                    const std::vector<std::int64_t>& uids) {
+  Vector<T> scores = rewards.rowwise().sum();
+  const Vector<T> original = scores;
+  for (Eigen::Index i = 0; i < scores.size(); ++i) {
+    T sum = 0;
+    int count = 0;
+    for (Eigen::Index j = 0; j < scores.size(); ++j)
+      if (uids[static_cast<std::size_t>(j)] == uids[static_cast<std::size_t>(i)]) {
+        sum += original[j];
+        ++count;
+      }
+    if (count > 1) scores[i] = original[i] - sum / T(count);
+  }
+  const RowMatrix<T> broadcast = (mask.array().colwise() * scores.array()).matrix();
+  RowMatrix<T> advantages = ppo::masked_whiten<T>(broadcast, mask);
+  advantages.array() *= mask.array();
+  return advantages;
+}
+
+TEST_CASE_TEMPLATE("reward-to-go and whitened broadcasts equal verl's loops over several time tiles", T, double,
+                   float) {
+  // Rows that fill no whole block of SIMD lanes, several 2 KiB time tiles, observation spans
+  // (some across a tile's edge), empty and full rows.
+  const double rtol = sizeof(T) == 8 ? 1e-11 : 2e-4, atol = sizeof(T) == 8 ? 1e-11 : 2e-4;
+  for (const auto& [rows, cols] : std::vector<std::pair<Eigen::Index, Eigen::Index>>{{37, 1300}, {5, 2}, {17, 513}}) {
+    CAPTURE(rows);
+    CAPTURE(cols);
+    const auto rewards = random_matrix<T>(rows, cols, 21, 0.1);
+    RowMatrix<T> mask = multi_turn_mask<T>(rows, cols, 22);
+    for (Eigen::Index i = 0; i < rows; i += 4)
+      mask.row(i)
+          .segment(std::min<Eigen::Index>(cols - 1, 250 + 3 * i), std::min<Eigen::Index>(cols / 4, 40))
+          .setZero();
+    mask.row(1).setZero();
+    mask.row(rows - 1).setOnes();
+    const Vector<T> baselines = random_matrix<T>(rows, 1, 23).col(0);
+    std::vector<std::int64_t> uids;
+    for (Eigen::Index i = 0; i < rows; ++i)
+      uids.push_back(i % 7 == 3 ? 1000 + i : i / 4);  // groups of 4, and singletons
+    for (const double gamma : {1.0, 0.97}) {
+      const auto ours = ppo::compute_reinforce_plus_plus_outcome_advantage<T>(rewards, mask, gamma);
+      const auto reference = reference_reinforce_plus_plus<T>(rewards, mask, gamma);
+      check_near<T>(ours.returns, reference.returns, rtol, atol);
+      check_near<T>(ours.advantages, reference.advantages, rtol, atol);
+    }
+    const auto remax = ppo::compute_remax_outcome_advantage<T>(rewards, baselines, mask);
+    const auto remax_reference = reference_remax<T>(rewards, baselines, mask);
+    check_near<T>(remax.returns, remax_reference.returns, rtol, atol);
+    check_near<T>(remax.advantages, remax_reference.advantages, rtol, atol);
+    const ppo::GroupIndex index(uids);
+    const auto baseline = ppo::compute_reinforce_plus_plus_baseline_outcome_advantage<T>(rewards, mask, index);
+    const auto baseline_reference = reference_reinforce_plus_plus_baseline<T>(rewards, mask, uids);
+    check_near<T>(baseline.advantages, baseline_reference, rtol, atol);
+    CHECK(baseline.returns == baseline.advantages);
+  }
+}
+
+TEST_CASE("reward-to-go estimators read strided views and name an overflowing return") {
+  const auto big_rewards = random_matrix<float>(40, 1200, 31);
+  const RowMatrix<float> big_mask = multi_turn_mask<float>(40, 1200, 32);
+  const auto rewards = big_rewards.block(3, 5, 33, 1100);
+  const auto mask = big_mask.block(3, 5, 33, 1100);
+  const RowMatrix<float> rewards_copy = rewards, mask_copy = mask;
+  const auto from_blocks = ppo::compute_reinforce_plus_plus_outcome_advantage<float>(rewards, mask, 0.99);
+  const auto from_copies = ppo::compute_reinforce_plus_plus_outcome_advantage<float>(rewards_copy, mask_copy, 0.99);
+  CHECK(from_blocks.advantages == from_copies.advantages);
+  CHECK(from_blocks.returns == from_copies.returns);
+  const Vector<float> baselines = Vector<float>::LinSpaced(33, -1.f, 1.f);
+  const auto remax_blocks = ppo::compute_remax_outcome_advantage<float>(rewards, baselines, mask);
+  const auto remax_copies = ppo::compute_remax_outcome_advantage<float>(rewards_copy, baselines, mask_copy);
+  CHECK(remax_blocks.advantages == remax_copies.advantages);
+  CHECK(remax_blocks.returns == remax_copies.returns);
+
+  // Finite rewards whose discounted sum overflows float in row 20 only: the error names it.
+  RowMatrix<float> huge = rewards_copy;
+  RowMatrix<float> ones = RowMatrix<float>::Ones(33, 1100);
+  huge.row(20).setConstant(3e37f);
+  std::string message;
+  try {
+    (void)ppo::compute_reinforce_plus_plus_outcome_advantage<float>(huge, ones, 1.0);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  INFO(message);
+  CHECK(message.find("compute_reinforce_plus_plus_outcome_advantage") != std::string::npos);
+  CHECK(message.find("the discounted return of row 20 overflowed (gamma 1") != std::string::npos);
+}
+
 TEST_CASE("group labels: integers and strings give the same groups") {
   const auto rewards = random_matrix<double>(6, 4, 5);
   const RowMatrix<double> mask = RowMatrix<double>::Ones(6, 4);

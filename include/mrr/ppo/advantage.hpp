@@ -38,20 +38,11 @@ struct AdvantageResult {
 
 namespace detail {
 
-// Accumulates the masked moments of rows of a matrix block by block (Chan et al.'s pairwise
-// update, kernels/ppo/masked.hpp), so a producer can fold each block in while it is still in cache.
-// Sums run in double.
+// Accumulates masked moments part by part (Chan et al.'s pairwise update, kernels/ppo/masked.hpp),
+// so a producer can fold each block in while it is still in cache. Sums run in double.
 template <class T>
 class MaskedMomentAccumulator {
  public:
-  // Adds rows [row_begin, row_end) of values (row stride `stride`) under the same rows of mask.
-  void add_rows(const T* values, Eigen::Index value_stride, const T* mask, Eigen::Index mask_stride,
-                Eigen::Index row_begin, Eigen::Index row_end, Eigen::Index cols) {
-    kernels::ppo::merge(total_, kernels::ppo::masked_moments(values + row_begin * value_stride, value_stride,
-                                                             mask + row_begin * mask_stride, mask_stride,
-                                                             row_end - row_begin, cols));
-  }
-
   // Adds a group of elements given by its total mask weight, weighted mean and centred M2.
   void add_moments(double weight, double mean, double m2) { kernels::ppo::merge(total_, {weight, mean, m2}); }
 
@@ -81,13 +72,44 @@ void whiten_in_place(RowMatrix<T>& values, const MaskedMoments<T>& moments) {
                               });
 }
 
+// dst = whiten(src) * mask (verl's masked_whiten, then the mask applied), and *also = dst when
+// given, in one pass on OpenMP row tiles: per element the operations of whiten_in_place followed
+// by the multiplication by the mask. dst may be src.
 template <class T>
-MaskedMoments<T> whitening_moments_of(const RowMatrix<T>& values, const MatrixRef<T>& mask, std::string_view function) {
+void whiten_masked_into(RowMatrix<T>& dst, const RowMatrix<T>& src, const MatrixRef<T>& mask,
+                        const MaskedMoments<T>& moments, RowMatrix<T>* also = nullptr) {
+  const T inv_std = kernels::ppo::whitening_scale(moments.variance);
+  mrr::detail::parallel_tiles(
+      src.rows(), row_tile(src.cols()), src.size(), [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+        const Eigen::Index n = end - begin;
+        dst.middleRows(begin, n).array() =
+            ((src.middleRows(begin, n).array() - moments.mean) * inv_std) * mask.middleRows(begin, n).array();
+        if (also != nullptr) also->middleRows(begin, n) = dst.middleRows(begin, n);
+      });
+}
+
+// dst = mask * scalars[row] (resized to the mask's shape), on OpenMP row tiles, and verl's
+// masked_whiten statistics of dst: every selected element of row i holds scalars[i], so the
+// moments are those of count_i copies of it (count_i the row's mask sum, exact for a 0/1 mask),
+// merged row by row in row order (Chan et al.: M2 of the copies is 0); one pass over the mask
+// instead of two over the broadcast values. The mask was validated; the scalars are finite.
+template <class T>
+MaskedMoments<T> broadcast_rows_into(std::string_view function, RowMatrix<T>& dst, const MatrixRef<T>& mask,
+                                     const Vector<T>& scalars) {
+  dst.resize(mask.rows(), mask.cols());
+  thread_local std::vector<T> counts;  // grows only
+  if (counts.size() < static_cast<std::size_t>(mask.rows())) counts.resize(static_cast<std::size_t>(mask.rows()));
+  T* const count = counts.data();
+  mrr::detail::parallel_tiles(mask.rows(), row_tile(mask.cols()), mask.size(),
+                              [&](std::int64_t, std::int64_t begin, std::int64_t end) {
+                                for (Eigen::Index i = begin; i < end; ++i) {
+                                  dst.row(i).array() = mask.row(i).array() * scalars[i];
+                                  count[i] = mask.row(i).sum();
+                                }
+                              });
   MaskedMomentAccumulator<T> acc;
-  constexpr Eigen::Index kRows = 64;
-  for (Eigen::Index i = 0; i < values.rows(); i += kRows)
-    acc.add_rows(values.data(), values.outerStride(), mask.data(), mask.outerStride(), i,
-                 std::min(values.rows(), i + kRows), values.cols());
+  for (Eigen::Index i = 0; i < mask.rows(); ++i)
+    acc.add_moments(static_cast<double>(count[i]), static_cast<double>(scalars[i]), 0.0);
   return acc.whitening_moments(function);
 }
 
@@ -160,7 +182,7 @@ void broadcast_outcome_rows(std::string_view function, const Vector<T>& per_resp
                                   const auto mask_row = mask.row(i);
                                   advantages.row(i) = mask_row * per_response[i];
                                   if (returns != nullptr) returns->row(i) = advantages.row(i);
-                                  if (!is_binary_mask_fast(mask_row)) [[unlikely]]
+                                  if (!is_binary_mask(mask_row)) [[unlikely]]
                                     require_mask(function, "response_mask", mask_row, i);
                                 }
                               });
@@ -293,6 +315,44 @@ struct TileMoments {
   double weight = 0, mean = 0, m2 = 0;
 };
 
+// Prefetches `count` elements from `data` (the next time tile of a row, pages away from the other
+// rows': hardware prefetchers stop at page boundaries).
+template <class T>
+void prefetch_tile([[maybe_unused]] const T* data, [[maybe_unused]] Eigen::Index count,
+                   [[maybe_unused]] bool for_write) {
+#if defined(__GNUC__) || defined(__clang__)
+  constexpr Eigen::Index kLine = 64 / static_cast<Eigen::Index>(sizeof(T));
+  for (Eigen::Index i = 0; i < count; i += kLine) {
+    if (for_write)
+      __builtin_prefetch(data + i, 1);
+    else
+      __builtin_prefetch(data + i, 0);
+  }
+#endif
+}
+
+// The masked moments of one transposed tile (column j: time step j, one lane per row), given the
+// weight and weighted sum accumulated per lane by the recurrence: the M2 around the tile's own
+// mean is a second pass over the tile while it is in cache; tiles are then merged in double
+// (Chan et al.), so no long serial sum builds up in T.
+template <class Tile, class Lane>
+TileMoments tile_moments(const Tile& values, const Tile& mask, Eigen::Index n, const Lane& weight,
+                         const Lane& weighted_sum) {
+  using T = typename Tile::Scalar;
+  const double total_weight = static_cast<double>(weight.sum());
+  if (total_weight == 0) return {};
+  const double mean = static_cast<double>(weighted_sum.sum()) / total_weight;
+  const T tile_mean = static_cast<T>(mean);
+  Lane m2 = Lane::Zero();
+  for (Eigen::Index j = 0; j < n; ++j) {
+    const Lane d = values.col(j) - tile_mean;
+    m2 += d * d * mask.col(j);
+  }
+  // M2 was taken around the rounded mean; shift it to the exact one.
+  const double offset = mean - static_cast<double>(tile_mean);
+  return {total_weight, mean, static_cast<double>(m2.sum()) - total_weight * offset * offset};
+}
+
 // GAE for up to `Rows` consecutive rows, one time tile at a time. Each row's tile (2 KiB of it)
 // is first copied, as one sequential burst, into a transposed buffer [time][row], so the
 // recurrence runs across the rows in SIMD lanes (the rows are independent; time is the
@@ -335,11 +395,11 @@ class GaeBlockKernel {
       if (begin > 0) {
         const Eigen::Index next = std::max<Eigen::Index>(0, begin - kTile), count = begin - next;
         for (Eigen::Index k = 0; k < rows; ++k) {
-          prefetch(rewards + k * reward_stride + next, count, false);
-          prefetch(values + k * value_stride + next, count, false);
-          prefetch(mask + k * mask_stride + next, count, false);
-          prefetch(advantages + k * out_stride + next, count, true);
-          prefetch(returns + k * out_stride + next, count, true);
+          prefetch_tile(rewards + k * reward_stride + next, count, false);
+          prefetch_tile(values + k * value_stride + next, count, false);
+          prefetch_tile(mask + k * mask_stride + next, count, false);
+          prefetch_tile(advantages + k * out_stride + next, count, true);
+          prefetch_tile(returns + k * out_stride + next, count, true);
         }
       }
       weight.setZero();
@@ -356,7 +416,7 @@ class GaeBlockKernel {
       Transpose::scatter(advantages + begin, out_stride, advantage_.data(), rows, n);
       Transpose::scatter(returns + begin, out_stride, return_.data(), rows, n);
       if (!(probe.sum() == T(0))) return false;
-      *moments++ = tile_moments(n, weight, weighted_sum);
+      *moments++ = tile_moments(advantage_, mask_, n, weight, weighted_sum);
     }
     return true;
   }
@@ -366,40 +426,134 @@ class GaeBlockKernel {
   using Tile = Eigen::Array<T, Rows, Eigen::Dynamic>;  // column j: time step j of the tile, one lane per row
   using Transpose = TileTranspose<T, Rows>;
 
-  static void prefetch([[maybe_unused]] const T* data, [[maybe_unused]] Eigen::Index count,
-                       [[maybe_unused]] bool for_write) {
-#if defined(__GNUC__) || defined(__clang__)
-    constexpr Eigen::Index kLine = 64 / static_cast<Eigen::Index>(sizeof(T));
-    for (Eigen::Index i = 0; i < count; i += kLine) {
-      if (for_write)
-        __builtin_prefetch(data + i, 1);
-      else
-        __builtin_prefetch(data + i, 0);
-    }
-#endif
-  }
-
-  // The tile's moments: weight and weighted sum were accumulated per lane in the recurrence, the
-  // M2 around the tile's own mean is a second pass over the tile while it is in cache; tiles are
-  // then merged in double (Chan et al.), so no long serial sum builds up in T.
-  TileMoments tile_moments(Eigen::Index n, const Lane& weight, const Lane& weighted_sum) const {
-    const double total_weight = static_cast<double>(weight.sum());
-    if (total_weight == 0) return {};
-    const double mean = static_cast<double>(weighted_sum.sum()) / total_weight;
-    const T tile_mean = static_cast<T>(mean);
-    Lane m2 = Lane::Zero();
-    for (Eigen::Index j = 0; j < n; ++j) {
-      const Lane d = advantage_.col(j) - tile_mean;
-      m2 += d * d * mask_.col(j);
-    }
-    // M2 was taken around the rounded mean; shift it to the exact one.
-    const double offset = mean - static_cast<double>(tile_mean);
-    return {total_weight, mean, static_cast<double>(m2.sum()) - total_weight * offset * offset};
-  }
-
   T gamma_, gamma_lambda_;
   Tile reward_, value_, mask_, advantage_, return_;
 };
+
+// The outcome estimators' reward-to-go, right to left along each row:
+//   discounted (reinforce_plus_plus): u = r + gamma R, return u m, R = u m + R (1 - m), so an
+//     observation token (m = 0) returns 0 and carries R through;
+//   masked_sum (remax): R += r m, return R, advantage R - b m with the row's baseline b.
+enum class RewardToGo { discounted, masked_sum };
+
+// The reward-to-go of up to `Rows` consecutive rows in SIMD lanes on time tiles, laid out as
+// GaeBlockKernel's (each row's tile copied as one burst into a transposed buffer; time is the
+// dependency chain, the rows are independent lanes). Each lane runs the scalar recurrence's
+// operations in its order. For `discounted`, also the tiles' masked moments of the returns and a
+// NaN/inf probe, folded in while the tile is in cache.
+template <class T, int Rows>
+class RewardToGoKernel {
+ public:
+  static constexpr Eigen::Index kTile = 2048 / static_cast<Eigen::Index>(sizeof(T));
+
+  RewardToGoKernel(RewardToGo kind, T gamma)
+      : kind_(kind), gamma_(gamma), reward_(Rows, kTile), mask_(Rows, kTile), return_(Rows, kTile) {
+    if (kind_ == RewardToGo::masked_sum) advantage_.resize(Rows, kTile);
+  }
+
+  // Rows [0, rows) (rows <= Rows). masked_sum reads `baselines` [rows] and writes `advantages`;
+  // discounted writes one TileMoments per time tile (right to left) and stops at the first tile
+  // where a return is not finite, returning its row (-1: every return finite).
+  Eigen::Index run(const T* rewards, Eigen::Index reward_stride, const T* mask, Eigen::Index mask_stride,
+                   const T* baselines, T* returns, T* advantages, Eigen::Index out_stride, Eigen::Index rows,
+                   Eigen::Index cols, TileMoments* moments) {
+    Lane running = Lane::Zero(), probe = Lane::Zero(), baseline = Lane::Zero();
+    if (kind_ == RewardToGo::masked_sum)
+      for (Eigen::Index k = 0; k < rows; ++k)
+        baseline[k] = baselines[k];
+    const Lane one = Lane::Ones();
+    for (Eigen::Index end = cols; end > 0; end -= kTile) {
+      const Eigen::Index begin = std::max<Eigen::Index>(0, end - kTile), n = end - begin;
+      // Padding lanes (k >= rows) are zero, and their mask 0 keeps them out of the moments.
+      Transpose::gather(reward_.data(), rewards + begin, reward_stride, rows, n);
+      Transpose::gather(mask_.data(), mask + begin, mask_stride, rows, n);
+      if (begin > 0) {
+        const Eigen::Index next = std::max<Eigen::Index>(0, begin - kTile), count = begin - next;
+        for (Eigen::Index k = 0; k < rows; ++k) {
+          prefetch_tile(rewards + k * reward_stride + next, count, false);
+          prefetch_tile(mask + k * mask_stride + next, count, false);
+          prefetch_tile(returns + k * out_stride + next, count, true);
+          if (advantages != nullptr) prefetch_tile(advantages + k * out_stride + next, count, true);
+        }
+      }
+      if (kind_ == RewardToGo::discounted) {
+        Lane weight = Lane::Zero(), weighted_sum = Lane::Zero();
+        for (Eigen::Index j = n - 1; j >= 0; --j) {
+          const Lane m = mask_.col(j);
+          const Lane updated = reward_.col(j) + gamma_ * running;
+          const Lane ret = updated * m;
+          return_.col(j) = ret;
+          running = ret + running * (one - m);
+          probe += ret * T(0);  // NaN once a return overflowed
+          weight += m;
+          weighted_sum += ret * m;
+        }
+        Transpose::scatter(returns + begin, out_stride, return_.data(), rows, n);
+        if (!(probe.sum() == T(0))) [[unlikely]]
+          for (Eigen::Index k = 0; k < rows; ++k)
+            if (!(probe[k] == T(0))) return k;
+        *moments++ = tile_moments(return_, mask_, n, weight, weighted_sum);
+      } else {
+        for (Eigen::Index j = n - 1; j >= 0; --j) {
+          const Lane m = mask_.col(j);
+          running += reward_.col(j) * m;
+          return_.col(j) = running;
+          advantage_.col(j) = running - baseline * m;
+        }
+        Transpose::scatter(returns + begin, out_stride, return_.data(), rows, n);
+        Transpose::scatter(advantages + begin, out_stride, advantage_.data(), rows, n);
+      }
+    }
+    return -1;
+  }
+
+ private:
+  using Lane = Eigen::Array<T, Rows, 1>;
+  using Tile = Eigen::Array<T, Rows, Eigen::Dynamic>;
+  using Transpose = TileTranspose<T, Rows>;
+
+  RewardToGo kind_;
+  T gamma_;
+  Tile reward_, mask_, return_, advantage_;
+};
+
+// out.returns (and, for masked_sum, out.advantages) of every row by RewardToGoKernel, on OpenMP
+// tiles of row blocks. For discounted, returns the returns' masked moments (merged in row-block
+// then time-tile order: the same bits for any thread count) and throws, naming the first row,
+// if a return overflowed.
+// The inputs were validated.
+template <class T>
+kernels::ppo::Moments reward_to_go(std::string_view function, RewardToGo kind, double gamma,
+                                   const MatrixRef<T>& rewards, const MatrixRef<T>& mask, const T* baselines,
+                                   AdvantageResult<T>& out) {
+  constexpr int kRows = gae_block_rows<T>();
+  using Kernel = RewardToGoKernel<T, kRows>;
+  const Eigen::Index batch = rewards.rows(), length = rewards.cols();
+  const Eigen::Index blocks = (batch + kRows - 1) / kRows, time_tiles = (length + Kernel::kTile - 1) / Kernel::kTile;
+  const bool discounted = kind == RewardToGo::discounted;
+  std::vector<TileMoments> records(discounted ? static_cast<std::size_t>(blocks * time_tiles) : 0);
+  std::vector<Eigen::Index> overflowed(static_cast<std::size_t>(blocks), -1);  // per block: a row, or -1
+  const auto rs = rewards.outerStride(), ms = mask.outerStride();
+  mrr::detail::parallel_tiles(blocks, 4, batch * length * 8, [&](std::int64_t, std::int64_t first, std::int64_t last) {
+    Kernel kernel(kind, static_cast<T>(gamma));
+    for (Eigen::Index b = first; b < last; ++b) {
+      const Eigen::Index i = b * kRows, n = std::min<Eigen::Index>(kRows, batch - i);
+      const Eigen::Index bad = kernel.run(
+          rewards.data() + i * rs, rs, mask.data() + i * ms, ms, baselines != nullptr ? baselines + i : nullptr,
+          out.returns.data() + i * length, discounted ? nullptr : out.advantages.data() + i * length, length, n, length,
+          discounted ? records.data() + b * time_tiles : nullptr);
+      overflowed[static_cast<std::size_t>(b)] = bad < 0 ? -1 : i + bad;
+    }
+  });
+  kernels::ppo::Moments total;
+  if (!discounted) return total;
+  for (const Eigen::Index row : overflowed)
+    mrr::detail::require(row < 0, function, "the discounted return of row ", row, " overflowed (gamma ", gamma,
+                         "; the rewards are finite)");
+  for (const auto& r : records)
+    kernels::ppo::merge(total, {r.weight, r.mean, r.m2});
+  return total;
+}
 
 }  // namespace detail
 
@@ -435,7 +589,7 @@ void compute_gae_advantage_return_into(AdvantageResult<T>& out, MatrixRef<T> tok
     for (Eigen::Index b = first; b < last; ++b) {
       const Eigen::Index i = b * kRows, n = std::min<Eigen::Index>(kRows, batch - i);
       const auto mask_rows = response_mask.middleRows(i, n);
-      if (!detail::is_binary_mask_fast(mask_rows)) [[unlikely]]
+      if (!detail::is_binary_mask(mask_rows)) [[unlikely]]
         detail::require_mask(fn, "response_mask", mask_rows, i);
       const bool finite = kernel.run(token_level_rewards.data() + i * rs, rs, values.data() + i * vs, vs,
                                      response_mask.data() + i * ms, ms, out.advantages.data() + i * length,
@@ -727,20 +881,11 @@ void compute_reinforce_plus_plus_outcome_advantage_into(AdvantageResult<T>& out,
   detail::require_finite_scalar(fn, "gamma", gamma);
   const Eigen::Index batch = token_level_rewards.rows(), length = token_level_rewards.cols();
   detail::prepare_output(fn, out, batch, length, token_level_rewards, response_mask);
-  const T g = static_cast<T>(gamma);
-  for (Eigen::Index i = 0; i < batch; ++i) {
-    T running = 0;
-    for (Eigen::Index t = length - 1; t >= 0; --t) {
-      const T m = response_mask(i, t);
-      const T updated = token_level_rewards(i, t) + g * running;
-      out.returns(i, t) = updated * m;
-      running = updated * m + running * (T(1) - m);
-    }
-  }
-  mrr::detail::require(out.returns.allFinite(), fn, "the discounted return overflowed (gamma ", gamma, ")");
-  out.advantages = out.returns;
-  detail::whiten_in_place(out.advantages, detail::whitening_moments_of<T>(out.advantages, response_mask, fn));
-  out.advantages.array() *= response_mask.array();
+  const auto moments = detail::reward_to_go<T>(fn, detail::RewardToGo::discounted, gamma, token_level_rewards,
+                                               response_mask, nullptr, out);
+  detail::MaskedMomentAccumulator<T> acc;
+  acc.add_moments(moments.weight, moments.mean, moments.m2);
+  detail::whiten_masked_into(out.advantages, out.returns, response_mask, acc.whitening_moments(fn));
 }
 
 template <class T>
@@ -770,10 +915,8 @@ void compute_reinforce_plus_plus_baseline_outcome_advantage_into(AdvantageResult
     for (const auto i : members)
       scores[i] = scores[i] - mean;
   }
-  out.advantages = (response_mask.array().colwise() * scores.array()).matrix();
-  detail::whiten_in_place(out.advantages, detail::whitening_moments_of<T>(out.advantages, response_mask, fn));
-  out.advantages.array() *= response_mask.array();
-  out.returns = out.advantages;
+  const auto moments = detail::broadcast_rows_into<T>(fn, out.advantages, response_mask, scores);
+  detail::whiten_masked_into(out.advantages, out.advantages, response_mask, moments, &out.returns);
 }
 
 template <class T>
@@ -796,14 +939,8 @@ void compute_remax_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> 
   detail::require_finite(fn, "reward_baselines", reward_baselines);
   const Eigen::Index batch = token_level_rewards.rows(), length = token_level_rewards.cols();
   detail::prepare_output(fn, out, batch, length, token_level_rewards, response_mask);
-  for (Eigen::Index i = 0; i < batch; ++i) {
-    T running = 0;
-    for (Eigen::Index t = length - 1; t >= 0; --t) {
-      running += token_level_rewards(i, t) * response_mask(i, t);
-      out.returns(i, t) = running;
-      out.advantages(i, t) = running - reward_baselines[i] * response_mask(i, t);
-    }
-  }
+  detail::reward_to_go<T>(fn, detail::RewardToGo::masked_sum, 0.0, token_level_rewards, response_mask,
+                          reward_baselines.data(), out);
 }
 
 template <class T>
@@ -886,7 +1023,7 @@ void optimal_token_baseline_into(std::string_view fn, AdvantageResult<T>& out, c
                                  bool handle_zero_tail, double epsilon, TokenAlignment alignment) {
   check_group_inputs<T>(fn, rewards, mask, index);
   require_finite(fn, "token_level_rewards", rewards);
-  if (!is_binary_mask_fast(mask)) [[unlikely]]
+  if (!is_binary_mask(mask)) [[unlikely]]
     require_mask(fn, "response_mask", mask);
   require_same_shape(fn, "old_log_probs", old_log_probs, "token_level_rewards", rewards);
   require_same_shape(fn, "sum_pi_squared", sum_pi_squared, "token_level_rewards", rewards);
@@ -1127,7 +1264,7 @@ void compute_gdpo_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> t
                                          bool norm_adv_by_std_in_grpo = true) {
   constexpr std::string_view fn = "ppo::compute_gdpo_outcome_advantage";
   detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  if (!detail::is_binary_mask_fast(response_mask)) [[unlikely]]
+  if (!detail::is_binary_mask(response_mask)) [[unlikely]]
     detail::require_mask(fn, "response_mask", response_mask);
   const auto components = reward_components.map();
   const bool given = reward_components.has_value() && components.rows() > 0;
@@ -1159,10 +1296,8 @@ void compute_gdpo_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> t
     else
       total += weight * normalised;
   }
-  out.advantages = (response_mask.array().colwise() * total.array()).matrix();
-  detail::whiten_in_place(out.advantages, detail::whitening_moments_of<T>(out.advantages, response_mask, fn));
-  out.advantages.array() *= response_mask.array();
-  out.returns = out.advantages;
+  const auto moments = detail::broadcast_rows_into<T>(fn, out.advantages, response_mask, total);
+  detail::whiten_masked_into(out.advantages, out.advantages, response_mask, moments, &out.returns);
 }
 
 template <class T>

@@ -39,16 +39,6 @@ inline Eigen::Index row_tile(Eigen::Index cols) {
 // Columns processed per chunk by the row kernels (stack buffers stay in L1).
 inline constexpr Eigen::Index kChunk = 512;
 
-// m (m - 1) is 0 exactly for m = 0 or 1 and non-zero (or NaN) for any other value, denormals
-// included, so one vectorised sum of |m (m - 1)| tests a whole block (Eigen 3.4 does not vectorise
-// comparisons). Use it on the hot path and require_mask on the cold path for the message.
-template <class Derived>
-bool is_binary_mask_fast(const Eigen::DenseBase<Derived>& mask) {
-  using T = typename Derived::Scalar;
-  const auto a = mask.derived().array();
-  return (a * (a - T(1))).abs().sum() == T(0);
-}
-
 // True when the outputs' storage overlaps the input's (row-major views: rows are contiguous).
 template <class Out, class In>
 bool shares_memory(const Out& output, const In& input) {
