@@ -166,6 +166,66 @@ void token_baselines(const Reference& ref, Eigen::Index rows, Eigen::Index cols,
       6.0 * static_cast<double>(rows * cols) * sizeof(float), bw);
 }
 
+// The other outcome estimators on token_baselines' batch (one outcome reward per response, groups
+// of 8): REINFORCE++ (gamma 1, verl's default), REINFORCE++ with baseline, ReMax (random greedy
+// baselines), RLOO, OPO, GPG, pass@k GRPO, all through AdvantageResult (advantages and returns;
+// verl returns one tensor twice for the broadcasts).
+void outcome_estimators(const Reference& ref, Eigen::Index rows, Eigen::Index cols, double bw) {
+  std::mt19937 gen(45);
+  const auto mask = random_mask(rows, cols, gen);
+  RowMatrix<float> outcome = RowMatrix<float>::Zero(rows, cols);
+  Vector<float> baselines(rows);
+  std::uniform_real_distribution<float> uniform(0.f, 1.f);
+  std::vector<std::int64_t> uids;
+  for (Eigen::Index i = 0; i < rows; ++i) {
+    Eigen::Index last = 0;
+    for (Eigen::Index j = 0; j < cols; ++j)
+      if (mask(i, j) != 0.f) last = j;
+    outcome(i, last) = static_cast<float>(gen() % 2);
+    baselines[i] = uniform(gen);
+    uids.push_back(1000 + i / 8);
+  }
+  const std::string s = shape(rows, cols), label = " B=" + std::to_string(rows) + " L=" + std::to_string(cols);
+  const double elems = static_cast<double>(rows * cols) * sizeof(float);
+  ppo::AdvantageResult<float> out;
+  const auto time = [&](const std::string& name, double bytes, auto&& call) {
+    const auto t = bench::time_it([&] {
+      call();
+      bench::do_not_optimize(out.advantages(0, 0));
+    });
+    row(ref, name + "_" + s, name + label, t.min_s, bytes, bw);
+  };
+  // Bytes: the inputs read once and the outputs written once (the mask checks and the
+  // whitening's passes are extra).
+  time("reinforce_plus_plus", 4 * elems,
+       [&] { ppo::compute_reinforce_plus_plus_outcome_advantage_into<float>(out, outcome, mask, 1.0); });
+  time("reinforce_plus_plus_baseline", 4 * elems, [&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_reinforce_plus_plus_baseline_outcome_advantage_into<float>(out, outcome, mask, index);
+  });
+  time("remax", 4 * elems, [&] { ppo::compute_remax_outcome_advantage_into<float>(out, outcome, baselines, mask); });
+  time("rloo", 4 * elems, [&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_rloo_outcome_advantage_into<float>(out, outcome, mask, index);
+  });
+  time("rloo_vectorized", 4 * elems, [&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_rloo_vectorized_outcome_advantage_into<float>(out, outcome, mask, index);
+  });
+  time("opo", 4 * elems, [&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_opo_outcome_advantage_into<float>(out, outcome, mask, index);
+  });
+  time("gpg", 4 * elems, [&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_gpg_outcome_advantage_into<float>(out, outcome, mask, index);
+  });
+  time("grpo_passk", 4 * elems, [&] {
+    const ppo::GroupIndex index(uids);
+    ppo::compute_grpo_passk_outcome_advantage_into<float>(out, outcome, mask, index);
+  });
+}
+
 void kl_and_policy(const Reference& ref, Eigen::Index rows, Eigen::Index cols, double bw) {
   std::mt19937 gen(44);
   const auto mask = random_mask(rows, cols, gen);
@@ -221,6 +281,7 @@ int main() {
   grpo(ref, 4096, 1024, bw);
   grpo(ref, 512, 4096, bw);
   token_baselines(ref, 512, 4096, bw);
+  outcome_estimators(ref, 512, 4096, bw);
   kl_and_policy(ref, 512, 4096, bw);
   kl_and_policy(ref, 256, 1024, bw);
   if (ref.empty()) std::printf("(reference unavailable: baseline column is 0)\n");

@@ -19,8 +19,8 @@ Without either, it stops with a message naming what is missing and both ways to 
 call into a stub on the paths used (fused=False, no Transformer Engine, batch-invariant mode off).
 
 Output: one line per case, `REF <case> <microseconds>`, medians of repeated calls after warm-up
-(the ppo suite: minima, as bench_ppo reports its own times) in steady state (PyTorch's allocator
-reuses its buffers, as in training).
+(the ppo suite: minima, as bench_ppo reports its own times) in steady state (freed memory kept,
+see below, so outputs reuse their pages as in training).
 
 It prints the BLAS library PyTorch's matrix products actually load (read from the process's
 mapped libraries after a GEMM: Debian's python3-torch uses whichever libblas.so.3 the alternatives
@@ -32,8 +32,19 @@ against the fastest reference the machine can run: on an AMD Zen 5 the AVX2 kern
 half the AVX-512 rate (104 against 204 GFLOP/s on one thread). --blas-core as-is keeps the
 environment's or OpenBLAS's choice; the REFINFO line says which kernels ran and why.
 
+PyTorch on the CPU has no caching allocator: every op's output is a fresh allocation, and glibc
+serves large ones with a new mmap (and returns freed heap tops to the system), so each op pays
+page faults for its output. On some VMs a page fault costs far more than on bare metal, and more
+at some times than at others: verl's low_var_kl at B = 512, L = 4096 took 1.2-1.3 ms with freed
+memory kept and 65-67 ms without, in the same minutes (the nineteenth session's AMD VM). mrr's
+benchmarks reuse their outputs, as a training loop does; so that the references are measured in
+the same steady state (as a caching allocator, jemalloc or tcmalloc would give them), this script
+reruns itself with glibc keeping freed memory (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=2^40).
+--allocator as-is keeps glibc's defaults; the REFINFO line says which ran.
+
 Usage: reference_bench.py --suite routing|permute|ppo|moe|all [--threads N] [--workdir DIR]
                           [--megatron PATH] [--verl PATH] [--blas-core best|as-is]
+                          [--allocator keep|as-is]
 A fresh machine needs only (Debian): apt-get install python3-torch libopenblas0-pthread
 """
 import argparse
@@ -301,6 +312,15 @@ class _ActorConfig(dict):
         self.global_batch_info = {}
 
 
+class _AlgoConfig(dict):
+    """What the outcome estimators read from verl's AlgoConfig: gamma (an attribute, default 1.0)
+    and norm_adv_by_std_in_grpo (through get, default True)."""
+
+    def __init__(self):
+        super().__init__(norm_adv_by_std_in_grpo=True)
+        self.gamma = 1.0
+
+
 def ppo_suite(torch, ca):
     """verl's core_algos on the shapes of bench_ppo. Minimum of repeated calls (as bench_ppo
     reports for mrr): on a shared machine the minimum is the figure least disturbed by others."""
@@ -341,6 +361,20 @@ def ppo_suite(torch, ca):
             report(f"{name}_B{B}_L{L}", time_min(lambda: fn(outcome, mask, index, old, spsq), min_seconds=1.0,
                                                  min_reps=3))
         report(f"gdpo_B{B}_L{L}", time_min(lambda: ca.compute_gdpo_outcome_advantage(outcome, mask, index)))
+        # The other outcome estimators on the same batch: groups of 8, gamma 1 (AlgoConfig's default),
+        # ReMax's greedy baselines random scores.
+        config = _AlgoConfig()
+        baselines = torch.rand(B, generator=g)
+        report(f"reinforce_plus_plus_B{B}_L{L}", time_min(
+            lambda: ca.compute_reinforce_plus_plus_outcome_advantage(outcome, mask, config=config), min_seconds=1.0,
+            min_reps=3))
+        report(f"reinforce_plus_plus_baseline_B{B}_L{L}", time_min(
+            lambda: ca.compute_reinforce_plus_plus_baseline_outcome_advantage(outcome, mask, index, config=config)))
+        report(f"remax_B{B}_L{L}", time_min(
+            lambda: ca.compute_remax_outcome_advantage(outcome, baselines, mask, config=config)))
+        for name in ("rloo", "rloo_vectorized", "opo", "gpg", "grpo_passk"):
+            fn = getattr(ca, f"compute_{name}_outcome_advantage")
+            report(f"{name}_B{B}_L{L}", time_min(lambda: fn(outcome, mask, index, config=config)))
         for B, L in ((512, 4096), (256, 1024)):
             g, mask, _ = batch(B, L, 44)
             logprob = -torch.rand(B, L, generator=g) * 3
@@ -478,6 +512,17 @@ def cpu_has_avx512():
     return False
 
 
+# glibc tunables for the references' steady state (see the module's docstring).
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
+def allocator_note(choice):
+    if choice == "keep":
+        return "allocator glibc keeping freed memory (MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_=2^40; " \
+               "--allocator as-is: glibc's defaults)"
+    return "allocator glibc as the environment sets it (--allocator as-is)"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suite", default="all", choices=["routing", "permute", "ppo", "moe", "all"])
@@ -494,7 +539,16 @@ def main():
                              "(an OPENBLAS_CORETYPE=Haswell in the environment, or a detection older than the CPU), "
                              "rerun without that OPENBLAS_CORETYPE, then with SkylakeX's kernels: AVX2 kernels run "
                              "GEMMs at half the rate on AMD Zen 5. as-is: keep the environment's or OpenBLAS's choice")
+    parser.add_argument("--allocator", default="keep", choices=["keep", "as-is"],
+                        help="keep (default): rerun with glibc keeping freed memory (MALLOC_MMAP_MAX_=0, "
+                             "MALLOC_TRIM_THRESHOLD_=2^40), so PyTorch's per-op outputs reuse pages as a caching "
+                             "allocator's would instead of paying fresh page faults on every call; as-is: glibc's "
+                             "defaults")
     args = parser.parse_args()
+    # glibc reads its tunables at start-up: set them and rerun (once: the second start finds them).
+    if args.allocator == "keep" and any(os.environ.get(k) != v for k, v in KEEP_FREED_MEMORY.items()):
+        os.environ.update(KEEP_FREED_MEMORY)
+        os.execv(sys.executable, [sys.executable] + sys.argv)
     import tempfile
     # Debian's torch is built against the generic BLAS interface (BLAS_INFO=generic), so
     # torch.set_num_threads does not reach OpenBLAS, whose pthread build would otherwise use every
@@ -532,6 +586,7 @@ def main():
         how = "OpenBLAS's own choice"
     print(f"REFINFO blas {blas} ({built}), OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}"
           + (f", OpenBLAS kernels {core} ({how})" if core else ""), flush=True)
+    print(f"REFINFO {allocator_note(args.allocator)}", flush=True)
     if args.suite == "moe":  # pure PyTorch: no reference sources needed
         print(f"REFINFO torch {torch.__version__} threads {torch.get_num_threads()}", flush=True)
         moe_suite(torch, args.moe_shapes)
