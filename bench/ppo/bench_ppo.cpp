@@ -212,6 +212,19 @@ void outcome_estimators(const Reference& ref, Eigen::Index rows, Eigen::Index co
     const ppo::GroupIndex index(uids);
     ppo::compute_rloo_vectorized_outcome_advantage_into<float>(out, outcome, mask, index);
   });
+  RowMatrix<float> one(rows, cols);
+  for (const bool vectorized : {false, true}) {
+    const auto t = bench::time_it([&] {
+      const ppo::GroupIndex index(uids);
+      if (vectorized)
+        ppo::compute_rloo_vectorized_outcome_advantage_into<float>(one, outcome, mask, index);
+      else
+        ppo::compute_rloo_outcome_advantage_into<float>(one, outcome, mask, index);
+      bench::do_not_optimize(one(0, 0));
+    });
+    const std::string name = vectorized ? "rloo_vectorized" : "rloo";
+    row(ref, name + "_" + s, name + label + " (one output)", t.min_s, 3 * elems, bw);
+  }
   time("opo", 4 * elems, [&] {
     const ppo::GroupIndex index(uids);
     ppo::compute_opo_outcome_advantage_into<float>(out, outcome, mask, index);

@@ -653,6 +653,18 @@ TEST_CASE("_into variants reuse the caller's storage and refuse aliasing outputs
     CHECK(out.advantages == fresh.advantages);
     CHECK(out.returns == fresh.returns);
   }
+  // The single-output forms write exactly the advantages of the two-output ones.
+  RowMatrix<double> one(6, 9);
+  ppo::compute_rloo_outcome_advantage_into<double>(one, rewards, mask, index);
+  CHECK(one == ppo::compute_rloo_outcome_advantage<double>(rewards, mask, index).advantages);
+  ppo::compute_rloo_vectorized_outcome_advantage_into<double>(one, rewards, mask, index);
+  CHECK(one == ppo::compute_rloo_vectorized_outcome_advantage<double>(rewards, mask, index).advantages);
+  RowMatrix<double> wrong(6, 8), rewards_copy = rewards;
+  CHECK_THROWS_WITH_AS(ppo::compute_rloo_outcome_advantage_into<double>(wrong, rewards, mask, index),
+                       doctest::Contains("'advantages' has shape [6, 8]"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      ppo::compute_rloo_vectorized_outcome_advantage_into<double>(rewards_copy, rewards_copy, mask, index),
+      doctest::Contains("'advantages'"), InvalidArgument);
   ppo::AdvantageResult<double> aliased{rewards, values};
   CHECK_THROWS_WITH_AS(ppo::compute_gae_advantage_return_into<double>(aliased, aliased.advantages, values, mask, 1, 1),
                        doctest::Contains("'out' shares memory with an input"), InvalidArgument);

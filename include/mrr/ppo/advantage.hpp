@@ -805,6 +805,19 @@ void compute_rloo_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> t
   detail::broadcast_outcome<T>(fn, scalars, response_mask, out);
 }
 
+// The single-output form (verl returns one tensor twice), as compute_grpo_outcome_advantage_into's.
+template <class T>
+void compute_rloo_outcome_advantage_into(detail::OutputRef<T> advantages, MatrixRef<T> token_level_rewards,
+                                         MatrixRef<T> response_mask, const GroupIndex& index) {
+  constexpr std::string_view fn = "ppo::compute_rloo_outcome_advantage";
+  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
+  detail::require_output(fn, "advantages", advantages, token_level_rewards.rows(), token_level_rewards.cols(),
+                         token_level_rewards, response_mask);
+  const Vector<T> scalars = detail::group_outcome_scalars<T>(detail::response_scores<T>(fn, token_level_rewards), index,
+                                                             kernels::ppo::OutcomeEstimator::rloo);
+  detail::broadcast_outcome_rows<T>(fn, scalars, response_mask, advantages, nullptr);
+}
+
 template <class T>
 AdvantageResult<T> compute_rloo_outcome_advantage(MatrixRef<T> token_level_rewards, MatrixRef<T> response_mask,
                                                   const GroupIndex& index) {
@@ -824,6 +837,19 @@ void compute_rloo_vectorized_outcome_advantage_into(AdvantageResult<T>& out, Mat
   const Vector<T> scalars = detail::group_outcome_scalars<T>(detail::response_scores<T>(fn, token_level_rewards),
                                                              index, kernels::ppo::OutcomeEstimator::rloo_vectorized);
   detail::broadcast_outcome<T>(fn, scalars, response_mask, out);
+}
+
+// The single-output form (verl returns one tensor twice), as compute_grpo_outcome_advantage_into's.
+template <class T>
+void compute_rloo_vectorized_outcome_advantage_into(detail::OutputRef<T> advantages, MatrixRef<T> token_level_rewards,
+                                                    MatrixRef<T> response_mask, const GroupIndex& index) {
+  constexpr std::string_view fn = "ppo::compute_rloo_vectorized_outcome_advantage";
+  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
+  detail::require_output(fn, "advantages", advantages, token_level_rewards.rows(), token_level_rewards.cols(),
+                         token_level_rewards, response_mask);
+  const Vector<T> scalars = detail::group_outcome_scalars<T>(detail::response_scores<T>(fn, token_level_rewards), index,
+                                                             kernels::ppo::OutcomeEstimator::rloo_vectorized);
+  detail::broadcast_outcome_rows<T>(fn, scalars, response_mask, advantages, nullptr);
 }
 
 template <class T>
