@@ -791,31 +791,44 @@ AdvantageResult<T> compute_grpo_passk_outcome_advantage(MatrixRef<T> token_level
   return out;
 }
 
+namespace detail {
+
+// The whole pass of an estimator that broadcasts kernels::ppo::group_outcome's per-response
+// scalar: checks, scores, scalars, then both outputs or one caller-owned matrix.
+template <class T>
+void group_outcome_into(std::string_view fn, kernels::ppo::OutcomeEstimator estimator, AdvantageResult<T>& out,
+                        const MatrixRef<T>& rewards, const MatrixRef<T>& mask, const GroupIndex& index) {
+  check_group_inputs<T>(fn, rewards, mask, index);
+  prepare_output(fn, out, rewards.rows(), rewards.cols(), rewards, mask);
+  broadcast_outcome<T>(fn, group_outcome_scalars<T>(response_scores<T>(fn, rewards), index, estimator), mask, out);
+}
+
+template <class T>
+void group_outcome_into(std::string_view fn, kernels::ppo::OutcomeEstimator estimator, OutputRef<T> advantages,
+                        const MatrixRef<T>& rewards, const MatrixRef<T>& mask, const GroupIndex& index) {
+  check_group_inputs<T>(fn, rewards, mask, index);
+  require_output(fn, "advantages", advantages, rewards.rows(), rewards.cols(), rewards, mask);
+  const Vector<T> scalars = group_outcome_scalars<T>(response_scores<T>(fn, rewards), index, estimator);
+  broadcast_outcome_rows<T>(fn, scalars, mask, advantages, nullptr);
+}
+
+}  // namespace detail
+
 // verl "rloo" (arXiv 2402.14740): score * n/(n-1) - mean * n/(n-1), the leave-one-out baseline.
 // A singleton group keeps its raw score (unlike rloo_vectorized).
 template <class T>
 void compute_rloo_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
                                          MatrixRef<T> response_mask, const GroupIndex& index) {
-  constexpr std::string_view fn = "ppo::compute_rloo_outcome_advantage";
-  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
-                         response_mask);
-  const Vector<T> scalars = detail::group_outcome_scalars<T>(detail::response_scores<T>(fn, token_level_rewards),
-                                                             index, kernels::ppo::OutcomeEstimator::rloo);
-  detail::broadcast_outcome<T>(fn, scalars, response_mask, out);
+  detail::group_outcome_into<T>("ppo::compute_rloo_outcome_advantage", kernels::ppo::OutcomeEstimator::rloo, out,
+                                token_level_rewards, response_mask, index);
 }
 
 // The single-output form (verl returns one tensor twice), as compute_grpo_outcome_advantage_into's.
 template <class T>
 void compute_rloo_outcome_advantage_into(detail::OutputRef<T> advantages, MatrixRef<T> token_level_rewards,
                                          MatrixRef<T> response_mask, const GroupIndex& index) {
-  constexpr std::string_view fn = "ppo::compute_rloo_outcome_advantage";
-  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  detail::require_output(fn, "advantages", advantages, token_level_rewards.rows(), token_level_rewards.cols(),
-                         token_level_rewards, response_mask);
-  const Vector<T> scalars = detail::group_outcome_scalars<T>(detail::response_scores<T>(fn, token_level_rewards), index,
-                                                             kernels::ppo::OutcomeEstimator::rloo);
-  detail::broadcast_outcome_rows<T>(fn, scalars, response_mask, advantages, nullptr);
+  detail::group_outcome_into<T>("ppo::compute_rloo_outcome_advantage", kernels::ppo::OutcomeEstimator::rloo, advantages,
+                                token_level_rewards, response_mask, index);
 }
 
 template <class T>
@@ -830,26 +843,18 @@ AdvantageResult<T> compute_rloo_outcome_advantage(MatrixRef<T> token_level_rewar
 template <class T>
 void compute_rloo_vectorized_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
                                                     MatrixRef<T> response_mask, const GroupIndex& index) {
-  constexpr std::string_view fn = "ppo::compute_rloo_vectorized_outcome_advantage";
-  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
-                         response_mask);
-  const Vector<T> scalars = detail::group_outcome_scalars<T>(detail::response_scores<T>(fn, token_level_rewards),
-                                                             index, kernels::ppo::OutcomeEstimator::rloo_vectorized);
-  detail::broadcast_outcome<T>(fn, scalars, response_mask, out);
+  detail::group_outcome_into<T>("ppo::compute_rloo_vectorized_outcome_advantage",
+                                kernels::ppo::OutcomeEstimator::rloo_vectorized, out, token_level_rewards,
+                                response_mask, index);
 }
 
 // The single-output form (verl returns one tensor twice), as compute_grpo_outcome_advantage_into's.
 template <class T>
 void compute_rloo_vectorized_outcome_advantage_into(detail::OutputRef<T> advantages, MatrixRef<T> token_level_rewards,
                                                     MatrixRef<T> response_mask, const GroupIndex& index) {
-  constexpr std::string_view fn = "ppo::compute_rloo_vectorized_outcome_advantage";
-  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  detail::require_output(fn, "advantages", advantages, token_level_rewards.rows(), token_level_rewards.cols(),
-                         token_level_rewards, response_mask);
-  const Vector<T> scalars = detail::group_outcome_scalars<T>(detail::response_scores<T>(fn, token_level_rewards), index,
-                                                             kernels::ppo::OutcomeEstimator::rloo_vectorized);
-  detail::broadcast_outcome_rows<T>(fn, scalars, response_mask, advantages, nullptr);
+  detail::group_outcome_into<T>("ppo::compute_rloo_vectorized_outcome_advantage",
+                                kernels::ppo::OutcomeEstimator::rloo_vectorized, advantages, token_level_rewards,
+                                response_mask, index);
 }
 
 template <class T>
