@@ -228,6 +228,21 @@ TEST_CASE("reward-to-go estimators read strided views and name an overflowing re
   INFO(message);
   CHECK(message.find("compute_reinforce_plus_plus_outcome_advantage") != std::string::npos);
   CHECK(message.find("the discounted return of row 20 overflowed (gamma 1") != std::string::npos);
+  const Vector<float> zero = Vector<float>::Zero(33);
+  CHECK_THROWS_WITH_AS(ppo::compute_remax_outcome_advantage<float>(huge, zero, ones),
+                       doctest::Contains("the reward-to-go of row 20 overflowed; the rewards are finite"),
+                       InvalidArgument);
+  // A NaN under a zero mask still poisons the running sum: the reward is named, not an overflow.
+  RowMatrix<float> poisoned = rewards_copy;
+  poisoned(7, 900) = std::numeric_limits<float>::quiet_NaN();
+  RowMatrix<float> holes = ones;
+  holes(7, 900) = 0.f;
+  CHECK_THROWS_WITH_AS(ppo::compute_reinforce_plus_plus_outcome_advantage<float>(poisoned, holes, 1.0),
+                       doctest::Contains("'token_level_rewards' has a non-finite value nan at [7, 900]"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ppo::compute_remax_outcome_advantage<float>(poisoned, zero, holes),
+                       doctest::Contains("'token_level_rewards' has a non-finite value nan at [7, 900]"),
+                       InvalidArgument);
 }
 
 TEST_CASE("group labels: integers and strings give the same groups") {

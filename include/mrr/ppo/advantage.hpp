@@ -92,19 +92,20 @@ void whiten_masked_into(RowMatrix<T>& dst, const RowMatrix<T>& src, const Matrix
 // masked_whiten statistics of dst: every selected element of row i holds scalars[i], so the
 // moments are those of count_i copies of it (count_i the row's mask sum, exact for a 0/1 mask),
 // merged row by row in row order (Chan et al.: M2 of the copies is 0); one pass over the mask
-// instead of two over the broadcast values. The mask was validated; the scalars are finite.
+// instead of two over the broadcast values, with each mask row's 0/1 check. The scalars are finite.
 template <class T>
 MaskedMoments<T> broadcast_rows_into(std::string_view function, RowMatrix<T>& dst, const MatrixRef<T>& mask,
                                      const Vector<T>& scalars) {
   dst.resize(mask.rows(), mask.cols());
-  thread_local std::vector<T> counts;  // grows only
-  if (counts.size() < static_cast<std::size_t>(mask.rows())) counts.resize(static_cast<std::size_t>(mask.rows()));
-  T* const count = counts.data();
+  Vector<T> count(mask.rows());
   mrr::detail::parallel_tiles(mask.rows(), row_tile(mask.cols()), mask.size(),
                               [&](std::int64_t, std::int64_t begin, std::int64_t end) {
                                 for (Eigen::Index i = begin; i < end; ++i) {
-                                  dst.row(i).array() = mask.row(i).array() * scalars[i];
-                                  count[i] = mask.row(i).sum();
+                                  const auto mask_row = mask.row(i);
+                                  if (!is_binary_mask(mask_row)) [[unlikely]]
+                                    require_mask(function, "response_mask", mask_row, i);
+                                  dst.row(i).array() = mask_row.array() * scalars[i];
+                                  count[i] = mask_row.sum();
                                 }
                               });
   MaskedMomentAccumulator<T> acc;
@@ -439,8 +440,9 @@ enum class RewardToGo { discounted, masked_sum };
 // The reward-to-go of up to `Rows` consecutive rows in SIMD lanes on time tiles, laid out as
 // GaeBlockKernel's (each row's tile copied as one burst into a transposed buffer; time is the
 // dependency chain, the rows are independent lanes). Each lane runs the scalar recurrence's
-// operations in its order. For `discounted`, also the tiles' masked moments of the returns and a
-// NaN/inf probe, folded in while the tile is in cache.
+// operations in its order. A NaN/inf probe (a non-finite reward, even a masked one, or an
+// overflow reaches the running sum) and, for `discounted`, the tiles' masked moments of the
+// returns are folded in while the tile is in cache.
 template <class T, int Rows>
 class RewardToGoKernel {
  public:
@@ -452,8 +454,8 @@ class RewardToGoKernel {
   }
 
   // Rows [0, rows) (rows <= Rows). masked_sum reads `baselines` [rows] and writes `advantages`;
-  // discounted writes one TileMoments per time tile (right to left) and stops at the first tile
-  // where a return is not finite, returning its row (-1: every return finite).
+  // discounted writes one TileMoments per time tile (right to left). Stops at the first tile where
+  // the running sum is not finite, returning its row (-1: every row finite).
   Eigen::Index run(const T* rewards, Eigen::Index reward_stride, const T* mask, Eigen::Index mask_stride,
                    const T* baselines, T* returns, T* advantages, Eigen::Index out_stride, Eigen::Index rows,
                    Eigen::Index cols, TileMoments* moments) {
@@ -476,8 +478,8 @@ class RewardToGoKernel {
           if (advantages != nullptr) prefetch_tile(advantages + k * out_stride + next, count, true);
         }
       }
+      Lane weight = Lane::Zero(), weighted_sum = Lane::Zero();  // the moments' (discounted)
       if (kind_ == RewardToGo::discounted) {
-        Lane weight = Lane::Zero(), weighted_sum = Lane::Zero();
         for (Eigen::Index j = n - 1; j >= 0; --j) {
           const Lane m = mask_.col(j);
           const Lane updated = reward_.col(j) + gamma_ * running;
@@ -489,10 +491,6 @@ class RewardToGoKernel {
           weighted_sum += ret * m;
         }
         Transpose::scatter(returns + begin, out_stride, return_.data(), rows, n);
-        if (!(probe.sum() == T(0))) [[unlikely]]
-          for (Eigen::Index k = 0; k < rows; ++k)
-            if (!(probe[k] == T(0))) return k;
-        *moments++ = tile_moments(return_, mask_, n, weight, weighted_sum);
       } else {
         for (Eigen::Index j = n - 1; j >= 0; --j) {
           const Lane m = mask_.col(j);
@@ -500,9 +498,14 @@ class RewardToGoKernel {
           return_.col(j) = running;
           advantage_.col(j) = running - baseline * m;
         }
+        probe = running * T(0);  // a non-finite term stays in the running sum
         Transpose::scatter(returns + begin, out_stride, return_.data(), rows, n);
         Transpose::scatter(advantages + begin, out_stride, advantage_.data(), rows, n);
       }
+      if (!(probe.sum() == T(0))) [[unlikely]]
+        for (Eigen::Index k = 0; k < rows; ++k)
+          if (!(probe[k] == T(0))) return k;
+      if (moments != nullptr) *moments++ = tile_moments(return_, mask_, n, weight, weighted_sum);
     }
     return -1;
   }
@@ -518,10 +521,10 @@ class RewardToGoKernel {
 };
 
 // out.returns (and, for masked_sum, out.advantages) of every row by RewardToGoKernel, on OpenMP
-// tiles of row blocks. For discounted, returns the returns' masked moments (merged in row-block
-// then time-tile order: the same bits for any thread count) and throws, naming the first row,
-// if a return overflowed.
-// The inputs were validated.
+// tiles of row blocks, each block's mask checked (0/1) where it is read. For discounted, returns
+// the returns' masked moments (merged in row-block then time-tile order: the same bits for any
+// thread count). A non-finite running sum names the non-finite reward, or else the first row
+// that overflowed. The shapes were checked.
 template <class T>
 kernels::ppo::Moments reward_to_go(std::string_view function, RewardToGo kind, double gamma,
                                    const MatrixRef<T>& rewards, const MatrixRef<T>& mask, const T* baselines,
@@ -538,6 +541,9 @@ kernels::ppo::Moments reward_to_go(std::string_view function, RewardToGo kind, d
     Kernel kernel(kind, static_cast<T>(gamma));
     for (Eigen::Index b = first; b < last; ++b) {
       const Eigen::Index i = b * kRows, n = std::min<Eigen::Index>(kRows, batch - i);
+      const auto mask_rows = mask.middleRows(i, n);
+      if (!is_binary_mask(mask_rows)) [[unlikely]]
+        require_mask(function, "response_mask", mask_rows, i);
       const Eigen::Index bad = kernel.run(
           rewards.data() + i * rs, rs, mask.data() + i * ms, ms, baselines != nullptr ? baselines + i : nullptr,
           out.returns.data() + i * length, discounted ? nullptr : out.advantages.data() + i * length, length, n, length,
@@ -545,11 +551,15 @@ kernels::ppo::Moments reward_to_go(std::string_view function, RewardToGo kind, d
       overflowed[static_cast<std::size_t>(b)] = bad < 0 ? -1 : i + bad;
     }
   });
+  for (const Eigen::Index row : overflowed)
+    if (row >= 0) [[unlikely]] {
+      require_finite(function, "token_level_rewards", rewards);
+      mrr::detail::throw_invalid_argument(
+          function, discounted ? "the discounted return" : "the reward-to-go", " of row ", row, " overflowed",
+          discounted ? " (gamma " + std::to_string(gamma) + ")" : std::string(), "; the rewards are finite");
+    }
   kernels::ppo::Moments total;
   if (!discounted) return total;
-  for (const Eigen::Index row : overflowed)
-    mrr::detail::require(row < 0, function, "the discounted return of row ", row, " overflowed (gamma ", gamma,
-                         "; the rewards are finite)");
   for (const auto& r : records)
     kernels::ppo::merge(total, {r.weight, r.mean, r.m2});
   return total;
@@ -908,7 +918,7 @@ template <class T>
 void compute_reinforce_plus_plus_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
                                                         MatrixRef<T> response_mask, double gamma) {
   constexpr std::string_view fn = "ppo::compute_reinforce_plus_plus_outcome_advantage";
-  detail::check_token_inputs<T>(fn, token_level_rewards, response_mask);
+  detail::check_token_shapes<T>(fn, token_level_rewards, response_mask);  // values: in reward_to_go
   detail::require_finite_scalar(fn, "gamma", gamma);
   const Eigen::Index batch = token_level_rewards.rows(), length = token_level_rewards.cols();
   detail::prepare_output(fn, out, batch, length, token_level_rewards, response_mask);
@@ -934,8 +944,7 @@ void compute_reinforce_plus_plus_baseline_outcome_advantage_into(AdvantageResult
                                                                  MatrixRef<T> token_level_rewards,
                                                                  MatrixRef<T> response_mask, const GroupIndex& index) {
   constexpr std::string_view fn = "ppo::compute_reinforce_plus_plus_baseline_outcome_advantage";
-  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  detail::require_mask(fn, "response_mask", response_mask);
+  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);  // the mask: in the broadcast
   detail::prepare_output(fn, out, token_level_rewards.rows(), token_level_rewards.cols(), token_level_rewards,
                          response_mask);
   Vector<T> scores = detail::response_scores<T>(fn, token_level_rewards);
@@ -965,7 +974,7 @@ template <class T>
 void compute_remax_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> token_level_rewards,
                                           VectorRef<T> reward_baselines, MatrixRef<T> response_mask) {
   constexpr std::string_view fn = "ppo::compute_remax_outcome_advantage";
-  detail::check_token_inputs<T>(fn, token_level_rewards, response_mask);
+  detail::check_token_shapes<T>(fn, token_level_rewards, response_mask);  // values: in reward_to_go
   detail::require_rows(fn, "reward_baselines", reward_baselines.size(), "token_level_rewards", token_level_rewards);
   detail::require_finite(fn, "reward_baselines", reward_baselines);
   const Eigen::Index batch = token_level_rewards.rows(), length = token_level_rewards.cols();
@@ -1294,9 +1303,7 @@ void compute_gdpo_outcome_advantage_into(AdvantageResult<T>& out, MatrixRef<T> t
                                          std::span<const double> reward_weights = {}, double epsilon = 1e-6,
                                          bool norm_adv_by_std_in_grpo = true) {
   constexpr std::string_view fn = "ppo::compute_gdpo_outcome_advantage";
-  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);
-  if (!detail::is_binary_mask(response_mask)) [[unlikely]]
-    detail::require_mask(fn, "response_mask", response_mask);
+  detail::check_group_inputs<T>(fn, token_level_rewards, response_mask, index);  // the mask: in the broadcast
   const auto components = reward_components.map();
   const bool given = reward_components.has_value() && components.rows() > 0;
   if (given) {
