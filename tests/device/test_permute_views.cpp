@@ -478,9 +478,15 @@ TEST_CASE_TEMPLATE("permute and combine by every executor equal their definition
     for (long t = 0; t < p.tokens; ++t)
       for (int j = 0; j < p.k; ++j) {
         const auto row = row_of[static_cast<std::size_t>(t * p.k + j)];
-        float dot = 0.f;
-        for (long h = 0; row >= 0 && h < p.hidden; ++h) dot += go(t, h) * y(row, h);
-        CHECK(r.grad_weights(t, j) == dot);
+        // The dot product in kDotLanes lanes (column h in lane h % 16, each in column order),
+        // the lanes then added in a fixed tree.
+        float lanes[mrr::kernels::kDotLanes] = {};
+        for (long h = 0; row >= 0 && h < p.hidden; ++h)
+          lanes[h % mrr::kernels::kDotLanes] += go(t, h) * y(row, h);
+        for (int width = mrr::kernels::kDotLanes / 2; width > 0; width /= 2)
+          for (int l = 0; l < width; ++l)
+            lanes[l] += lanes[l + width];
+        CHECK(r.grad_weights(t, j) == lanes[0]);
       }
   }
 }

@@ -3,7 +3,10 @@
 // where the row falls in the blocks of row_block()). Found by the flagship's same-engine floor:
 // Eigen computes a product's rows in groups of 4 and the rows left over (a lone row above all: a
 // matrix-vector product) with other kernels whose bits differ, so a token's results depended on
-// how many other tokens its expert got.
+// how many other tokens its expert got. The gate's logits and input gradient, and the product
+// both take (detail::rows_times), have the same property.
+#include <mrr/detail/row_gemm.hpp>
+#include <mrr/moe/gate.hpp>
 #include <mrr/moe/swiglu_experts.hpp>
 
 #include <doctest/doctest.h>
@@ -101,4 +104,82 @@ TEST_CASE("SwiGLUExperts::set_intermediate_rounding: applied to every block's ro
   CHECK_FALSE(experts.rounds_intermediate());
   CHECK_NOTHROW(experts.backward_into(0, x, x, dx, grads));
   CHECK(bitwise_equal(experts.forward(0, x), plain));
+}
+
+// Eigen picks its coefficient-based lazy product when rows + cols + depth < 20 and a
+// matrix-vector product for one row, each with other bits than its GEMM: at the small shapes a
+// row would get other bits in a call of 4 rows than in one of 36. rows_times never takes either.
+TEST_CASE_TEMPLATE("detail::rows_times: a row's product has the same bits in calls of any size, tiny shapes included",
+                   T, float, double) {
+  struct Shape {
+    int depth, cols;
+  };
+  for (const Shape s : {Shape{3, 4}, Shape{5, 7}, Shape{1, 2}, Shape{64, 48}, Shape{300, 100}}) {
+    CAPTURE(s.depth);
+    CAPTURE(s.cols);
+    const Eigen::Index n = 37;
+    const auto lhs = random_normal<T>(n, s.depth, 31);
+    const auto rhs = random_normal<T>(s.depth, s.cols, 32);
+    const auto start = random_normal<T>(n, s.cols, 33);
+    for (const bool accumulate : {false, true}) {
+      CAPTURE(accumulate);
+      mrr::RowMatrix<T> whole = start;
+      mrr::detail::rows_times(whole, lhs, rhs, accumulate);
+      // The product itself, within the rounding of a depth-long sum (so a call that computed
+      // something else cannot pass).
+      const mrr::RowMatrix<T> exact = (accumulate ? start : mrr::RowMatrix<T>::Zero(n, s.cols)) + lhs * rhs;
+      CHECK((whole - exact).cwiseAbs().maxCoeff() <= T(1e-4) * T(s.depth + 1));
+      for (const Eigen::Index chunk : {Eigen::Index{1}, Eigen::Index{2}, Eigen::Index{4}, Eigen::Index{5}}) {
+        CAPTURE(chunk);
+        mrr::RowMatrix<T> parts = start;
+        for (Eigen::Index r0 = 0; r0 < n; r0 += chunk) {
+          const Eigen::Index m = std::min(chunk, n - r0);
+          mrr::detail::rows_times(parts.middleRows(r0, m), lhs.middleRows(r0, m), rhs, accumulate);
+        }
+        CHECK(bitwise_equal(parts, whole));
+      }
+    }
+  }
+}
+
+// The gate's per-token results, whatever batch they come in (it computes them in tiles of 64
+// tokens through rows_times): the logits (with their zero padding columns) and the input gradient.
+TEST_CASE_TEMPLATE("Gate: a token's logits and input gradient have the same bits in batches of any size", T, float,
+                   double) {
+  struct Shape {
+    int experts, hidden;
+  };
+  for (const Shape s : {Shape{6, 5}, Shape{64, 256}, Shape{8, 300}}) {
+    CAPTURE(s.experts);
+    CAPTURE(s.hidden);
+    mrr::Gate<T> gate(s.experts, s.hidden);
+    gate.set_weight(random_normal<T>(s.experts, s.hidden, 41, T(0.5)), "test");
+    const Eigen::Index tokens = 150;
+    const auto x = random_normal<T>(tokens, s.hidden, 42);
+    const auto dz = random_normal<T>(tokens, s.experts, 43);
+    const auto base = random_normal<T>(tokens, s.hidden, 44);
+    mrr::RowMatrix<T> logits;
+    gate.logits_into(logits, x);
+    mrr::RowMatrix<T> grad = base;
+    gate.add_input_gradient(grad, dz);
+    REQUIRE(logits.rows() == tokens);
+    REQUIRE(logits.cols() == gate.padded_experts());
+    CHECK(logits.rightCols(gate.padded_experts() - s.experts).isZero(0));
+    const mrr::RowMatrix<T> exact = x * gate.weight().transpose();
+    CHECK((logits.leftCols(s.experts) - exact).cwiseAbs().maxCoeff() <= T(1e-3));
+    const mrr::RowMatrix<T> exact_grad = base + dz * gate.weight();
+    CHECK((grad - exact_grad).cwiseAbs().maxCoeff() <= T(1e-3));
+    for (const Eigen::Index chunk : {Eigen::Index{1}, Eigen::Index{3}, Eigen::Index{65}}) {
+      CAPTURE(chunk);
+      for (Eigen::Index r0 = 0; r0 < tokens; r0 += chunk) {
+        const Eigen::Index m = std::min(chunk, tokens - r0);
+        mrr::RowMatrix<T> part;
+        gate.logits_into(part, x.middleRows(r0, m));
+        CHECK(bitwise_equal(part, mrr::RowMatrix<T>(logits.middleRows(r0, m))));
+        mrr::RowMatrix<T> part_grad = base.middleRows(r0, m);
+        gate.add_input_gradient(part_grad, dz.middleRows(r0, m));
+        CHECK(bitwise_equal(part_grad, mrr::RowMatrix<T>(grad.middleRows(r0, m))));
+      }
+    }
+  }
 }

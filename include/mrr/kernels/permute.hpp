@@ -134,30 +134,33 @@ inline constexpr long kCombineColumns = 256;
 // Most slots a host combine sums with the rows' pointers and weights in registers.
 inline constexpr int kCombineHostSlots = 8;
 
-// out[lo, hi) = sum over j < M, in j order, of w[j] * src[j][lo, hi), + addend when given: the
-// arithmetic of combine_row's tiles, column by column (so the same bits), with the slot loop
-// unrolled, so the compiler vectorises over columns and keeps the sum in registers instead of a
-// stack buffer read and written once per slot.
-template <int M, class T, class Accum>
+// out[lo, hi) = sum over j < M, in j order, of w[j] * src[j][lo, hi), + addend[lo, hi) when
+// Addend: the arithmetic of combine_row's tiles, column by column (so the same bits), with the
+// slot loop unrolled, so the compiler vectorises over columns and keeps the sum in registers
+// instead of a stack buffer read and written once per slot. The addend is a template parameter,
+// not a test in the loop: with AVX-512, GCC if-converts `if (addend) acc += addend[h]` into a
+// masked load, which for a null addend reads (masked off) the null page, and a masked load that
+// touches an unmapped page takes a microcode assist every time, about 10x this loop's time.
+template <int M, bool Addend, class T, class Accum>
 inline void combine_columns_host(const T* const* src, const Accum* w, const T* addend, T* out, long lo, long hi) {
   for (long h = lo; h < hi; ++h) {
     Accum acc = Accum(0);
     for (int j = 0; j < M; ++j)
       acc = add_product(acc, static_cast<Accum>(src[j][h]), w[j]);
-    if (addend != nullptr) acc += static_cast<Accum>(addend[h]);
+    if constexpr (Addend) acc += static_cast<Accum>(addend[h]);
     out[h] = static_cast<T>(acc);
   }
 }
 
-// combine_columns_host<M> for M = 0 ... kCombineHostSlots, by slot count.
-template <class T, class Accum, int... M>
+// combine_columns_host<M, Addend> for M = 0 ... kCombineHostSlots, by slot count.
+template <bool Addend, class T, class Accum, int... M>
 constexpr auto combine_columns_host_table(std::integer_sequence<int, M...>) {
-  return std::array{&combine_columns_host<M, T, Accum>...};
+  return std::array{&combine_columns_host<M, Addend, T, Accum>...};
 }
-template <class T, class Accum>
+template <bool Addend, class T, class Accum>
 const auto& combine_columns_host_table() {
   static constexpr auto table =
-      combine_columns_host_table<T, Accum>(std::make_integer_sequence<int, kCombineHostSlots + 1>{});
+      combine_columns_host_table<Addend, T, Accum>(std::make_integer_sequence<int, kCombineHostSlots + 1>{});
   return table;
 }
 
@@ -176,7 +179,10 @@ inline void combine_row_host(const T* rows, long row_stride, const Index* row, c
     w[m] = weights != nullptr ? static_cast<Accum>(weights[j]) : Accum(1);
     ++m;
   }
-  combine_columns_host_table<T, Accum>()[m](src, w, addend, out, lo, hi);
+  if (addend != nullptr)
+    combine_columns_host_table<true, T, Accum>()[m](src, w, addend, out, lo, hi);
+  else
+    combine_columns_host_table<false, T, Accum>()[m](src, w, addend, out, lo, hi);
 }
 
 // out[lo, hi) = sum over j < n, in j order, of weight[j] * rows[row[j]][lo, hi) (weight 1 when
@@ -209,10 +215,17 @@ MRR_HOST_DEVICE void combine_row(const T* rows, long row_stride, const Index* ro
   }
 }
 
+// Partial sums of a combine backward's dot product: column h goes to lane h % kDotLanes, each lane
+// sums its columns in order, and the lanes are then added in a fixed tree (lane l += lane l + w
+// for w = 8, 4, 2, 1). The order depends on the row's length only, so every executor gets the same
+// bits, and a host thread vectorises it (one column after another would be a chain of dependent
+// adds, 16 times slower than the loads).
+inline constexpr int kDotLanes = 16;
+
 // Backward of one token's combine out = sum_j w[j] * rows[row[j]]: for each kept slot j,
-// grad_rows[row[j]] = w[j] * grad_out and grad_weights[j] = <grad_out, rows[row[j]]> (columns in
-// order, in Accum); a dropped slot gets grad_weights[j] = 0. Each permuted row belongs to one slot
-// of one token, so tokens run in parallel without races. grad_weights may be null.
+// grad_rows[row[j]] = w[j] * grad_out and grad_weights[j] = <grad_out, rows[row[j]]> (in Accum,
+// summed in kDotLanes lanes); a dropped slot gets grad_weights[j] = 0. Each permuted row belongs
+// to one slot of one token, so tokens run in parallel without races. grad_weights may be null.
 template <class T, class W, class Index, class Accum = accum_t<T>>
 MRR_HOST_DEVICE void combine_backward_row(const T* grad_out, long cols, const T* rows, long row_stride,
                                           const Index* row, const W* weights, int n, T* grad_rows,
@@ -226,13 +239,25 @@ MRR_HOST_DEVICE void combine_backward_row(const T* grad_out, long cols, const T*
     const Accum w = static_cast<Accum>(weights[j]);
     const T* y = rows + r * row_stride;
     T* g = grad_rows + r * grad_row_stride;
-    Accum dot = Accum(0);
-    for (long h = 0; h < cols; ++h) {
+    Accum lanes[kDotLanes];
+    for (int l = 0; l < kDotLanes; ++l)
+      lanes[l] = Accum(0);
+    const long whole = cols - cols % kDotLanes;
+    for (long h0 = 0; h0 < whole; h0 += kDotLanes)
+      for (int l = 0; l < kDotLanes; ++l) {
+        const Accum go = static_cast<Accum>(grad_out[h0 + l]);
+        g[h0 + l] = static_cast<T>(go * w);
+        lanes[l] = add_product(lanes[l], go, static_cast<Accum>(y[h0 + l]));
+      }
+    for (long h = whole; h < cols; ++h) {
       const Accum go = static_cast<Accum>(grad_out[h]);
       g[h] = static_cast<T>(go * w);
-      dot = add_product(dot, go, static_cast<Accum>(y[h]));
+      lanes[h - whole] = add_product(lanes[h - whole], go, static_cast<Accum>(y[h]));
     }
-    if (grad_weights != nullptr) grad_weights[j] = static_cast<W>(dot);
+    for (int width = kDotLanes / 2; width > 0; width /= 2)
+      for (int l = 0; l < width; ++l)
+        lanes[l] += lanes[l + width];
+    if (grad_weights != nullptr) grad_weights[j] = static_cast<W>(lanes[0]);
   }
 }
 

@@ -1,8 +1,8 @@
 // The MoE gate: a linear map hidden -> E router logits (torch nn.Linear layout [E, hidden], no
 // bias), with its input gradient and its weight gradient. Every result is bitwise independent of
 // the batch size and of how the global batch is split over expert-parallel ranks:
-//   - logits and input gradients are per-token GEMVs on aligned copies, the same kernel, shape and
-//     alignment for every token (a batch GEMM's result per row depends on its blocking);
+//   - logits and input gradients are GEMMs over tiles of 64 tokens whose every row goes through
+//     the same micro-kernel (detail/row_gemm.hpp), so a token's row is its own row's alone;
 //   - the weight gradient is one product over the gathered global batch, the same on every rank,
 //     in fixed column tiles (single-threaded each), so also the same for any thread count.
 #pragma once
@@ -10,6 +10,7 @@
 #include <mrr/concepts.hpp>
 #include <mrr/detail/config.hpp>
 #include <mrr/detail/parallel.hpp>
+#include <mrr/detail/row_gemm.hpp>
 #include <mrr/error.hpp>
 #include <mrr/tensor.hpp>
 
@@ -56,16 +57,12 @@ class Gate {
   void logits_into(RowMatrix<Scalar>& out, MatrixRef<Scalar> input) const {
     const Eigen::Index tokens = input.rows();
     out.resize(tokens, padded_experts());
-    detail::parallel_tiles(tokens, 64, tokens * num_experts() * hidden_size(),
-                           [&](std::int64_t, std::int64_t lo, std::int64_t hi) {
-                             Vector<Scalar> x(hidden_size()), z(num_experts());
-                             for (Eigen::Index t = lo; t < hi; ++t) {
-                               x = input.row(t).transpose();
-                               z.noalias() = weight_ * x;
-                               out.row(t).head(num_experts()) = z.transpose();
-                               out.row(t).tail(padded_experts() - num_experts()).setZero();
-                             }
-                           });
+    detail::parallel_tiles(
+        tokens, 64, tokens * num_experts() * hidden_size(), [&](std::int64_t, std::int64_t lo, std::int64_t hi) {
+          const Eigen::Index n = hi - lo;
+          detail::rows_times(out.block(lo, 0, n, num_experts()), input.middleRows(lo, n), weight_.transpose(), false);
+          out.block(lo, num_experts(), n, padded_experts() - num_experts()).setZero();
+        });
   }
 
   // grad_logits [tokens, num_experts] -> d input [tokens, hidden] = grad_logits @ weight.
@@ -75,17 +72,13 @@ class Gate {
     return out;
   }
 
-  // grad [tokens, hidden] += grad_logits @ weight (each token's term computed on its own, then added).
+  // grad [tokens, hidden] += grad_logits @ weight, each token's row from its own alone.
   void add_input_gradient(RowMatrix<Scalar>& grad, MatrixRef<Scalar> grad_logits) const {
     const Eigen::Index tokens = grad_logits.rows();
     detail::parallel_tiles(tokens, 64, tokens * num_experts() * hidden_size(),
                            [&](std::int64_t, std::int64_t lo, std::int64_t hi) {
-                             Vector<Scalar> dz(num_experts()), dx(hidden_size());
-                             for (Eigen::Index t = lo; t < hi; ++t) {
-                               dz = grad_logits.row(t).transpose();
-                               dx.noalias() = weight_.transpose() * dz;
-                               grad.row(t) += dx.transpose();
-                             }
+                             const Eigen::Index n = hi - lo;
+                             detail::rows_times(grad.middleRows(lo, n), grad_logits.middleRows(lo, n), weight_, true);
                            });
   }
 

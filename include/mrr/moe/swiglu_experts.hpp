@@ -7,6 +7,7 @@
 
 #include <mrr/concepts.hpp>
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/row_gemm.hpp>
 #include <mrr/detail/vexp.hpp>
 #include <mrr/error.hpp>
 #include <mrr/tensor.hpp>
@@ -17,6 +18,7 @@
 #include <functional>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
@@ -295,42 +297,12 @@ class SwiGLUExperts {
     }
   }
 
-  // dst = lhs * rhs (or +=) for a block of rows, every row through the same GEMM kernel. Eigen
-  // computes the rows of a product (the columns of its column-major problem) in groups of
-  // kColumnBlock, and the rows past the last whole group (one row above all: a matrix-vector
-  // product) with other kernels whose bits differ, so a row's result would depend on how many
-  // other rows share its expert. The last lhs.rows() % kColumnBlock rows are therefore computed
-  // padded to a whole group (zero rows, whose results are dropped). The reductions over rows (the
-  // parameter gradients) take the block as it is.
-  static constexpr Eigen::Index kColumnBlock = Eigen::internal::gebp_traits<Scalar, Scalar>::nr;
-
+  // dst = lhs * rhs (or +=) for a block of rows, each row's result its own row's alone
+  // (detail/row_gemm.hpp); the reductions over rows (the parameter gradients) take the block as
+  // it is.
   template <class Dst, class Lhs, class Rhs>
-  void rows_times(Dst&& dst, const Lhs& lhs, const Rhs& rhs, bool accumulate) const {
-    const Eigen::Index n = lhs.rows(), whole = n - n % kColumnBlock, rest = n - whole;
-    if (whole > 0) {
-      if (accumulate)
-        dst.topRows(whole).noalias() += lhs.topRows(whole) * rhs;
-      else
-        dst.topRows(whole).noalias() = lhs.topRows(whole) * rhs;
-    }
-    if (rest == 0) return;
-    thread_local std::vector<Scalar> in_buffer, out_buffer;  // grow only
-    const auto in_size = static_cast<std::size_t>(kColumnBlock * lhs.cols());
-    const auto out_size = static_cast<std::size_t>(kColumnBlock * rhs.cols());
-    if (in_buffer.size() < in_size) in_buffer.resize(in_size);
-    if (out_buffer.size() < out_size) out_buffer.resize(out_size);
-    Eigen::Map<RowMatrix<Scalar>> in(in_buffer.data(), kColumnBlock, lhs.cols());
-    Eigen::Map<RowMatrix<Scalar>> out(out_buffer.data(), kColumnBlock, rhs.cols());
-    in.topRows(rest) = lhs.bottomRows(rest);
-    in.bottomRows(kColumnBlock - rest).setZero();
-    if (accumulate) {
-      out.topRows(rest) = dst.bottomRows(rest);
-      out.bottomRows(kColumnBlock - rest).setZero();
-      out.noalias() += in * rhs;
-    } else {
-      out.noalias() = in * rhs;
-    }
-    dst.bottomRows(rest) = out.topRows(rest);
+  static void rows_times(Dst&& dst, const Lhs& lhs, const Rhs& rhs, bool accumulate) {
+    detail::rows_times(std::forward<Dst>(dst), lhs, rhs, accumulate);
   }
 
   // Per-thread activations of one row block: `count` [row_block, I] matrices in one allocation
