@@ -7,8 +7,9 @@
 //
 // Output and every gradient are bitwise the same for any number of expert-parallel ranks P
 // (global tokens split contiguously over the ranks), by construction (docs/expert-parallel.md):
-//   - per-token work (gate logits, router, combine, input gradient) uses fixed-shape per-token
-//     kernels on buffers of fixed alignment, never a GEMM whose blocking depends on the batch;
+//   - per-token work (router, combine, input gradient) uses fixed-shape per-token kernels on
+//     buffers of fixed alignment; the gate's logits and input gradient are GEMMs whose every row
+//     goes through the same micro-kernel (detail/row_gemm.hpp), so a token's row is its own;
 //   - each expert sees the same rows in the same order for any P: dispatch orders them by
 //     (source rank, token), which is global token order;
 //   - the gate-weight gradient is one GEMM over the gathered global batch, the same on every rank;
