@@ -15,6 +15,7 @@
 #include <mrr/tensor.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -354,6 +355,19 @@ TileMoments tile_moments(const Tile& values, const Tile& mask, Eigen::Index n, c
   return {total_weight, mean, static_cast<double>(m2.sum()) - total_weight * offset * offset};
 }
 
+// A time-tile kernel's `Count` transposed tiles [Rows, cols], kept per thread (and per Kernel)
+// across calls. A kernel that owned them freed them at the end of every call: with 16 lanes
+// (AVX-512) GAE's five tiles are 160 KiB at the heap's top, over glibc's 128 KiB trim
+// threshold, so each call gave the pages back and faulted them in again (GAE at B = 512,
+// L = 4096 was 20% slower built with -march=native than without).
+template <class Kernel, class T, int Rows, int Count>
+std::array<Eigen::Array<T, Rows, Eigen::Dynamic>, Count>& tile_scratch(Eigen::Index cols) {
+  thread_local std::array<Eigen::Array<T, Rows, Eigen::Dynamic>, Count> tiles;
+  for (auto& t : tiles)
+    if (t.cols() != cols) t.resize(Rows, cols);
+  return tiles;
+}
+
 // GAE for up to `Rows` consecutive rows, one time tile at a time. Each row's tile (2 KiB of it)
 // is first copied, as one sequential burst, into a transposed buffer [time][row], so the
 // recurrence runs across the rows in SIMD lanes (the rows are independent; time is the
@@ -372,11 +386,12 @@ class GaeBlockKernel {
   GaeBlockKernel(T gamma, T gamma_lambda)
       : gamma_(gamma),
         gamma_lambda_(gamma_lambda),
-        reward_(Rows, kTile),
-        value_(Rows, kTile),
-        mask_(Rows, kTile),
-        advantage_(Rows, kTile),
-        return_(Rows, kTile) {}
+        tiles_(tile_scratch<GaeBlockKernel, T, Rows, 5>(kTile)),
+        reward_(tiles_[0]),
+        value_(tiles_[1]),
+        mask_(tiles_[2]),
+        advantage_(tiles_[3]),
+        return_(tiles_[4]) {}
 
   // Rows [0, rows) of the given row pointers (rows <= Rows); returns false if an output is not finite.
   bool run(const T* rewards, Eigen::Index reward_stride, const T* values, Eigen::Index value_stride, const T* mask,
@@ -428,7 +443,8 @@ class GaeBlockKernel {
   using Transpose = TileTranspose<T, Rows>;
 
   T gamma_, gamma_lambda_;
-  Tile reward_, value_, mask_, advantage_, return_;
+  std::array<Tile, 5>& tiles_;  // per thread: one kernel runs at a time on a thread
+  Tile &reward_, &value_, &mask_, &advantage_, &return_;
 };
 
 // The outcome estimators' reward-to-go, right to left along each row:
@@ -449,9 +465,13 @@ class RewardToGoKernel {
   static constexpr Eigen::Index kTile = 2048 / static_cast<Eigen::Index>(sizeof(T));
 
   RewardToGoKernel(RewardToGo kind, T gamma)
-      : kind_(kind), gamma_(gamma), reward_(Rows, kTile), mask_(Rows, kTile), return_(Rows, kTile) {
-    if (kind_ == RewardToGo::masked_sum) advantage_.resize(Rows, kTile);
-  }
+      : kind_(kind),
+        gamma_(gamma),
+        tiles_(tile_scratch<RewardToGoKernel, T, Rows, 4>(kTile)),
+        reward_(tiles_[0]),
+        mask_(tiles_[1]),
+        return_(tiles_[2]),
+        advantage_(tiles_[3]) {}
 
   // Rows [0, rows) (rows <= Rows). masked_sum reads `baselines` [rows] and writes `advantages`;
   // discounted writes one TileMoments per time tile (right to left). Stops at the first tile where
@@ -517,7 +537,8 @@ class RewardToGoKernel {
 
   RewardToGo kind_;
   T gamma_;
-  Tile reward_, mask_, return_, advantage_;
+  std::array<Tile, 4>& tiles_;                   // per thread: one kernel runs at a time on a thread
+  Tile &reward_, &mask_, &return_, &advantage_;  // advantage_: masked_sum only
 };
 
 // out.returns (and, for masked_sum, out.advantages) of every row by RewardToGoKernel, on OpenMP
