@@ -218,8 +218,8 @@ MRR_HOST_DEVICE void combine_row(const T* rows, long row_stride, const Index* ro
 // Partial sums of a combine backward's dot product: column h goes to lane h % kDotLanes, each lane
 // sums its columns in order, and the lanes are then added in a fixed tree (lane l += lane l + w
 // for w = 8, 4, 2, 1). The order depends on the row's length only, so every executor gets the same
-// bits, and a host thread vectorises it (one column after another would be a chain of dependent
-// adds, 16 times slower than the loads).
+// bits, and a host thread vectorises it (one column after another is a chain of dependent adds
+// that every load waits on: 2.65 against 1.9 ms for the Qwen3-like layer's, data in cache).
 inline constexpr int kDotLanes = 16;
 
 // Backward of one token's combine out = sum_j w[j] * rows[row[j]]: for each kept slot j,
@@ -249,10 +249,13 @@ MRR_HOST_DEVICE void combine_backward_row(const T* grad_out, long cols, const T*
         g[h0 + l] = static_cast<T>(go * w);
         lanes[l] = add_product(lanes[l], go, static_cast<Accum>(y[h0 + l]));
       }
-    for (long h = whole; h < cols; ++h) {
+    // The last cols % kDotLanes columns, by lane (fixed indices keep the lanes in registers on a GPU).
+    for (int l = 0; l < kDotLanes; ++l) {
+      const long h = whole + l;
+      if (h >= cols) break;
       const Accum go = static_cast<Accum>(grad_out[h]);
       g[h] = static_cast<T>(go * w);
-      lanes[h - whole] = add_product(lanes[h - whole], go, static_cast<Accum>(y[h]));
+      lanes[l] = add_product(lanes[l], go, static_cast<Accum>(y[h]));
     }
     for (int width = kDotLanes / 2; width > 0; width /= 2)
       for (int l = 0; l < width; ++l)
