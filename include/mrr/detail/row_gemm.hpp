@@ -9,8 +9,10 @@
 // the result has one row, and the blocked GEMM otherwise. Within the GEMM the rows of a row-major
 // product (the columns of its column-major problem) go in groups of gebp_traits::nr through one
 // micro-kernel and the rows past the last whole group through narrower ones, whose bits differ.
-// So rows_times always calls the GEMM itself (never the lazy product or the GEMV), and computes
-// the last lhs.rows() % nr rows padded to a whole group (zero rows, whose results are dropped).
+// So rows_times always calls the GEMM itself (never the lazy product), and computes the last
+// lhs.rows() % nr rows padded to a whole group (zero rows, whose results are dropped). A
+// one-column result (rhs [k, 1]) still takes Eigen's matrix-vector product, whose rows are dot
+// products of their own (tests/moe/test_expert_rows.cpp holds it to the same property).
 // The reduction depth's blocking depends on the depth and the cache sizes only, never on the
 // number of rows.
 #pragma once
@@ -29,7 +31,8 @@ namespace detail {
 template <class Scalar>
 inline constexpr Eigen::Index kGemmRowGroup = Eigen::internal::gebp_traits<Scalar, Scalar>::nr;
 
-// dst += lhs * rhs through Eigen's blocked GEMM whatever the shape (dst has more than one row).
+// dst += lhs * rhs through Eigen's blocked GEMM whatever the shape (dst has more than one row;
+// one column: its matrix-vector product).
 template <class Dst, class Lhs, class Rhs>
 void gemm_add(Dst& dst, const Lhs& lhs, const Rhs& rhs) {
   using Scalar = typename Dst::Scalar;

@@ -18,7 +18,6 @@
 #include <functional>
 #include <span>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 MRR_NAMESPACE_BEGIN
@@ -118,7 +117,7 @@ class SwiGLUExperts {
   // forward into caller memory: out [n, H] (a block of a larger matrix is fine). Rows are taken
   // in blocks of row_block() from the first, so the activations of a block stay in cache and
   // nothing is allocated after a thread's first call; each output row depends on its own input
-  // row only, bit for bit, whatever other rows the call holds (rows_times below). Safe to call
+  // row only, bit for bit, whatever other rows the call holds (detail::rows_times). Safe to call
   // concurrently for different experts (scratch is per thread).
   void forward_into(int local, MatrixRef<Scalar> rows, Eigen::Ref<RowMatrix<Scalar>> out) const {
     forward_rows(local, rows, out, nullptr);
@@ -197,12 +196,12 @@ class SwiGLUExperts {
       const Eigen::Index stride = saved != nullptr ? saved->outerStride() : 2 * I;
       Scalar* gu_rows = saved != nullptr ? saved->data() + r0 * stride : s.pair(1, n).data();
       Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> gu(gu_rows, n, 2 * I, Eigen::OuterStride<>(stride));
-      rows_times(gu.leftCols(I), x, w_gate_[e].transpose(), false);
-      rows_times(gu.rightCols(I), x, w_up_[e].transpose(), false);
+      detail::rows_times(gu.leftCols(I), x, w_gate_[e].transpose(), false);
+      detail::rows_times(gu.rightCols(I), x, w_up_[e].transpose(), false);
       auto a = s.block(0, n);
       silu_times(gu.data(), stride, n, nullptr, a.data());
       if (round_intermediate_) round_intermediate_(a);
-      rows_times(out.middleRows(r0, n), a, w_down_[e].transpose(), false);
+      detail::rows_times(out.middleRows(r0, n), a, w_down_[e].transpose(), false);
     }
   }
 
@@ -233,8 +232,8 @@ class SwiGLUExperts {
         stride = saved->outerStride();
       } else {
         auto gu = s.pair(0, n);  // [n, 2I] in scratch blocks 0 and 1
-        rows_times(gu.leftCols(I), x, w_gate_[e].transpose(), false);
-        rows_times(gu.rightCols(I), x, w_up_[e].transpose(), false);
+        detail::rows_times(gu.leftCols(I), x, w_gate_[e].transpose(), false);
+        detail::rows_times(gu.rightCols(I), x, w_up_[e].transpose(), false);
         g_rows = gu.data();
         stride = 2 * I;
       }
@@ -244,7 +243,7 @@ class SwiGLUExperts {
       auto du = s.block(5, n);
       silu_times(g_rows, stride, n, sg.data(), a.data());
       grads.w_down[e].noalias() += dy.transpose() * a;
-      rows_times(a, dy, w_down_[e], false);  // d a
+      detail::rows_times(a, dy, w_down_[e], false);  // d a
       // d g = d a * u * silu'(g), silu'(g) = s (1 + g (1 - s)); d u = d a * silu(g)
       for (Eigen::Index r = 0; r < n; ++r) {
         const Scalar* gr = g_rows + r * stride;
@@ -262,8 +261,8 @@ class SwiGLUExperts {
       grads.w_up[e].noalias() += du.transpose() * x;
       grads.w_gate[e].noalias() += dg.transpose() * x;
       auto dx = grad_in.middleRows(r0, n);
-      rows_times(dx, dg, w_gate_[e], false);
-      rows_times(dx, du, w_up_[e], true);
+      detail::rows_times(dx, dg, w_gate_[e], false);
+      detail::rows_times(dx, du, w_up_[e], true);
     }
   }
 
@@ -295,14 +294,6 @@ class SwiGLUExperts {
           ar[c0 + i] = g[c0 + i] * e[i] * u[c0 + i];
       }
     }
-  }
-
-  // dst = lhs * rhs (or +=) for a block of rows, each row's result its own row's alone
-  // (detail/row_gemm.hpp); the reductions over rows (the parameter gradients) take the block as
-  // it is.
-  template <class Dst, class Lhs, class Rhs>
-  static void rows_times(Dst&& dst, const Lhs& lhs, const Rhs& rhs, bool accumulate) {
-    detail::rows_times(std::forward<Dst>(dst), lhs, rhs, accumulate);
   }
 
   // Per-thread activations of one row block: `count` [row_block, I] matrices in one allocation
