@@ -8,8 +8,13 @@
 # layers, hidden 128, with an fp8 rollout (MRR_DEMO_ROLLOUT=bf16 for a bf16 one); MRR_DEMO_MODEL=small
 # runs the earlier 16-expert top-4, 2-layer model instead.
 set -euo pipefail
-# shellcheck source=configure.sh
-source "$(dirname "${BASH_SOURCE[0]}")/configure.sh"
+# Sourced inside a function, so that configure.sh's "$@" (extra CMake arguments) is empty, not
+# this script's key=value arguments.
+configure() {
+  # shellcheck source=configure.sh
+  source "$(dirname "${BASH_SOURCE[0]}")/configure.sh"
+}
+configure
 cmake --build "$build" --parallel "$jobs" --target moe_grpo
 
 out="${MRR_DEMO_OUT:-$build/moe_grpo_demo}"
