@@ -116,6 +116,7 @@ inline void set_option(RunOptions& o, std::string_view key, std::string_view v) 
       {keys::clip_ratio_high, [&] { t.grpo.policy.clip_ratio_high = parse_number<double>(key, v); }},
       {"actor_rollout_ref.actor.use_kl_loss", [&] { t.grpo.use_kl_loss = detail::parse_flag(key, v); }},
       {keys::kl_loss_coef, [&] { t.grpo.kl_loss_coef = parse_number<double>(key, v); }},
+      {keys::entropy_coeff, [&] { t.entropy_coeff = parse_number<double>(key, v); }},
       {"actor_rollout_ref.actor.kl_loss_type", [&] { t.grpo.kl_loss_type = std::string(v); }},
       {keys::experts, [&] { t.model.experts = parse_number<int>(key, v); }},
       {keys::topk, [&] { t.model.topk = parse_number<int>(key, v); }},

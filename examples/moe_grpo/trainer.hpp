@@ -14,6 +14,7 @@
 #include <mrr/diagnostics.hpp>
 #include <mrr/ppo/grpo_step.hpp>
 #include <mrr/ppo/rollout_correction.hpp>
+#include <mrr/ppo/value_loss.hpp>
 #include <mrr/replay/config.hpp>
 #include <mrr/replay/open_store.hpp>
 
@@ -51,6 +52,7 @@ inline constexpr std::string_view clip_ratio = "actor_rollout_ref.actor.clip_rat
 inline constexpr std::string_view clip_ratio_low = "actor_rollout_ref.actor.clip_ratio_low";
 inline constexpr std::string_view clip_ratio_high = "actor_rollout_ref.actor.clip_ratio_high";
 inline constexpr std::string_view kl_loss_coef = "actor_rollout_ref.actor.kl_loss_coef";
+inline constexpr std::string_view entropy_coeff = "actor_rollout_ref.actor.entropy_coeff";
 inline constexpr std::string_view experts = "actor_rollout_ref.model.num_experts";
 inline constexpr std::string_view topk = "actor_rollout_ref.model.moe_topk";
 inline constexpr std::string_view hidden = "actor_rollout_ref.model.hidden_size";
@@ -102,6 +104,10 @@ struct TrainConfig {
   // policy loss (TIS). Off by default.
   bool rollout_tis = false;
   double rollout_is_threshold = 2.0;
+  // verl's entropy bonus (actor_rollout_ref.actor.entropy_coeff): the loss is the policy loss minus
+  // entropy_coeff x the policy's entropy over response tokens (softmax of logits / temperature),
+  // aggregated as the policy loss is (loss_agg_mode, global token and sequence counts). 0: off.
+  double entropy_coeff = 0.0;
   // verl's rejection sampling (algorithm.rollout_correction.rollout_rs / rollout_rs_threshold):
   // tokens or whole sequences whose divergence between the old-log-prob pass and the rollout
   // exceeds the threshold are masked out of the loss (mrr::ppo::compute_rollout_rejection_mask).
@@ -176,6 +182,7 @@ struct TrainConfig {
     mix(policy.clip_ratio_c), mix(policy.tau_pos), mix(policy.tau_neg), mix_optional(policy.dro_beta);
     mix(grpo.use_kl_loss), mix(grpo.kl_loss_coef);
     if (!rollout_rs.empty()) mix_text(rollout_rs), mix_text(rollout_rs_threshold);  // (runs without it keep their tag)
+    if (entropy_coeff != 0) mix(entropy_coeff);                                     // (the same)
     return (h ^ (h >> 24) ^ (h >> 48)) & 0xffffffull;
   }
   // The uid of sequence `index` of the step's batch (validate() keeps both in their bits).
@@ -220,6 +227,7 @@ struct TrainConfig {
     require_option(sampling.top_k >= -1, keys::top_k, "-1 or 0 (off) or >= 1", sampling.top_k);
     require_option(sampling.top_p > 0 && sampling.top_p <= 1, keys::top_p, "in (0, 1]", sampling.top_p);
     require_option(finite_at_least(grpo.kl_loss_coef, 0), keys::kl_loss_coef, "finite and >= 0", grpo.kl_loss_coef);
+    require_option(finite_at_least(entropy_coeff, 0), keys::entropy_coeff, "finite and >= 0", entropy_coeff);
     require_option(std::isfinite(rollout_is_threshold) && rollout_is_threshold >= 1,
                    "algorithm.rollout_correction.rollout_is_threshold", "finite and >= 1", rollout_is_threshold);
     rollout_rs_options();  // throws ConfigError naming the key
@@ -370,6 +378,23 @@ struct RolloutComparison {
 };
 
 }  // namespace detail
+
+// verl's entropy bonus on one sequence: -coeff x agg(entropy(softmax(z / temperature))) over its
+// response positions (rows of `logits`, raw logits z; `mask` [1, rows]), aggregated with the
+// policy loss's mode and global counts, so the sequences' terms add up to the mini-batch's; and
+// its gradient w.r.t. the raw logits.
+struct EntropyBonus {
+  float loss = 0;
+  Mat grad_logits;
+};
+template <class Logits>
+EntropyBonus entropy_bonus(const Logits& logits, const Mat& mask, double temperature, double coeff,
+                           mrr::ppo::LossAggMode mode, const mrr::ppo::GlobalBatchInfo& info) {
+  const float t = static_cast<float>(temperature), c = static_cast<float>(coeff);
+  const Mat z = logits / t;
+  const auto r = mrr::ppo::compute_entropy_loss<float>(z, mask, mode, info);
+  return {-c * r.loss, (-c / t) * r.grad_logits};
+}
 
 template <class Comm>
 class Trainer {
@@ -644,13 +669,13 @@ class Trainer {
           for (int l = 0; l < L; ++l)
             batch.route_hash[static_cast<std::size_t>(i)] = detail::hash_ids(
                 routes[static_cast<std::size_t>(l)], static_cast<Eigen::Index>(i) * S, S, batch.route_hash[static_cast<std::size_t>(i)]);
-        const LossOut lo = loss(batch, lp, b);
+        const LossOut lo = loss(batch, lp, logits, b);
         loss_sum += lo.loss;
         clip_sum += lo.clipfrac;
         ppo_kl_sum += lo.ppo_kl;
         kl_loss_sum += lo.kl_loss;
         ++updates;
-        std::vector<Mat> dlogits = logit_grads(batch, logits, lo.grad_log_prob);
+        std::vector<Mat> dlogits = logit_grads(batch, logits, lo.grad_log_prob, lo.entropy_grads);
         auto g = train_->backward(batch.tokens, cache, dlogits);
         grad_norm_sum += apply(g);
       }
@@ -1035,7 +1060,9 @@ class Trainer {
     return out;
   }
 
-  std::vector<Mat> logit_grads(const Batch& batch, const std::vector<Mat>& logits, const Mat& grad_log_prob) const {
+  // d loss / d logits: through the log-probs, plus the entropy bonus's own term when it is on.
+  std::vector<Mat> logit_grads(const Batch& batch, const std::vector<Mat>& logits, const Mat& grad_log_prob,
+                               const std::vector<Mat>& entropy_grads) const {
     const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
     const double t = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
     std::vector<Mat> out(static_cast<std::size_t>(n), Mat::Zero(cfg_.model.max_seq, cfg_.model.vocab));
@@ -1043,8 +1070,10 @@ class Trainer {
       const auto& tok = batch.tokens[static_cast<std::size_t>(i)];
       const std::span<const std::int32_t> labels(tok.data() + kPromptLength, static_cast<std::size_t>(R));
       const Vec g = grad_log_prob.row(i).transpose();
-      out[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R) = mrr::rollout::logprobs_from_logits_backward<float>(
+      auto rows = out[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R);
+      rows = mrr::rollout::logprobs_from_logits_backward<float>(
           logits[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R), labels, g, t);
+      if (!entropy_grads.empty()) rows += entropy_grads[static_cast<std::size_t>(i)];
     }
     return out;
   }
@@ -1052,11 +1081,12 @@ class Trainer {
   struct LossOut {
     double loss = 0, clipfrac = 0, ppo_kl = 0, kl_loss = 0;
     Mat grad_log_prob;
+    std::vector<Mat> entropy_grads;  // per sequence, d (entropy bonus) / d response logits; empty when off
   };
 
   // The mini-batch's loss, sequence by sequence with the global counts (so every term is the
   // same whichever rank computes it), summed in global sequence order.
-  LossOut loss(const Batch& batch, const Mat& log_prob, int b) {
+  LossOut loss(const Batch& batch, const Mat& log_prob, const std::vector<Mat>& logits, int b) {
     const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
     const int ranks = static_cast<int>(comm_.size()), per_mb = n * ranks;
     std::vector<std::int64_t> tokens_local = {static_cast<std::int64_t>(batch.mask.sum())};
@@ -1086,6 +1116,14 @@ class Trainer {
       out.grad_log_prob.row(i) = r.grad_log_prob;
       const float t = mask_row.sum();
       terms[static_cast<std::size_t>(i) * 4] = r.loss;
+      if (cfg_.entropy_coeff != 0) {
+        const double temperature = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
+        EntropyBonus e = entropy_bonus(
+            logits[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R), mask_row, temperature,
+            cfg_.entropy_coeff, mrr::ppo::parse_loss_agg_mode(config.loss_agg_mode), config.policy.global_batch_info);
+        terms[static_cast<std::size_t>(i) * 4] += e.loss;
+        out.entropy_grads.push_back(std::move(e.grad_logits));
+      }
       terms[static_cast<std::size_t>(i) * 4 + 1] = r.metric("actor/pg_clipfrac").value_or(0.f) * t;
       terms[static_cast<std::size_t>(i) * 4 + 2] = r.metric("actor/ppo_kl").value_or(0.f) * t;
       terms[static_cast<std::size_t>(i) * 4 + 3] = r.kl_loss;

@@ -106,6 +106,9 @@ TEST_CASE("every numeric option out of its range is an error naming the key, the
       {{"actor_rollout_ref.actor.kl_loss_coef=-1"},
        "actor_rollout_ref.actor.kl_loss_coef must be finite and >= 0, got -1"},
       {{"actor_rollout_ref.actor.kl_loss_coef=nan"}, "kl_loss_coef must be finite and >= 0, got nan"},
+      {{"actor_rollout_ref.actor.entropy_coeff=-0.01"},
+       "actor_rollout_ref.actor.entropy_coeff must be finite and >= 0, got -0.01"},
+      {{"actor_rollout_ref.actor.entropy_coeff=inf"}, "entropy_coeff must be finite and >= 0, got inf"},
       {{"actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov"},
        "loss_mode: 'kl_cov' selects tokens across a whole micro-batch, and this example computes its loss sequence "
        "by sequence"},
@@ -160,6 +163,7 @@ TEST_CASE("values at the edge of every range are accepted") {
       {"actor_rollout_ref.actor.clip_ratio=3", "actor_rollout_ref.actor.clip_ratio_low=0.2"},
       {"actor_rollout_ref.actor.clip_ratio_low=0.999", "actor_rollout_ref.actor.clip_ratio_high=10"},
       {"actor_rollout_ref.actor.kl_loss_coef=0", "actor_rollout_ref.actor.ppo_epochs=1000"},
+      {"actor_rollout_ref.actor.entropy_coeff=0.01"},
       {"actor_rollout_ref.model.num_experts=1", "actor_rollout_ref.model.moe_topk=1"},
       {"actor_rollout_ref.model.hidden_size=4", "actor_rollout_ref.model.num_layers=1",
        "actor_rollout_ref.model.moe_intermediate_size=1"},

@@ -9,6 +9,7 @@
 
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -195,6 +196,67 @@ TEST_CASE("TIS (verl's token-level rollout correction): weights change the updat
   // A threshold below 1 would truncate every ratio: refused with verl's key.
   c.rollout_is_threshold = 0.5;
   CHECK_THROWS_WITH_AS(train(c), doctest::Contains("rollout_is_threshold"), mrr::ConfigError);
+}
+
+TEST_CASE("entropy bonus (verl's entropy_coeff): the term and its logit gradient, then in training on 1 and 2 ranks") {
+  // One sequence's term against a direct sum in double, and its gradient against central differences.
+  const int rows = 5, vocab = 16;
+  const double t = 0.7, coeff = 0.3;
+  Mat z(rows, vocab);
+  for (int i = 0; i < rows; ++i)
+    for (int v = 0; v < vocab; ++v)
+      z(i, v) = static_cast<float>(std::sin(0.37 * (i * vocab + v) + 1.1)) * 2.5f;
+  Mat mask = Mat::Ones(1, rows);
+  mask(0, 3) = 0;  // a padding position: no entropy, no gradient
+  mrr::ppo::GlobalBatchInfo info;
+  info.batch_num_tokens = 7.0;  // token-mean over a global batch of 7 tokens, 4 of them here
+  const auto value = [&](const Mat& x) {
+    double sum = 0;
+    for (int i = 0; i < rows; ++i) {
+      if (mask(0, i) == 0) continue;
+      const Eigen::ArrayXd y = x.row(i).cast<double>().transpose().array() / t;
+      const double mx = y.maxCoeff(), total = (y - mx).exp().sum();
+      const Eigen::ArrayXd p = (y - mx).exp() / total;
+      sum += -(p * (y - mx - std::log(total))).sum();
+    }
+    return -coeff * sum / 7.0;
+  };
+  const EntropyBonus e = entropy_bonus(z, mask, t, coeff, mrr::ppo::LossAggMode::token_mean, info);
+  CHECK(e.loss == doctest::Approx(value(z)).epsilon(1e-5));
+  CHECK(e.loss < 0);  // a bonus: entropy lowers the loss
+  REQUIRE(e.grad_logits.rows() == rows);
+  REQUIRE(e.grad_logits.cols() == vocab);
+  CHECK(e.grad_logits.row(3).isZero(0));
+  for (int i = 0; i < rows; ++i)
+    for (int v = 0; v < vocab; ++v) {
+      CAPTURE(i);
+      CAPTURE(v);
+      const float h = 1e-2f;
+      Mat up = z, down = z;
+      up(i, v) += h;
+      down(i, v) -= h;
+      const double numeric = (value(up) - value(down)) / (2.0 * static_cast<double>(h));
+      CHECK(static_cast<double>(e.grad_logits(i, v)) == doctest::Approx(numeric).epsilon(2e-3).scale(1e-3));
+    }
+
+  // In training: another loss and other parameters from the first update, bitwise the same on 2
+  // ranks, and a policy whose entropy falls less than without the bonus.
+  TrainConfig c = small(mrr::ReplayMode::R3, 4);
+  const auto plain = train(c);
+  c.entropy_coeff = 0.5;
+  const auto bonus = train(c);
+  CHECK(bonus[0].k3 == plain[0].k3);  // the first rollout and old-log-prob pass are the same
+  CHECK(bonus[0].entropy == plain[0].entropy);
+  CHECK(bonus[0].loss < plain[0].loss);  // minus 0.5 x the entropy
+  CHECK(bonus[0].params_digest != plain[0].params_digest);
+  CHECK(bonus.back().entropy > plain.back().entropy);
+  const auto two = train(c, 2);
+  REQUIRE(two.size() == bonus.size());
+  for (std::size_t s = 0; s < bonus.size(); ++s) {
+    CAPTURE(s);
+    CHECK(two[s].loss == bonus[s].loss);
+    CHECK(two[s].params_digest == bonus[s].params_digest);
+  }
 }
 
 TEST_CASE(
