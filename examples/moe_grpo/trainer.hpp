@@ -1012,7 +1012,7 @@ class Trainer {
   // softmax(logits / temperature) as the log-probs use it, and the number of tokens.
   void accumulate_entropy(const Batch& batch, const std::vector<Mat>& logits, double& sum, double& tokens) const {
     const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
-    const double t = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
+    const double t = logit_temperature();
     for (int i = 0; i < n; ++i)
       for (int j = 0; j < R; ++j) {
         if (batch.mask(i, j) == 0) continue;
@@ -1037,7 +1037,7 @@ class Trainer {
   Mat sum_pi_squared(const Batch& batch, const std::vector<Mat>& logits) const {
     const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
     Mat out(n, R);
-    const double t = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
+    const double t = logit_temperature();
     for (int i = 0; i < n; ++i)
       out.row(i) = mrr::rollout::sum_pi_squared_from_logits<float>(
                        logits[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R), t)
@@ -1049,7 +1049,7 @@ class Trainer {
   Mat log_probs(const Batch& batch, const std::vector<Mat>& logits) const {
     const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
     Mat out(n, R);
-    const double t = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
+    const double t = logit_temperature();
     for (int i = 0; i < n; ++i) {
       const auto& tok = batch.tokens[static_cast<std::size_t>(i)];
       const std::span<const std::int32_t> labels(tok.data() + kPromptLength, static_cast<std::size_t>(R));
@@ -1060,11 +1060,14 @@ class Trainer {
     return out;
   }
 
+  // The temperature the log-probs, entropies and sum_pi_squared divide the logits by (1 when greedy).
+  double logit_temperature() const { return cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature; }
+
   // d loss / d logits: through the log-probs, plus the entropy bonus's own term when it is on.
   std::vector<Mat> logit_grads(const Batch& batch, const std::vector<Mat>& logits, const Mat& grad_log_prob,
                                const std::vector<Mat>& entropy_grads) const {
     const int n = static_cast<int>(batch.global.size()), R = cfg_.response_length();
-    const double t = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
+    const double t = logit_temperature();
     std::vector<Mat> out(static_cast<std::size_t>(n), Mat::Zero(cfg_.model.max_seq, cfg_.model.vocab));
     for (int i = 0; i < n; ++i) {
       const auto& tok = batch.tokens[static_cast<std::size_t>(i)];
@@ -1097,6 +1100,7 @@ class Trainer {
     LossOut out;
     out.grad_log_prob = Mat(n, R);
     std::vector<float> terms(static_cast<std::size_t>(n) * 4);
+    const mrr::ppo::LossAggMode agg = mrr::ppo::parse_loss_agg_mode(config.loss_agg_mode);
     for (int i = 0; i < n; ++i) {
       const Mat old_row = batch.old_log_prob.row(i), lp_row = log_prob.row(i), adv_row = batch.advantages.row(i),
                 mask_row = batch.mask.row(i);
@@ -1117,10 +1121,8 @@ class Trainer {
       const float t = mask_row.sum();
       terms[static_cast<std::size_t>(i) * 4] = r.loss;
       if (cfg_.entropy_coeff != 0) {
-        const double temperature = cfg_.sampling.greedy() ? 1.0 : cfg_.sampling.temperature;
-        EntropyBonus e = entropy_bonus(
-            logits[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R), mask_row, temperature,
-            cfg_.entropy_coeff, mrr::ppo::parse_loss_agg_mode(config.loss_agg_mode), config.policy.global_batch_info);
+        EntropyBonus e = entropy_bonus(logits[static_cast<std::size_t>(i)].middleRows(kPromptLength - 1, R), mask_row,
+                                       logit_temperature(), cfg_.entropy_coeff, agg, config.policy.global_batch_info);
         terms[static_cast<std::size_t>(i) * 4] += e.loss;
         out.entropy_grads.push_back(std::move(e.grad_logits));
       }
