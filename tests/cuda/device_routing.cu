@@ -147,28 +147,6 @@ FusedRoute fused_route(const RouterConfig& config, const In* logits, long rows, 
 
 }  // namespace
 
-FusedRoute device_fused_route(const RouterConfig& config, const float* logits, long rows, const float* bias,
-                              const std::int32_t* replay_ids, const std::uint8_t* replay_mask, bool warps_only) {
-  return fused_route(config, logits, rows, bias, replay_ids, replay_mask, warps_only);
-}
-
-bool fused_segments_apply(const RouterConfig& config) {
-  const device::RouterParams p = device::resolve(config);
-  alignas(16) static const float aligned[4] = {};
-  return mrr::cuda::fused_routing_supports(p) && mrr::cuda::detail::fused_segments_apply(p, aligned, aligned);
-}
-
-FusedRoute device_fused_route_bf16(const RouterConfig& config, const float* logits, long rows, const float* bias,
-                                   const std::int32_t* replay_ids, const std::uint8_t* replay_mask, bool warps_only) {
-  std::vector<bf16> stored(static_cast<std::size_t>(rows) * static_cast<std::size_t>(config.num_experts));
-  std::vector<float> widened(stored.size());
-  for (std::size_t i = 0; i < stored.size(); ++i) {
-    stored[i] = bf16::from_float(logits[i]);
-    widened[i] = stored[i].to_float();
-  }
-  FusedRoute out = fused_route(config, stored.data(), rows, bias, replay_ids, replay_mask, warps_only);
-  out.logits = std::move(widened);
-  return out;
-}
+#include "fused_route_functions.inc"
 
 }  // namespace mrr::test

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/kernel_launch.hpp>
 #include <mrr/error.hpp>
 #include <mrr/kernels/ppo/advantage.hpp>
 #include <mrr/kernels/ppo/kl.hpp>
@@ -365,7 +366,15 @@ struct ReportTokenInputFault {
   }
 };
 
-#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA && MRR_COMPILING_WITH_NVCC
+// The block kernel runs where nvcc compiles for the CUDA system, and on the host under the lane
+// emulator (tests/support/lane_emulator.hpp), which CI runs it through.
+#if (THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA && MRR_COMPILING_WITH_NVCC) || defined(MRR_LANE_EMULATION)
+#define MRR_GAE_BLOCK_KERNEL 1
+#else
+#define MRR_GAE_BLOCK_KERNEL 0
+#endif
+
+#if MRR_GAE_BLOCK_KERNEL
 // GaeAlgorithm::blocks: the chunks algorithm above with one thread block per row, so the row, the
 // chunks' maps, their chains and the first levels of the moments' tree stay in shared memory and
 // the whole recurrence is one launch (the chunks algorithm takes five, with every map and carry
@@ -422,7 +431,7 @@ template <class T, int MaxThreads, int MinBlocks>
 __global__ void __launch_bounds__(MaxThreads, MinBlocks)
     gae_blocks(GaeViews<T> g, long chunks, long supers, int levels, GaeBlockShared<T> layout,
                ppo_kernels::Moments* level_out, DeviceStatus* status) {
-  extern __shared__ __align__(16) unsigned char gae_shared[];
+  MRR_DYNAMIC_SHARED(unsigned char, gae_shared);
   using Map = ppo_kernels::GaeChunkMap<T>;
   // The row: rewards, values, mask; the recurrence overwrites a chunk's rewards with its advantages
   // and its values with its returns (gae_chunk reads the chunk into registers before it writes).
@@ -870,10 +879,12 @@ inline long gae_parts(long rows, long cols, GaeAlgorithm resolved) {
                                  : (rows + kernels::kGaeRows - 1) / kernels::kGaeRows;
 }
 
-#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA && MRR_COMPILING_WITH_NVCC
-inline void cuda_launched(const char* fn) {
+#if MRR_GAE_BLOCK_KERNEL
+inline void cuda_launched([[maybe_unused]] const char* fn) {
+#if !defined(MRR_LANE_EMULATION)
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(mrr::detail::str("mrr::", fn, ": ", cudaGetErrorString(e)));
+#endif
 }
 
 // Whether rows of `chunks` chunks fit kernels::gae_blocks on the current device: at most
@@ -881,6 +892,9 @@ inline void cuda_launched(const char* fn) {
 // of one block per row.
 // The shared memory a block of the current device may opt in to (0 when it cannot be read).
 inline int gae_shared_optin() {
+#if defined(MRR_LANE_EMULATION)
+  return 232448;  // an H100's or H200's 227 KiB
+#else
   int device = 0, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
@@ -888,6 +902,7 @@ inline int gae_shared_optin() {
     return 0;
   }
   return optin;
+#endif
 }
 
 template <class T>
@@ -902,7 +917,7 @@ bool gae_blocks_fit(long rows, long chunks, long supers_per_row) {
 template <class T, class SpreadEach>
 void gae_blocks(const kernels::GaeViews<T>& g, long chunks, long supers_per_row, mrr::kernels::ppo::Moments* part,
                 long parts, mrr::kernels::ppo::Moments* tree, T* stats, DeviceStatus* status,
-                const SpreadEach& spread_each, const Execution& x, const char* fn) {
+                const SpreadEach& spread_each, [[maybe_unused]] const Execution& x, const char* fn) {
   using Moments = mrr::kernels::ppo::Moments;
   const int levels = kernels::gae_block_levels(chunks);
   Moments* level = part;  // level 0: the chunks' moments
@@ -919,13 +934,15 @@ void gae_blocks(const kernels::GaeViews<T>& g, long chunks, long supers_per_row,
     // Above the default a launch must opt in. The limit is the function's, for every host thread:
     // set it to the device's maximum, never lower, so a launch of another thread's shorter rows
     // cannot undo it between this thread's setting and its launch.
+#if !defined(MRR_LANE_EMULATION)
     if (layout.bytes > 48 * 1024) {
       const cudaError_t e =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, gae_shared_optin());
       if (e != cudaSuccess) throw std::runtime_error(mrr::detail::str("mrr::", fn, ": ", cudaGetErrorString(e)));
     }
-    kernel<<<static_cast<unsigned>(g.rows), threads, layout.bytes, x.stream>>>(g, chunks, supers_per_row, levels,
-                                                                               layout, level, status);
+#endif
+    MRR_KERNEL_LAUNCH(kernel, static_cast<unsigned>(g.rows), threads, layout.bytes, x.stream, g, chunks, supers_per_row,
+                      levels, layout, level, status);
   };
   if (threads <= 256)
     launch(kernels::gae_blocks<T, 256, MRR_GAE_BLOCKS_PER_SM>);
@@ -939,10 +956,10 @@ void gae_blocks(const kernels::GaeViews<T>& g, long chunks, long supers_per_row,
     next += m;
     n = m;
   }
-  kernels::gae_finish_moments<T><<<1, 1024, 0, x.stream>>>(level, n, stats, status);
+  MRR_KERNEL_LAUNCH(kernels::gae_finish_moments<T>, 1, 1024, 0, x.stream, level, n, stats, status);
   cuda_launched(fn);
-  kernels::gae_whiten_rows<T>
-      <<<static_cast<unsigned>(g.rows), 256, 0, x.stream>>>(g.advantages, g.advantages_stride, g.cols, stats, status);
+  MRR_KERNEL_LAUNCH(kernels::gae_whiten_rows<T>, static_cast<unsigned>(g.rows), 256, 0, x.stream, g.advantages,
+                    g.advantages_stride, g.cols, stats, status);
   cuda_launched(fn);
 }
 #endif
@@ -1042,7 +1059,7 @@ void compute_gae_advantage_return(MatrixView<const T> rewards, MatrixView<const 
   if (ppo_detail::gae_by_chunks(resolved)) {
     const long chunks = (cols + kernels::kGaeChunk - 1) / kernels::kGaeChunk;
     const long supers_per_row = ppo_detail::gae_supers_per_row(cols), supers = rows * supers_per_row;
-#if THRUST_DEVICE_SYSTEM == THRUST_DEVICE_SYSTEM_CUDA && MRR_COMPILING_WITH_NVCC
+#if MRR_GAE_BLOCK_KERNEL
     if (resolved == GaeAlgorithm::blocks && ppo_detail::gae_blocks_fit<T>(rows, chunks, supers_per_row)) {
       ppo_detail::gae_blocks<T>(g, chunks, supers_per_row, part, parts, tree, stats, status, spread_each, x, fn);
       report_faults();
