@@ -68,16 +68,17 @@ thrust::device_vector<float> random_logits(long n) {
   return thrust::device_vector<float>(h.begin(), h.end());
 }
 
-// The baselines file: $MRR_BASELINES, the path configured at build time, then the usual places
-// relative to the working directory. Missing or unreadable: the figures print without baselines.
+// The baselines file: $MRR_BASELINES, the repository's copy where the build found it, then that copy
+// relative to the working directory (a binary carried to another machine, run from the repository
+// root or its build folder). Missing or unreadable: the figures print without baselines.
 std::string read_baselines(std::string& path) {
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("MRR_BASELINES")) candidates.emplace_back(env);
 #ifdef MRR_BASELINES
   candidates.emplace_back(MRR_BASELINES);
 #endif
-  for (const char* rel : {"../shared/baselines/h100_pytorch.json", "shared/baselines/h100_pytorch.json",
-                          "../../shared/baselines/h100_pytorch.json", "../../../shared/baselines/h100_pytorch.json"})
+  for (const char* rel : {"bench/baselines/h100_pytorch.json", "../bench/baselines/h100_pytorch.json",
+                          "../../bench/baselines/h100_pytorch.json", "../../../bench/baselines/h100_pytorch.json"})
     candidates.emplace_back(rel);
   for (const auto& c : candidates) {
     std::ifstream in(c);

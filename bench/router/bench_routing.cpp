@@ -2,7 +2,7 @@
 // replay (weights recomputed at given ids), beside a naive reference loop written the way a
 // straightforward port of torch.softmax + torch.topk would be: full softmax with std::exp, then
 // std::partial_sort of (score, index) pairs per token. The PyTorch eager figure measured on an
-// H100 (../shared/baselines/h100_pytorch.json) is printed for orientation, not as a CPU baseline.
+// H100 (bench/baselines/h100_pytorch.json) is printed for orientation, not as a CPU baseline.
 // Each case is also compared with the real reference on this CPU, run in the same program by
 // bench/references/reference_bench.py with the same thread count: Megatron-Core's
 // topk_routing_with_score_function (native, and replay through precomputed_indices), plain torch
@@ -87,7 +87,7 @@ void naive_deepseek(const mrr::RowMatrix<float>& z, const mrr::Vector<float>& bi
   }
 }
 
-// PyTorch eager on an H100 (../shared/baselines/h100_pytorch.json), T = 4096, k = 8.
+// PyTorch eager on an H100 (bench/baselines/h100_pytorch.json), T = 4096, k = 8.
 double h100_softmax_topk_us(int experts) { return experts == 64 ? 91.552 : experts == 128 ? 82.656 : 109.760; }
 
 }  // namespace

@@ -1,6 +1,6 @@
 """The PyTorch extension's routing on CUDA tensors (mrr/torch/cuda.hpp through
 examples/torch_extension) beside PyTorch eager doing the same in the same process, at the gating
-sizes of ../shared/baselines/h100_pytorch.json. This is what a Python trainer calls: the device
+sizes of bench/baselines/h100_pytorch.json. This is what a Python trainer calls: the device
 router's view kernels on torch's tensors, current stream and caching allocator, with autograd.
 
     python3 bench/torch/bench_torch_cuda_routing.py        # needs a GPU, CUDA torch and nvcc

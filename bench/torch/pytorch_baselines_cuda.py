@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch-eager references for bench_device_cuda, measured on the GPU at hand.
 
-../shared/baselines/h100_pytorch.json holds these figures for one H100, measured elsewhere; on any
+bench/baselines/h100_pytorch.json holds these figures for one H100, measured elsewhere; on any
 other card (an H200, a later H100 driver) a comparison needs the reference run on the same card.
 This script writes a JSON file of the same shape, so
 
