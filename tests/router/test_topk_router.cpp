@@ -1,5 +1,6 @@
 // TopKRouter: the tie rule, replay (with mask), gradients against finite differences, capacity,
 // configuration checks and bad input.
+#include <mrr/detail/group_select.hpp>
 #include <mrr/router.hpp>
 
 #include <doctest/doctest.h>
@@ -583,44 +584,149 @@ TEST_CASE(
 }
 
 TEST_CASE("group-limited selection equals the definition: mask the other groups, then top-k (both maskings)") {
+  // Groups of 4 take the scalar kernel; groups of 32 and 16 the vectorised host selection
+  // (detail/group_select.hpp), where it applies (group scores of the top 1 or 2).
+  struct Layout {
+    int experts, k, groups, group_topk;
+  };
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.f, 1.f);
-  for (auto masking : {mrr::GroupMasking::neg_inf, mrr::GroupMasking::zero}) {
-    for (int trial = 0; trial < 40; ++trial) {
-      mrr::RouterConfig cfg = mrr::presets::deepseek_v3(32, 4, 8, 2, true, 1.0);
-      cfg.group_masking = masking;
-      if (trial % 3 == 1) cfg.group_score_topk = 0;  // topk / group_topk = 2
-      if (trial % 3 == 2) cfg.group_score_topk = 3;
-      mrr::TopKRouter<float> router(cfg);
-      mrr::Vector<float> bias(32);
-      // Strongly negative biases make kept scores < 0, where 0.0-masked experts can win.
-      for (int e = 0; e < 32; ++e) bias[e] = trial % 2 ? -1.5f + 0.1f * normal(rng) : 0.2f * normal(rng);
-      router.set_expert_bias(bias);
-      mrr::RowMatrix<float> z(6, 32);
-      for (Eigen::Index i = 0; i < z.size(); ++i) z.data()[i] = trial % 4 == 3 ? std::round(normal(rng)) : normal(rng);
-      const auto got = router.route(z);
-      for (int t = 0; t < 6; ++t) {
-        std::vector<float> s(32);
-        for (int e = 0; e < 32; ++e) s[static_cast<std::size_t>(e)] = 1.f / (1.f + std::exp(-z(t, e))) + bias[e];
-        const int m = cfg.effective_group_score_topk();
-        std::vector<float> gs(8);
-        for (int g = 0; g < 8; ++g) {
-          std::vector<float> members(s.begin() + g * 4, s.begin() + g * 4 + 4);
-          std::sort(members.begin(), members.end(), std::greater<>());
-          gs[static_cast<std::size_t>(g)] = 0;
-          for (int i = 0; i < m; ++i) gs[static_cast<std::size_t>(g)] += members[static_cast<std::size_t>(i)];
+  for (const Layout l : {Layout{32, 4, 8, 2}, Layout{256, 8, 8, 4}, Layout{128, 6, 8, 3}, Layout{64, 2, 4, 1}}) {
+    const int n = l.experts, per = n / l.groups, k = l.k;
+    CAPTURE(n);
+    CAPTURE(k);
+    for (auto masking : {mrr::GroupMasking::neg_inf, mrr::GroupMasking::zero}) {
+      for (int trial = 0; trial < 40; ++trial) {
+        mrr::RouterConfig cfg = mrr::presets::deepseek_v3(n, k, l.groups, l.group_topk, true, 1.0);
+        cfg.group_masking = masking;
+        if (trial % 3 == 1) cfg.group_score_topk = 0;  // topk / group_topk
+        if (trial % 3 == 2) cfg.group_score_topk = std::min(3, per);
+        mrr::TopKRouter<float> router(cfg);
+        mrr::Vector<float> bias(n);
+        // Strongly negative biases make kept scores < 0, where 0.0-masked experts can win.
+        for (int e = 0; e < n; ++e)
+          bias[e] = trial % 2 ? -1.5f + 0.1f * normal(rng) : 0.2f * normal(rng);
+        router.set_expert_bias(bias);
+        mrr::RowMatrix<float> z(6, n);
+        for (Eigen::Index i = 0; i < z.size(); ++i)
+          z.data()[i] = trial % 4 == 3 ? std::round(normal(rng)) : normal(rng);
+        const auto got = router.route(z);
+        for (int t = 0; t < 6; ++t) {
+          std::vector<float> s(static_cast<std::size_t>(n));
+          for (int e = 0; e < n; ++e)
+            s[static_cast<std::size_t>(e)] = 1.f / (1.f + std::exp(-z(t, e))) + bias[e];
+          const int m = cfg.effective_group_score_topk();
+          std::vector<float> gs(static_cast<std::size_t>(l.groups));
+          for (int g = 0; g < l.groups; ++g) {
+            std::vector<float> members(s.begin() + g * per, s.begin() + (g + 1) * per);
+            std::sort(members.begin(), members.end(), std::greater<>());
+            gs[static_cast<std::size_t>(g)] = 0;
+            for (int i = 0; i < m; ++i)
+              gs[static_cast<std::size_t>(g)] += members[static_cast<std::size_t>(i)];
+          }
+          std::vector<int> gid(static_cast<std::size_t>(l.group_topk));
+          std::vector<float> gv(gid.size());
+          mrr::detail::topk_desc(gs.data(), l.groups, l.group_topk, gid.data(), gv.data());
+          std::vector<float> masked(static_cast<std::size_t>(n),
+                                    masking == mrr::GroupMasking::zero ? 0.f : -std::numeric_limits<float>::infinity());
+          for (int g : gid)
+            for (int e = g * per; e < (g + 1) * per; ++e)
+              masked[static_cast<std::size_t>(e)] = s[static_cast<std::size_t>(e)];
+          std::vector<int> want(static_cast<std::size_t>(k));
+          std::vector<float> wv(want.size());
+          mrr::detail::topk_desc(masked.data(), n, k, want.data(), wv.data());
+          for (int j = 0; j < k; ++j)
+            CHECK(got.ids(t, j) == want[static_cast<std::size_t>(j)]);
         }
-        std::vector<int> gid(2);
-        std::vector<float> gv(2);
-        mrr::detail::topk_desc(gs.data(), 8, 2, gid.data(), gv.data());
-        std::vector<float> masked(32, masking == mrr::GroupMasking::zero ? 0.f : -std::numeric_limits<float>::infinity());
-        for (int g : gid)
-          for (int e = g * 4; e < g * 4 + 4; ++e) masked[static_cast<std::size_t>(e)] = s[static_cast<std::size_t>(e)];
-        std::vector<int> want(4);
-        std::vector<float> wv(4);
-        mrr::detail::topk_desc(masked.data(), 32, 4, want.data(), wv.data());
-        for (int j = 0; j < 4; ++j) CHECK(got.ids(t, j) == want[static_cast<std::size_t>(j)]);
       }
     }
   }
+}
+
+// detail::select_grouped against the scalar kernel it specialises, on rows made to break it: ties
+// (many equal values, all equal), signed zeros, -inf holes and all -inf, scores below 0 (where
+// 0.0-masked experts win); every layout it takes, group scores of the top 1 and 2, both maskings,
+// with the build's loops and the AVX2 ones where this CPU runs them.
+TEST_CASE("vectorised group-limited selection gives the scalar kernel's ids on adversarial rows") {
+  struct Layout {
+    int groups, per, group_topk, k;
+  };
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  long rows = 0;
+  for (const Layout l :
+       {Layout{8, 32, 4, 8}, Layout{8, 8, 4, 8}, Layout{4, 16, 2, 4}, Layout{16, 16, 4, 8}, Layout{64, 8, 32, 64},
+        Layout{8, 32, 4, 1}, Layout{1, 64, 1, 2}, Layout{2, 128, 1, 2}, Layout{32, 8, 4, 6}, Layout{8, 24, 3, 5}})
+    for (int m : {1, 2})
+      for (bool zero : {false, true})
+        for (int pattern = 0; pattern < 8; ++pattern)
+          for (int trial = 0; trial < 60; ++trial) {
+            mrr::kernels::RouterParams p;
+            p.num_experts = l.groups * l.per;
+            p.topk = l.k;
+            p.score = 1;
+            p.selects_on_logits = false;
+            p.grouped = true;
+            p.zero_masking = zero;
+            p.num_groups = l.groups;
+            p.group_topk = l.group_topk;
+            p.group_score_topk = m;
+            p.experts_per_group = l.per;
+            REQUIRE(mrr::detail::group_select_applies(p));
+            const int n = p.num_experts;
+            std::vector<float> s(static_cast<std::size_t>(n));
+            for (auto& x : s) {
+              x = normal(rng);
+              switch (pattern) {
+                case 1:
+                  x = std::round(x * 2) / 2;
+                  break;  // many ties
+                case 2:
+                  x = -1.5f + 0.1f * x;
+                  break;  // below 0
+                case 3:
+                  x = rng() % 3 == 0 ? -std::numeric_limits<float>::infinity() : x;
+                  break;  // holes
+                case 4:
+                  x = 1.0f;
+                  break;  // all equal
+                case 5:
+                  x = rng() % 2 ? -0.0f : 0.0f;
+                  break;  // signed zeros
+                case 6:
+                  x = std::round(x) * 0.0f;
+                  break;  // zeros, ties
+                case 7:
+                  x = -std::numeric_limits<float>::infinity();
+                  break;
+                default:
+                  break;
+              }
+            }
+            CAPTURE(l.groups);
+            CAPTURE(l.per);
+            CAPTURE(m);
+            CAPTURE(zero);
+            CAPTURE(pattern);
+            std::vector<float> row = s, values(static_cast<std::size_t>(std::max({p.topk, p.num_groups, 2}))),
+                               group_scores(static_cast<std::size_t>(p.num_groups)),
+                               vals(static_cast<std::size_t>(p.topk));
+            std::vector<int> indices(static_cast<std::size_t>(std::max(p.num_groups, 2))),
+                candidates(static_cast<std::size_t>(n)), want(static_cast<std::size_t>(p.topk)), got(want.size());
+            const mrr::kernels::SelectScratch<float> w{nullptr, values.data(), group_scores.data(), indices.data(),
+                                                       candidates.data()};
+            mrr::kernels::select_on_scores(p, row.data(), want.data(), w);
+            for (bool avx2 : {false, true}) {
+#if MRR_HAVE_CPU_HAS_AVX2
+              if (avx2 && !mrr::detail::cpu_has_avx2()) continue;
+#else
+              if (avx2) continue;
+#endif
+              std::fill(got.begin(), got.end(), -1);
+              mrr::detail::select_grouped(p, s.data(), got.data(), vals.data(), candidates.data(), avx2);
+              REQUIRE(got == want);
+            }
+            ++rows;
+          }
+  CHECK(rows == 10 * 2 * 2 * 8 * 60);
 }

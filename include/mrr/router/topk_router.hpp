@@ -11,6 +11,7 @@
 
 #include <mrr/cpu/backend.hpp>
 #include <mrr/detail/config.hpp>
+#include <mrr/detail/group_select.hpp>
 #include <mrr/detail/parallel.hpp>
 #include <mrr/detail/softmax_tile.hpp>
 #include <mrr/detail/vexp.hpp>
@@ -351,6 +352,12 @@ class TopKRouter {
       return;
     }
     compute_selection_scores(z, scratch.scores);
+    if constexpr (std::is_same_v<Scalar, float>) {
+      if (params_.grouped && detail::group_select_applies(params_)) {  // the same ids, vectorised
+        detail::select_grouped(params_, scratch.scores, ids, scratch.values, scratch.candidates);
+        return;
+      }
+    }
     kernels::select_on_scores(params_, scratch.scores, ids, scratch);
   }
 
