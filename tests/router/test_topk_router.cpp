@@ -653,7 +653,6 @@ TEST_CASE("vectorised group-limited selection gives the scalar kernel's ids on a
   };
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.f, 1.f);
-  long rows = 0;
   for (const Layout l :
        {Layout{8, 32, 4, 8}, Layout{8, 8, 4, 8}, Layout{4, 16, 2, 4}, Layout{16, 16, 4, 8}, Layout{64, 8, 32, 64},
         Layout{8, 32, 4, 1}, Layout{1, 64, 1, 2}, Layout{2, 128, 1, 2}, Layout{32, 8, 4, 6}, Layout{8, 24, 3, 5}})
@@ -726,7 +725,5 @@ TEST_CASE("vectorised group-limited selection gives the scalar kernel's ids on a
               mrr::detail::select_grouped(p, s.data(), got.data(), vals.data(), candidates.data(), avx2);
               REQUIRE(got == want);
             }
-            ++rows;
           }
-  CHECK(rows == 10 * 2 * 2 * 8 * 60);
 }

@@ -353,7 +353,7 @@ class TopKRouter {
     }
     compute_selection_scores(z, scratch.scores);
     if constexpr (std::is_same_v<Scalar, float>) {
-      if (params_.grouped && detail::group_select_applies(params_)) {  // the same ids, vectorised
+      if (detail::group_select_applies(params_)) {  // grouped rows: the same ids, vectorised
         detail::select_grouped(params_, scratch.scores, ids, scratch.values, scratch.candidates);
         return;
       }
